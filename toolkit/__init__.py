@@ -1,0 +1,30 @@
+"""ctxq: run long-context LLMs on the GPUs you own, with llama.cpp underneath.
+
+    import ctxq
+    plan = ctxq.plan("model.gguf", n_ctx=65536, gpus=[16, 16, 16, 8, 8])
+    llm = ctxq.load("model.gguf", n_ctx=65536)
+
+Names are imported lazily so that `import ctxq` stays fast and does not load llama.cpp.
+"""
+
+from .errors import CtxqError
+
+__all__ = ["load", "plan", "convert", "inspect", "Plan", "Device", "CtxqError"]
+
+_LAZY = {
+    "load": ("ctxq.runner", "load"),
+    "plan": ("ctxq.planner", "plan"),
+    "Plan": ("ctxq.planner", "Plan"),
+    "Device": ("ctxq.devices", "Device"),
+    "convert": ("ctxq.conversion", "convert"),
+    "inspect": ("ctxq.modelinfo", "model_info"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'ctxq' has no attribute {name!r}")

@@ -1,0 +1,64 @@
+"""The `ctxq` command: a small assembler over one module per command group.
+
+Errors meant for users (`CtxqError`) print as one line, `Error: ...`, and exit 1;
+`CTXQ_DEBUG=1` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from ..errors import CtxqError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ctxq")
+@click.option("-v", "--verbose", is_flag=True, help="Log what ctxq and llama.cpp do to stderr.")
+def cli(verbose: bool):
+    """ctxq: run long-context LLMs on the GPUs you own (llama.cpp underneath)."""
+    if verbose or os.environ.get("CTXQ_DEBUG"):
+        logging.basicConfig(level=logging.DEBUG if os.environ.get("CTXQ_DEBUG") else logging.INFO,
+                            format="%(name)s: %(message)s")
+
+
+def _register() -> None:
+    from . import info  # noqa: F401  (each module adds its commands to `cli`)
+    for name in ("plan", "run", "convert", "worker"):
+        try:
+            __import__(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="ctxq", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except CtxqError as e:
+        if os.environ.get("CTXQ_DEBUG"):
+            raise
+        click.echo(f"Error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except Exception as e:  # an unexpected failure still gets one line, with the way to see more
+        if os.environ.get("CTXQ_DEBUG"):
+            raise
+        click.echo(f"Error: {type(e).__name__}: {e} (set CTXQ_DEBUG=1 for the traceback)", err=True)
+        sys.exit(1)

@@ -1,0 +1,42 @@
+"""Formatting shared by the commands: units appear only here, at the edge."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def mib(n: int | float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def human(n: int | float) -> str:
+    return gib(n) if abs(n) >= GiB else mib(n)
+
+
+def echo_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    """A plain text table, right-aligning cells that look like numbers."""
+    cols = [header] + rows
+    widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
+
+    def fmt(r):
+        out = []
+        for i, c in enumerate(r):
+            c = str(c)
+            numeric = c[:1].isdigit() or c[:1] == "-" and c[1:2].isdigit()
+            out.append(c.rjust(widths[i]) if numeric and i else c.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])

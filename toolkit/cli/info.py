@@ -1,0 +1,72 @@
+"""`ctxq doctor` and `ctxq inspect`."""
+
+from __future__ import annotations
+
+import click
+
+from . import cli
+from .common import echo_json, gib, human, mib, table
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def doctor(as_json: bool):
+    """Show versions, the llama.cpp build (CUDA, RPC), devices, GPUs, CPU and RAM."""
+    from ..doctor import doctor as run_doctor
+
+    r = run_doctor()
+    if as_json:
+        echo_json(r.to_dict())
+        return
+    f = r.features
+    click.echo(f"ctxq {r.ctxq_version}, llama-cpp-python {r.llama_cpp_python_version}, Python {r.python}")
+    click.echo(f"build: CUDA {'yes' if f['cuda'] else 'no'}, RPC {'yes' if f['rpc'] else 'no'}, "
+               f"GPU offload {'yes' if f['gpu_offload'] else 'no'}")
+    click.echo(f"llama.cpp: {r.system_info}")
+    click.echo("ggml devices:")
+    for d in r.ggml_devices:
+        click.echo(f"  {d['name']:<12} {d['type']:<5} {d['description']}  "
+                   f"({gib(d['free'])} free of {gib(d['total'])})")
+    if r.nvidia_gpus:
+        click.echo("NVIDIA GPUs (NVML):")
+        for g in r.nvidia_gpus:
+            click.echo(f"  {g.index}: {g.name}  {gib(g.free)} free of {gib(g.total)}")
+    else:
+        click.echo(f"NVIDIA GPUs: none ({r.nvml_error})")
+    c = r.cpu
+    click.echo(f"CPU: {c['model']}, {c['usable_cores']} usable cores; "
+               f"RAM: {gib(r.ram_available)} available of {gib(r.ram_total)}")
+    for w in r.warnings:
+        click.echo(f"warning: {w}", err=True)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the model's facts as JSON.")
+def inspect(model: str, as_json: bool):
+    """Show a GGUF model's geometry, weights and KV-cache cost, read from its header only."""
+    from ..modelinfo import model_info
+
+    info = model_info(model)
+    if as_json:
+        echo_json(info.to_dict())
+        return
+    heads = sorted(set(info.n_head))
+    kv_heads = sorted(set(info.n_head_kv))
+    click.echo(f"{info.path}")
+    click.echo(f"  architecture   {info.arch} ({info.name or 'unnamed'})")
+    click.echo(f"  parameters     {info.n_params / 1e9:.3f} B, file type {info.file_type}, {human(info.file_size)}")
+    click.echo("  tensor types   " + ", ".join(f"{k} {v}" for k, v in info.tensor_types.items()))
+    click.echo(f"  layers         {info.n_layer}, width {info.n_embd}, trained context {info.n_ctx_train}")
+    click.echo(f"  heads          {','.join(map(str, heads))} (KV {','.join(map(str, kv_heads))}), "
+               f"head size K {info.head_dim_k} / V {info.head_dim_v}")
+    swa = f"{info.n_swa} tokens on {sum(info.swa_layers)} of {info.n_layer} layers" if info.n_swa else "none"
+    click.echo(f"  sliding window {swa}")
+    click.echo(f"  vocabulary     {info.n_vocab}")
+    lb = info.layer_bytes
+    click.echo(f"  weights        layers {human(sum(lb))} ({mib(min(lb))}..{mib(max(lb))} each), "
+               f"token embeddings {human(info.token_embd_bytes)}, output {human(info.output_bytes)}"
+               f"{' (tied to token embeddings)' if info.output_tied else ''}")
+    rows = [[k, f"{v / 1024:.1f} KiB", gib(v * 65536)] for k, v in info.kv_bytes_per_token.items()]
+    click.echo("  KV cache (K and V, all layers):")
+    click.echo("    " + table(rows, ["type", "per token", "at 64k"]).replace("\n", "\n    "))

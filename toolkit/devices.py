@@ -1,0 +1,157 @@
+"""Devices a plan can use: GPUs that are present, GPUs only described, RPC workers, the CPU.
+
+Sizes are bytes. `--gpus 16,16,16,8,8` and `--gpus 3x16,2x8` describe GPUs in GiB;
+a profile (TOML in `profiles/`) describes a box by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tomllib
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+
+import psutil
+
+from .errors import CtxqError
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+# Decode bandwidth assumed for a described GPU without a stated one (bytes/s): a mid-range
+# consumer card (RTX 4060 Ti: 288 GB/s); only used for the labelled tokens/s estimate.
+DEFAULT_GPU_BANDWIDTH = 288e9
+# CPU RAM bandwidth assumed for the estimate: dual-channel DDR4-3200 (51.2 GB/s), at the
+# ~60 % a decode loop reaches.
+DEFAULT_CPU_BANDWIDTH = 30e9
+
+
+@dataclass
+class Device:
+    """One place llama.cpp can put layers.
+
+    kind is "gpu" (CUDA or a described GPU), "rpc" (a ggml RPC worker) or "cpu" (host RAM).
+    `total` is the device's memory; `usable` is what a plan may fill (free memory for a present
+    device, the declared size or `usable` for a described one).
+    """
+
+    name: str
+    kind: str
+    total: int  # bytes
+    usable: int  # bytes
+    bandwidth: float | None = None  # bytes/s, for the decode estimate
+    present: bool = False  # True when llama.cpp can use it in this process
+    endpoint: str | None = None  # host:port for RPC devices
+    index: int | None = None  # CUDA device index for present GPUs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_GPUS_RE = re.compile(r"^(?:(\d+)\s*[x×*]\s*)?(\d+(?:\.\d+)?)$")
+
+
+def parse_gpus(spec: str | list[float] | tuple[float, ...]) -> list[Device]:
+    """`"16,16,16,8,8"`, `"3x16,2x8"` or a list of GiB sizes -> described GPUs, in that order."""
+    sizes: list[float] = []
+    if isinstance(spec, str):
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            m = _GPUS_RE.match(part.lower().removesuffix("gib").removesuffix("gb").strip())
+            if not m:
+                raise CtxqError(f"--gpus {spec!r}: {part!r} is not a size in GiB; write e.g. 16,16,16,8,8 or 3x16,2x8")
+            sizes += [float(m.group(2))] * int(m.group(1) or 1)
+    else:
+        sizes = [float(s) for s in spec]
+    if not sizes or any(s <= 0 for s in sizes):
+        raise CtxqError(f"--gpus {spec!r}: give one or more positive sizes in GiB, e.g. 16,16,16,8,8")
+    return [Device(name=f"GPU{i}", kind="gpu", total=int(s * GiB), usable=int(s * GiB),
+                   bandwidth=DEFAULT_GPU_BANDWIDTH) for i, s in enumerate(sizes)]
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("ctxq.profiles").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+_PROFILE_KEYS = {"name", "description", "device", "cpu"}
+_DEVICE_KEYS = {"name", "memory_gib", "usable_gib", "bandwidth_gbs", "count"}
+_CPU_KEYS = {"memory_gib", "bandwidth_gbs"}
+
+
+def load_profile(name_or_path: str) -> tuple[list[Device], dict]:
+    """Devices (in order) and CPU settings from a profile name in profiles/ or a TOML path."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" and path.is_file():
+        text = path.read_text()
+    else:
+        f = resources.files("ctxq.profiles") / f"{name_or_path}.toml"
+        if not f.is_file():
+            raise CtxqError(f"no profile named {name_or_path!r}; choose one of {', '.join(list_profiles())} "
+                            "or pass a .toml file")
+        text = f.read_text()
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise CtxqError(f"profile {name_or_path}: not valid TOML ({e})") from None
+    unknown = set(data) - _PROFILE_KEYS
+    if unknown:
+        raise CtxqError(f"profile {name_or_path}: unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
+    devices: list[Device] = []
+    for d in data.get("device", []):
+        unknown = set(d) - _DEVICE_KEYS
+        if unknown:
+            raise CtxqError(f"profile {name_or_path}: unknown device keys {sorted(unknown)}; allowed: {sorted(_DEVICE_KEYS)}")
+        if "memory_gib" not in d:
+            raise CtxqError(f"profile {name_or_path}: every [[device]] needs memory_gib")
+        count = int(d.get("count", 1))
+        for k in range(count):
+            total = int(float(d["memory_gib"]) * GiB)
+            name = d.get("name", f"GPU{len(devices)}")
+            devices.append(Device(
+                name=f"{name} #{k + 1}" if count > 1 else name,
+                kind="gpu", total=total, usable=int(float(d.get("usable_gib", d["memory_gib"])) * GiB),
+                bandwidth=float(d["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in d else DEFAULT_GPU_BANDWIDTH))
+    if not devices:
+        raise CtxqError(f"profile {name_or_path}: no [[device]] entries")
+    cpu = data.get("cpu", {})
+    unknown = set(cpu) - _CPU_KEYS
+    if unknown:
+        raise CtxqError(f"profile {name_or_path}: unknown cpu keys {sorted(unknown)}; allowed: {sorted(_CPU_KEYS)}")
+    return devices, cpu
+
+
+def cpu_device(memory: int | None = None, bandwidth: float | None = None) -> Device:
+    """Host RAM: available memory now (psutil) unless given."""
+    vm = psutil.virtual_memory()
+    return Device(name="CPU", kind="cpu", total=memory or vm.total, usable=memory or vm.available,
+                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH, present=True)
+
+
+def detect_gpus() -> list[Device]:
+    """GPUs llama.cpp can use in this process, in its order (ggml's device list: RPC, then GPUs).
+
+    Free memory comes from ggml (the CUDA backend asks the driver); `CUDA_VISIBLE_DEVICES`
+    is honoured because the CUDA runtime applies it.
+    """
+    from . import backend
+
+    out = []
+    cuda_i = 0
+    for d in backend.ggml_devices():
+        if d.type in ("gpu", "igpu") or d.name.startswith("RPC"):
+            rpc = d.name.startswith("RPC")
+            endpoint = None
+            if rpc:
+                m = re.search(r"\[(.+?)\]", d.name)
+                endpoint = m.group(1) if m else None
+            out.append(Device(name=d.name, kind="rpc" if rpc else "gpu", total=d.total, usable=d.free,
+                              bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH,
+                              present=True, endpoint=endpoint, index=None if rpc else cuda_i))
+            cuda_i += 0 if rpc else 1
+    log.debug("detected devices: %s (CUDA_VISIBLE_DEVICES=%s)", [d.name for d in out],
+              os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return out
