@@ -59,6 +59,7 @@ class GGUFFile:
     data_offset: int  # file offset of the tensor data section
     file_size: int  # bytes
     alignment: int = DEFAULT_ALIGNMENT
+    value_types: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key -> (gguf type, array elem type)
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
 
     def tensor(self, name: str) -> TensorInfo | None:
@@ -148,8 +149,8 @@ class _Cursor:
 def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile:
     """Read a GGUF file's metadata and tensor index; raise `GGUFError` on anything malformed.
 
-    `skip_arrays` leaves large arrays (vocabularies) out of the metadata, keeping only their
-    length, which is what the planner needs.
+    `skip_arrays` leaves the tokenizer's arrays (vocabulary, merges) out of the metadata, keeping
+    only their length, which is what the planner needs.
     """
     path = Path(path)
     try:
@@ -176,10 +177,18 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
             raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
                             f"cannot fit in {size} bytes)")
         metadata: dict[str, object] = {}
+        value_types: dict[str, tuple[int, int | None]] = {}
         for _ in range(n_kv):
             key = cur.string()
             vtype = cur.unpack("I")
-            if skip_arrays and vtype == _ARRAY:
+            if vtype == _ARRAY:
+                here = f.tell()
+                etype = struct.unpack("<I", f.read(4))[0] if here + 4 <= size else None
+                f.seek(here)
+                value_types[key] = (vtype, etype)
+            else:
+                value_types[key] = (vtype, None)
+            if skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."):
                 metadata[key] = _ArrayLen(len(cur.value(vtype)))
             else:
                 metadata[key] = cur.value(vtype)
@@ -208,7 +217,7 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
                 raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
                                 f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
                                 "download or convert it again")
-        return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment)
+        return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
 
 
 class _ArrayLen(int):
