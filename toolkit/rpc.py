@@ -1,0 +1,370 @@
+"""llama.cpp RPC workers: endpoints, probing, registering them with ggml, and serving devices.
+
+ctxq does not move tensors itself: a worker is llama.cpp's own RPC server
+(`ggml_backend_rpc_start_server`), and a client registers workers with ggml's device registry
+(`ggml_backend_rpc_add_server` + `ggml_backend_register`) so that llama.cpp places layers on them.
+
+API (used by `plan`, `run`, `serve`, `ctxq.load` and the planner's accuracy script):
+
+- `parse_rpc("HOST:PORT[=GiB],...")` -> `[RpcEndpoint]` (declared memory in bytes, or None).
+- `probe(endpoint, timeout=3.0)` -> `(free_bytes, total_bytes)` of the worker's first device;
+  bounded in time, `WorkerUnreachable` (a `CtxqError`) naming the endpoint otherwise.
+- `add_servers(endpoints)` -> ggml device names (`RPC0`, `RPC1`, ... in registration order, which is
+  llama.cpp's order: RPC devices come before local GPUs). Idempotent per endpoint.
+- `serve_forever(host, port, devices=None, threads=None, cache_dir=None)`: be a worker (blocks).
+- `start_workers(n_or_sizes, threads=None, host="127.0.0.1")`: local worker processes
+  (context manager `Workers`, see `ctxq.rpc_workers`), `run_supervised(fn, ...)`: run `fn` in a
+  child process that a dead worker cannot take down with it, `generate_greedy(...)`: load, prefill,
+  decode greedily and report what llama.cpp allocated (for tests, benchmarks, accuracy checks).
+
+Two facts from `ggml/src/ggml-rpc/ggml-rpc.cpp` (llama-cpp-python 0.3.36) shape this module:
+
+- The client aborts the whole process (`GGML_ABORT`, SIGABRT) when a worker cannot be reached or
+  drops the connection, and its connect and reads have no timeout. So `probe()` speaks the two
+  messages it needs (HELLO, GET_DEVICE_MEMORY) itself over a socket with a timeout before ggml is
+  asked anything, and runs that may lose a worker go through `run_supervised()`.
+- A worker serves one client at a time (accept, serve until it disconnects, accept the next);
+  a worker busy with another client therefore looks like one that does not answer.
+
+A process cannot unregister an RPC server (ggml has no call for it): once `add_servers()` ran, every
+model loaded later in that process uses those devices. Code that needs another device list, or that
+must survive a worker dying, runs the model in a child (`run_supervised`), as the tests do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+from . import backend
+from .errors import CtxqError
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+DEFAULT_PORT = 50052  # llama.cpp's rpc-server default (tools/rpc/rpc-server.cpp)
+
+# Wire protocol, ggml-rpc.cpp / ggml-rpc.h: request = cmd (u8) | size (u64) | payload;
+# response = size (u64) | payload. HELLO carries RPC_CONN_CAPS_SIZE (24, transport.h) caps bytes.
+RPC_PROTO_MAJOR = 7
+_CMD_GET_DEVICE_MEMORY = 11
+_CMD_HELLO = 14
+_CMD_DEVICE_COUNT = 15
+_CAPS_SIZE = 24
+
+
+class WorkerUnreachable(CtxqError):
+    """An RPC worker did not answer (refused, timed out, busy, or not a ggml RPC server)."""
+
+    def __init__(self, endpoint: str, why: str):
+        super().__init__(f"RPC worker {endpoint} {why}")
+        self.endpoint = endpoint
+
+
+class WorkerLost(CtxqError):
+    """An RPC worker went away while a model was using it."""
+
+    def __init__(self, endpoint: str | None, message: str):
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+@dataclass(frozen=True)
+class RpcEndpoint:
+    """One worker: where it listens, and the memory declared for it after `=` (bytes) or None."""
+
+    host: str
+    port: int
+    declared: int | None = None  # bytes
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+_EP_RE = re.compile(r"^(\[?[^\s=\]]+?\]?):(\d{1,5})(?:=(\d+(?:\.\d+)?)\s*(?:gib|gb|g)?)?$", re.I)
+
+
+def parse_rpc(spec: str | RpcEndpoint | list | tuple) -> list[RpcEndpoint]:
+    """`"127.0.0.1:50052=16,10.0.0.2:50052"` (or a list of such strings) -> endpoints, in order."""
+    if isinstance(spec, RpcEndpoint):
+        return [spec]
+    parts: list = []
+    for item in [spec] if isinstance(spec, str) else list(spec):
+        if isinstance(item, RpcEndpoint):
+            parts.append(item)
+        else:
+            parts += [p.strip() for p in str(item).split(",") if p.strip()]
+    out: list[RpcEndpoint] = []
+    for p in parts:
+        if isinstance(p, RpcEndpoint):
+            out.append(p)
+            continue
+        m = _EP_RE.match(p)
+        port = int(m.group(2)) if m else 0
+        if not m or not 0 < port < 65536 or (m.group(3) and float(m.group(3)) <= 0):
+            raise CtxqError(f"--rpc {p!r}: write HOST:PORT or HOST:PORT=GiB, e.g. 127.0.0.1:50052=16")
+        declared = int(float(m.group(3)) * GiB) if m.group(3) else None
+        out.append(RpcEndpoint(m.group(1).strip("[]"), port, declared))
+    if not out:
+        raise CtxqError("--rpc: give one or more HOST:PORT[=GiB] endpoints, e.g. 127.0.0.1:50052=16")
+    seen = [e.endpoint for e in out]
+    dup = {e for e in seen if seen.count(e) > 1}
+    if dup:
+        raise CtxqError(f"--rpc: {', '.join(sorted(dup))} given twice; list each worker once")
+    return out
+
+
+def _endpoint(ep: str | RpcEndpoint) -> RpcEndpoint:
+    return ep if isinstance(ep, RpcEndpoint) else parse_rpc(ep)[0]
+
+
+# --- probing: the wire protocol's first two messages, with timeouts --------------------------
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionResetError("connection closed")
+        buf += chunk
+    return buf
+
+
+def _call(sock: socket.socket, cmd: int, payload: bytes, want: int) -> bytes:
+    sock.sendall(struct.pack("<BQ", cmd, len(payload)) + payload)
+    (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+    if size != want:
+        raise ValueError(f"unexpected reply size {size} to command {cmd}")
+    return _recv_exact(sock, size)
+
+
+def probe_devices(endpoint: str | RpcEndpoint, timeout: float = 3.0) -> list[tuple[int, int]]:
+    """`(free, total)` bytes for each device a worker serves; `WorkerUnreachable` within ~timeout s."""
+    ep = _endpoint(endpoint)
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((ep.host, ep.port), timeout=timeout) as s:
+            def remaining() -> float:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                return left
+
+            s.settimeout(remaining())
+            hello = _call(s, _CMD_HELLO, bytes(_CAPS_SIZE), 4 + _CAPS_SIZE)
+            major, minor, patch = hello[0], hello[1], hello[2]
+            if major != RPC_PROTO_MAJOR:
+                raise WorkerUnreachable(ep.endpoint, f"speaks RPC protocol {major}.{minor}.{patch}; this llama.cpp "
+                                        f"speaks {RPC_PROTO_MAJOR}.x: run the same llama-cpp-python version on both")
+            s.settimeout(remaining())
+            (count,) = struct.unpack("<I", _call(s, _CMD_DEVICE_COUNT, b"", 4))
+            out = []
+            for dev in range(count):
+                s.settimeout(remaining())
+                out.append(struct.unpack("<QQ", _call(s, _CMD_GET_DEVICE_MEMORY, struct.pack("<I", dev), 16)))
+            return out
+    except WorkerUnreachable:
+        raise
+    except ConnectionRefusedError:
+        raise WorkerUnreachable(ep.endpoint, f"refused the connection: start one there with "
+                                f"`ctxq worker --port {ep.port}` or fix --rpc") from None
+    except (TimeoutError, socket.timeout):
+        raise WorkerUnreachable(ep.endpoint, f"did not answer within {timeout:g} s (host down or "
+                                "firewalled, or the worker is busy serving another client)") from None
+    except (OSError, ValueError, struct.error) as e:
+        raise WorkerUnreachable(ep.endpoint, f"is not answering as a ggml RPC worker ({e})") from None
+
+
+def probe(endpoint: str | RpcEndpoint, timeout: float = 3.0) -> tuple[int, int]:
+    """`(free_bytes, total_bytes)` of a worker's first device, or `WorkerUnreachable` within ~timeout s."""
+    devs = probe_devices(endpoint, timeout)
+    if not devs:
+        raise WorkerUnreachable(_endpoint(endpoint).endpoint, "serves no devices")
+    return devs[0]
+
+
+# --- registering workers with libllama's ggml registry ----------------------------------------
+
+_registered: dict[str, list[str]] = {}
+_reg_lock = threading.Lock()
+
+
+def _libs():
+    """libggml and libggml-rpc by their SONAME files (the copies libllama links; NOTES trap)."""
+    lib_dir = backend._lib_dir()
+    rpc = ctypes.CDLL(str(lib_dir / "libggml-rpc.so.0"))
+    rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    rpc.ggml_backend_rpc_start_server.restype = None
+    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)]
+    g = backend._ggml()
+    g.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_register.restype = None
+    g.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    g.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    g.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    g.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+    g.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+    return g, rpc
+
+
+def add_servers(endpoints, timeout: float = 3.0) -> list[str]:
+    """Register workers with ggml (probing each first); their ggml device names, in llama.cpp's order.
+
+    Call before loading a model. An endpoint registered before returns the same names again.
+    """
+    eps = parse_rpc(endpoints) if endpoints else []
+    if not eps:
+        return []
+    backend.require_rpc()
+    lc = backend.llama_cpp()
+    lc.llama_backend_init()
+    g, rpc = _libs()
+    names: list[str] = []
+    with _reg_lock:
+        for ep in eps:
+            if ep.endpoint not in _registered:
+                probe(ep, timeout)  # ggml's own connect would hang or abort the process
+                reg = rpc.ggml_backend_rpc_add_server(ep.endpoint.encode())
+                if not reg:
+                    raise WorkerUnreachable(ep.endpoint, "serves no devices")
+                g.ggml_backend_register(reg)
+                _registered[ep.endpoint] = [
+                    (g.ggml_backend_dev_name(g.ggml_backend_reg_dev_get(reg, i)) or b"").decode()
+                    for i in range(g.ggml_backend_reg_dev_count(reg))]
+                log.info("registered RPC worker %s as %s", ep.endpoint, _registered[ep.endpoint])
+            names += _registered[ep.endpoint]
+    return names
+
+
+# --- being a worker ---------------------------------------------------------------------------
+
+def check_bind_host(host: str, allow_remote: bool = False) -> str:
+    """An IPv4 address ggml can bind ("localhost" -> 127.0.0.1); non-loopback needs allow_remote."""
+    host = "127.0.0.1" if host == "localhost" else host
+    try:
+        addr = ipaddress.IPv4Address(host)
+    except ValueError:
+        raise CtxqError(f"--host {host!r}: give an IPv4 address such as 127.0.0.1 "
+                        "(llama.cpp's RPC server binds IPv4 only)") from None
+    if not addr.is_loopback and not allow_remote:
+        raise CtxqError(f"--host {host}: llama.cpp's RPC protocol has no authentication, so a worker binds "
+                        "only loopback; add --allow-remote to expose it on a trusted network")
+    return host
+
+
+def worker_devices(devices: list[str] | None = None) -> list[str]:
+    """Device names a worker serves: the given ones, else llama.cpp rpc-server's default
+    (every GPU-like device, else the CPU)."""
+    avail = [d for d in backend.ggml_devices() if not d.name.startswith("RPC")]
+    if devices:
+        known = {d.name.lower(): d.name for d in avail}
+        out = []
+        for name in devices:
+            if name.lower() not in known:
+                raise CtxqError(f"--device {name!r}: no such ggml device; choose from "
+                                f"{', '.join(d.name for d in avail)}")
+            out.append(known[name.lower()])
+        return out
+    gpus = [d.name for d in avail if d.type not in ("cpu", "accel")]
+    return gpus or [d.name for d in avail if d.type == "cpu"][:1]
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def serve_forever(host: str, port: int, devices: list[str] | None = None, threads: int | None = None,
+                  cache_dir: str | None = None) -> None:
+    """Serve this machine's devices over llama.cpp's RPC protocol until the process ends.
+
+    Blocks in C (`ggml_backend_rpc_start_server`); run it in a thread when the process must
+    still react to signals. Returns only by raising: the server could not start.
+    """
+    backend.require_rpc()
+    names = worker_devices(devices)
+    g, rpc = _libs()
+    devs = (ctypes.c_void_p * len(names))(*[g.ggml_backend_dev_by_name(n.encode()) for n in names])
+    endpoint = f"{host}:{port}"
+    log.info("serving %s on %s", names, endpoint)
+    rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache_dir.encode() if cache_dir else None,
+                                      threads or default_threads(), len(names), devs)
+    # start_server returns only when it could not set up (e.g. the port is taken).
+    raise CtxqError(f"the RPC worker could not listen on {endpoint} (port in use?); choose another --port")
+
+
+def listening_port(pid: int, host: str) -> int | None:
+    """The TCP port process `pid` listens on at `host` (the worker binds port 0 -> the kernel picks)."""
+    import psutil
+
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp4")
+    except psutil.Error:
+        return None
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.ip == host:
+            return c.laddr.port
+    return None
+
+
+@dataclass
+class ServerThread:
+    """`serve_forever` in a daemon thread of this process; `.endpoint` once it listens."""
+
+    host: str
+    port: int
+    devices: list[str]
+    threads: int
+    cache_dir: str | None = None
+    error: BaseException | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self, timeout: float = 30.0) -> str:
+        def run():
+            try:
+                serve_forever(self.host, self.port, self.devices, self.threads, self.cache_dir)
+            except BaseException as e:  # reported to the waiting thread
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="ctxq-rpc-worker", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.error:
+                raise self.error
+            port = listening_port(os.getpid(), self.host)
+            if port and (self.port == 0 or port == self.port):
+                self.port = port
+                return self.endpoint
+            time.sleep(0.05)
+        raise CtxqError(f"the RPC worker did not start listening on {self.host}:{self.port} within {timeout:g} s")
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def __getattr__(name: str):
+    # The process-level parts live in rpc_workers (module size); they are part of this API.
+    if name in ("start_workers", "Workers", "run_supervised", "report", "generate_greedy", "Generation"):
+        from . import rpc_workers
+
+        return getattr(rpc_workers, name)
+    raise AttributeError(f"module 'ctxq.rpc' has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    from .rpc_workers import worker_main
+
+    raise SystemExit(worker_main())
