@@ -1,0 +1,400 @@
+"""Quantize a GGUF model with llama.cpp's own quantizer: every type, cached, atomic, checked.
+
+    result = quantize_gguf(Path("model-F16.gguf"), Path("model-Q4_K_M.gguf"), "q4_k_m")
+    result.path, result.size, result.cached, result.quality["top1_agreement"]
+
+`llama_model_quantize` runs in a child process (`ctxq.quantize_worker`), so Ctrl-C stops it at
+once and an abort inside llama.cpp becomes a `ConversionError`. It writes to a hidden temporary
+name next to the destination; ctxq renames it only after llama.cpp has loaded it back, so an
+interrupted or killed run never leaves a file under the destination name. A JSON record under
+`ctxq_home()/cache/quantize/` remembers each finished conversion, keyed by what determines its
+bytes: the source content (or the caller's `cache_key_extra`, e.g. a Hugging Face revision), the
+type, the options, the imatrix and the ctxq and llama.cpp versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import ConversionError, CtxqError
+from .gguf_file import read_gguf
+from .models import ctxq_home
+
+log = logging.getLogger(__name__)
+llama_log = logging.getLogger("ctxq.llama_cpp")
+
+# llama.cpp's quantize tool list (tools/quantize/quantize.cpp, QUANT_OPTIONS), in its order, with
+# the llama_ftype numbers of include/llama.h. Q3_K, Q4_K and Q5_K are its aliases for the _M mixes;
+# COPY copies tensors unchanged. NVFP4 (39) is a llama_ftype but the quantizer has no default type
+# for it (llama_ftype_get_default_type), so it is not offered.
+QUANT_TYPES: dict[str, int] = {
+    "Q1_0": 40, "Q2_0": 41, "Q4_0": 2, "Q4_1": 3, "MXFP4_MOE": 38, "Q5_0": 8, "Q5_1": 9,
+    "IQ2_XXS": 19, "IQ2_XS": 20, "IQ2_S": 28, "IQ2_M": 29, "IQ1_S": 24, "IQ1_M": 31,
+    "TQ1_0": 36, "TQ2_0": 37, "Q2_K": 10, "Q2_K_S": 21, "IQ3_XXS": 23, "IQ3_S": 26, "IQ3_M": 27,
+    "Q3_K": 12, "IQ3_XS": 22, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "IQ4_NL": 25, "IQ4_XS": 30,
+    "Q4_K": 15, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+    "Q8_0": 7, "F16": 1, "BF16": 32, "F32": 0, "COPY": 0,
+}
+
+# Types whose tensors llama.cpp refuses to quantize without an importance matrix
+# (tensor_requires_imatrix in src/llama-quant.cpp; IQ3_XS puts some tensors in IQ3_XXS, Q2_K_S
+# requires it for its Q2_K tensors). tests/test_quantize_types.py checks this set against
+# llama.cpp's own dry run.
+NEEDS_IMATRIX = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
+
+# Default tensor type per file type (llama_ftype_get_default_type) as (bits per weight, block
+# size), from ggml-common.h block layouts; the fallback for rows that are not a multiple of the
+# block follows llama_tensor_get_type's table (IQ -> IQ4_NL, Q2_K/Q3_K/TQ/Q2_0 -> Q4_0, Q4_K ->
+# Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, all 32-blocks at 4.5 to 8.5 bits).
+_IQ, _Q4_0 = (4.5, 32), (4.5, 32)
+_BASE: dict[str, tuple[float, int, tuple[float, int]]] = {
+    "Q1_0": (1.125, 128, _Q4_0), "Q2_0": (2.25, 64, _Q4_0), "Q4_0": (4.5, 32, _Q4_0),
+    "Q4_1": (5.0, 32, _Q4_0), "MXFP4_MOE": (8.5, 32, _Q4_0),  # dense tensors go to Q8_0
+    "Q5_0": (5.5, 32, _Q4_0), "Q5_1": (6.0, 32, _Q4_0), "IQ2_XXS": (2.0625, 256, _IQ),
+    "IQ2_XS": (2.3125, 256, _IQ), "IQ2_S": (2.3125, 256, _IQ), "IQ2_M": (2.5625, 256, _IQ),
+    "IQ1_S": (1.5625, 256, _IQ), "IQ1_M": (1.75, 256, _IQ), "TQ1_0": (1.6875, 256, _Q4_0),
+    "TQ2_0": (2.0625, 256, _Q4_0), "Q2_K": (2.625, 256, _Q4_0), "Q2_K_S": (2.625, 256, _Q4_0),
+    "IQ3_XXS": (3.0625, 256, _IQ), "IQ3_S": (3.4375, 256, _IQ), "IQ3_M": (3.4375, 256, _IQ),
+    "IQ3_XS": (3.4375, 256, _IQ), "Q3_K": (3.4375, 256, _Q4_0), "Q3_K_S": (3.4375, 256, _Q4_0),
+    "Q3_K_M": (3.4375, 256, _Q4_0), "Q3_K_L": (3.4375, 256, _Q4_0), "IQ4_NL": (4.5, 32, _IQ),
+    "IQ4_XS": (4.25, 256, _IQ), "Q4_K": (4.5, 256, (5.5, 32)), "Q4_K_S": (4.5, 256, (5.5, 32)),
+    "Q4_K_M": (4.5, 256, (5.5, 32)), "Q5_K": (5.5, 256, (6.0, 32)), "Q5_K_S": (5.5, 256, (6.0, 32)),
+    "Q5_K_M": (5.5, 256, (6.0, 32)), "Q6_K": (6.5625, 256, (8.5, 32)), "Q8_0": (8.5, 32, _Q4_0),
+}
+# Mixes give some tensors (output, attn_v, ffn_down) more bits: Q4_K_M is 4.95 bits per weight on
+# tests' tiny llama and 4.89 on Llama-3-8B against 4.5 for Q4_K, so allow one bit more.
+_MIX_MARGIN_BITS = 1.0
+_UNQUANTIZED = {0: 32.0, 1: 16.0, 30: 16.0}  # ggml types F32, F16, BF16 -> bits per weight
+
+Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, tensor being quantized)
+
+
+@dataclass
+class QuantizeResult:
+    path: Path
+    type: str
+    size: int  # bytes of the quantized file
+    cached: bool  # found in the cache: nothing was done
+    seconds: float  # wall time of this call
+    quality: dict | None  # top1_agreement, mean_kl (nats), max_kl, n_tokens, reference, ...
+    source_was_quantized: bool  # requantized: quality is measured against an already quantized model
+
+
+def parse_type(name: str) -> tuple[str, int]:
+    """llama.cpp's name and llama_ftype for a type name in any case; CtxqError lists valid ones."""
+    key = str(name).strip().upper()
+    if key not in QUANT_TYPES:
+        raise CtxqError(f"unknown quantization type {name!r}; choose one of: {', '.join(QUANT_TYPES)}")
+    return key, QUANT_TYPES[key]
+
+
+def needs_imatrix(name: str) -> bool:
+    return parse_type(name)[0] in NEEDS_IMATRIX
+
+
+def ggml_type(name: str | None, what: str) -> int | None:
+    """A ggml tensor type number from its name (for --output-tensor-type/--token-embedding-type)."""
+    if name is None:
+        return None
+    from gguf.constants import GGMLQuantizationType as T
+
+    try:
+        return int(T[str(name).strip().upper()])
+    except KeyError:
+        raise CtxqError(f"unknown tensor type {name!r} for {what}; choose one of: "
+                        f"{', '.join(t.name.lower() for t in T)}") from None
+
+
+def default_output_name(src: str | os.PathLike, type: str) -> str:
+    """`<model-name>-<TYPE>.gguf`; a precision suffix on the source name (F16, Q4_1, ...) is dropped."""
+    stem = Path(src).name
+    stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+    kinds = "|".join(sorted(QUANT_TYPES, key=len, reverse=True))
+    stem = re.sub(rf"[-._](?:{kinds}|fp16|fp32)$", "", stem, flags=re.I) or stem
+    return f"{stem}-{parse_type(type)[0]}.gguf"
+
+
+def estimate_size(src: str | os.PathLike, type: str) -> int:
+    """An upper estimate of the quantized file's bytes: the header plus, per tensor, the bits per
+    weight of the type's default tensor type (its fallback for odd rows) and a margin for mixes."""
+    name, _ = parse_type(type)
+    g = read_gguf(src, skip_arrays=True)
+    total = g.data_offset
+    for t in g.tensors:
+        if name in ("COPY",) or len(t.shape) < 2:
+            total += t.nbytes  # copied, or 1-D (norms, biases) kept as they are
+            continue
+        if name in ("F32", "F16", "BF16"):
+            bits = {"F32": 32.0, "F16": 16.0, "BF16": 16.0}[name]
+        else:
+            bits, block, (fb_bits, fb_block) = _BASE[name]
+            if t.shape[0] % block:
+                bits = fb_bits if t.shape[0] % fb_block == 0 else 16.0  # F16 when nothing fits
+            bits += _MIX_MARGIN_BITS
+        total += int(t.n_elements * bits / 8) + g.alignment
+    return total
+
+
+def _is_quantized(src: Path) -> bool:
+    return any(len(t.shape) >= 2 and t.type not in _UNQUANTIZED for t in read_gguf(src, skip_arrays=True).tensors)
+
+
+# --- the cache ----------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    return ctxq_home() / "cache" / "quantize"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of a file, remembered per (path, inode, size, mtime) so a rerun does not reread it."""
+    path = Path(path).resolve()
+    st = path.stat()
+    stamp = [str(path), st.st_ino, st.st_size, st.st_mtime_ns]
+    memo = ctxq_home() / "cache" / "digests" / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
+    try:
+        rec = json.loads(memo.read_text())
+        if rec["stamp"] == stamp:
+            return rec["sha256"]
+    except (OSError, ValueError, KeyError):
+        pass
+    digest = _sha256(path)
+    _write_json(memo, {"stamp": stamp, "sha256": digest})
+    return digest
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(json.dumps(obj, indent=1, default=str))
+    os.replace(part, path)
+
+
+def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_key_extra: dict | None = None,
+                   imatrix: str | os.PathLike | None = None, output_tensor_type: str | None = None,
+                   token_embedding_type: str | None = None, leave_output_tensor: bool = False,
+                   pure: bool = False) -> dict:
+    """What determines a quantized file's bytes. `cache_key_extra` (e.g. {"hf_repo": ..., "revision":
+    ...}) stands for the source when given, so a caller can look up a result before making the source."""
+    if cache_key_extra is None and source is None:
+        raise ValueError("make_cache_key needs a source file or cache_key_extra")
+    name, ftype = parse_type(type)
+    return {
+        "source": None if cache_key_extra is not None else file_digest(source),
+        "extra": cache_key_extra,
+        "ftype": ftype,
+        "copy": name == "COPY",
+        "imatrix": file_digest(imatrix) if imatrix else None,
+        "output_tensor_type": ggml_type(output_tensor_type, "--output-tensor-type"),
+        "token_embedding_type": ggml_type(token_embedding_type, "--token-embedding-type"),
+        "leave_output_tensor": bool(leave_output_tensor),
+        "pure": bool(pure),
+        "ctxq": md.version("ctxq"),
+        "llama_cpp_python": md.version("llama_cpp_python"),  # pins the vendored llama.cpp
+    }
+
+
+def _record_path(key: dict) -> Path:
+    return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32] + ".json")
+
+
+def cache_record(key: dict) -> dict | None:
+    """The stored record for a key, when its file is still there unchanged."""
+    try:
+        rec = json.loads(_record_path(key).read_text())
+        st = Path(rec["path"]).stat()
+    except (OSError, ValueError, KeyError):
+        return None
+    if rec.get("key") != key or (st.st_size, st.st_mtime_ns) != (rec["size"], rec["mtime_ns"]):
+        return None
+    return rec
+
+
+def cache_lookup(key: dict) -> Path | None:
+    rec = cache_record(key)
+    return Path(rec["path"]) if rec else None
+
+
+def _cache_store(key: dict, result: QuantizeResult) -> None:
+    st = result.path.stat()
+    rec = {**asdict(result), "path": str(result.path.resolve()), "key": key, "mtime_ns": st.st_mtime_ns,
+           "size": st.st_size, "created": time.time()}
+    rec.pop("cached")
+    _write_json(_record_path(key), rec)
+
+
+# --- running the quantizer ----------------------------------------------------------------------
+
+_TENSOR_RE = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
+
+
+def _failure(rc: int, result: dict, tail: collections.deque) -> str:
+    """One line saying why the worker failed, from llama.cpp's own error when it printed one."""
+    lines = [ln.strip() for ln in tail if ln.strip()]
+    for ln in reversed(lines):
+        m = re.search(r"failed to quantize: (.+)", ln)
+        if m:
+            return m.group(1).rstrip("!. ")
+    if rc < 0:
+        import signal
+
+        last = next((ln for ln in reversed(lines) if re.search(r"error|abort|assert", ln, re.I)), "")
+        return f"llama.cpp died with {signal.Signals(-rc).name}" + (f" ({last[:200]})" if last else "")
+    return result.get("error") or (lines[-1][:200] if lines else f"exit status {rc}")
+
+
+def run_worker(job: dict, progress: Progress | None = None) -> dict:
+    """Run `ctxq.quantize_worker` on a job; follow its `[ i/ N]` lines; a failure is a ConversionError.
+
+    The worker runs in its own session so a terminal's Ctrl-C reaches only this process, which then
+    kills it: interrupting never waits for a tensor to finish."""
+    with tempfile.TemporaryDirectory(prefix="ctxq-quantize-") as tmp:
+        job = {**job, "result": str(Path(tmp) / "result.json")}
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job))
+        proc = subprocess.Popen([sys.executable, "-m", "ctxq.quantize_worker", str(job_file)],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        tail: collections.deque = collections.deque(maxlen=40)
+        line, last = b"", 0
+        try:
+            while chunk := proc.stderr.read1(1 << 16):
+                line += chunk
+                *done, line = line.split(b"\n")
+                for ln in done:
+                    text = ln.decode("utf-8", "replace")
+                    llama_log.debug("%s", text)
+                    tail.append(text)
+                for m in _TENSOR_RE.finditer(b"\n".join(done + [line])):
+                    i, n = int(m.group(1)), int(m.group(2))
+                    if progress and i > last:
+                        progress(i - 1, n, m.group(3).decode("utf-8", "replace"))
+                    last = max(last, i)
+            rc = proc.wait()
+        except BaseException:  # Ctrl-C or any error here: stop llama.cpp now
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            proc.stderr.close()
+        if line:
+            tail.append(line.decode("utf-8", "replace"))
+        try:
+            result = json.loads(Path(job["result"]).read_text())
+        except (OSError, ValueError):
+            result = {}
+        if rc != 0 or "error" in result:
+            raise ConversionError(_failure(rc, result, tail))
+        if progress and last:
+            progress(last, last, "")
+        return result
+
+
+def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | None = None,
+                  output_tensor_type: str | None = None, token_embedding_type: str | None = None,
+                  leave_output_tensor: bool = False, pure: bool = False, check: bool = True,
+                  force: bool = False, cache_key_extra: dict | None = None,
+                  progress: Progress | None = None, nthread: int = 0) -> QuantizeResult:
+    """Quantize the GGUF `src` to `type` at `dst` (None: `default_output_name` next to `src`).
+
+    A finished identical conversion in the cache is returned as is (`cached=True`, its path)
+    unless `force`. With `check`, the quality gate compares the result with `src` on the built-in
+    text. `progress(done, total, tensor)` follows the quantizer tensor by tensor. `nthread` 0 lets
+    llama.cpp use every hardware thread, as its quantize tool does.
+    """
+    t0 = time.perf_counter()
+    src = Path(src)
+    name, ftype = parse_type(type)
+    dst = Path(dst) if dst is not None else src.with_name(default_output_name(src, name))
+    was_quantized = _is_quantized(src)  # reads the header: a bad source fails here, before any work
+    if name in NEEDS_IMATRIX and imatrix is None:
+        raise ConversionError(f"{name} needs an importance matrix: pass --imatrix FILE (a GGUF imatrix "
+                              f"from llama-imatrix), or choose a type without one, e.g. Q4_K_M or IQ4_XS")
+    if imatrix is not None:
+        _check_imatrix(Path(imatrix))
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ConversionError(f"{dst}: the output would overwrite the source; choose another -o path")
+    key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
+                         imatrix=imatrix, output_tensor_type=output_tensor_type,
+                         token_embedding_type=token_embedding_type,
+                         leave_output_tensor=leave_output_tensor, pure=pure)
+    rec = None if force else cache_record(key)
+    if rec is not None:
+        quality = rec.get("quality")
+        if check and quality is None:  # cached without the gate: run only the gate
+            quality = run_worker({"check_only": True, "out": rec["path"], "reference": str(src)})["quality"]
+            quality["reference_is_quantized"] = was_quantized
+        res = QuantizeResult(Path(rec["path"]), name, rec["size"], True, time.perf_counter() - t0,
+                             quality, rec["source_was_quantized"])
+        if quality is not rec.get("quality"):
+            _cache_store(key, res)
+        log.info("%s to %s is cached at %s", src.name, name, res.path)
+        return res
+    if dst.exists() and not force:
+        raise ConversionError(f"{dst} exists and is not this conversion's cached result; "
+                              "pass --force to overwrite it or -o to choose another path")
+    if was_quantized:
+        log.warning("%s is already quantized: requantizing it to %s loses more quality than "
+                    "quantizing the original f16/bf16 model", src, name)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    need, free = estimate_size(src, name), shutil.disk_usage(dst.parent).free
+    if need > free:
+        gib = 1024**3
+        raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about "
+                              f"{need / gib:.2f} GiB, {free / gib:.2f} GiB free; free space or pass -o elsewhere")
+    part = dst.with_name(f".{dst.name}.part")
+    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConversionError(f"another ctxq process is writing {dst}; wait for it to finish") from None
+        job = {"src": str(src), "out": str(part), "ftype": ftype, "nthread": nthread,
+               "allow_requantize": was_quantized, "only_copy": name == "COPY", "pure": pure,
+               "leave_output_tensor": leave_output_tensor,
+               "output_tensor_type": key["output_tensor_type"],
+               "token_embedding_type": key["token_embedding_type"],
+               "imatrix": str(imatrix) if imatrix else None, "reference": str(src) if check else None}
+        try:
+            out = run_worker(job, progress)
+            os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+    finally:
+        os.close(fd)
+    quality = out.get("quality")
+    if quality is not None:
+        quality["reference_is_quantized"] = was_quantized
+    res = QuantizeResult(dst, name, dst.stat().st_size, False, time.perf_counter() - t0, quality, was_quantized)
+    _cache_store(key, res)
+    return res
+
+
+def _check_imatrix(path: Path) -> None:
+    g = read_gguf(path, skip_arrays=True)  # GGUFError for a missing or broken file
+    if not any(t.name.endswith(".in_sum2") for t in g.tensors) or "imatrix.chunk_count" not in g.metadata:
+        raise ConversionError(f"{path} is not a GGUF importance matrix (no *.in_sum2 tensors or "
+                              "imatrix.* keys); make one with llama-imatrix")
