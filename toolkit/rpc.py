@@ -66,7 +66,10 @@ class WorkerUnreachable(CtxqError):
 
     def __init__(self, endpoint: str, why: str):
         super().__init__(f"RPC worker {endpoint} {why}")
-        self.endpoint = endpoint
+        self.endpoint, self.why = endpoint, why
+
+    def __reduce__(self):  # crosses process boundaries (run_supervised)
+        return type(self), (self.endpoint, self.why)
 
 
 class WorkerLost(CtxqError):
@@ -75,6 +78,9 @@ class WorkerLost(CtxqError):
     def __init__(self, endpoint: str | None, message: str):
         super().__init__(message)
         self.endpoint = endpoint
+
+    def __reduce__(self):
+        return type(self), (self.endpoint, str(self))
 
 
 @dataclass(frozen=True)
@@ -304,6 +310,17 @@ def serve_forever(host: str, port: int, devices: list[str] | None = None, thread
     raise CtxqError(f"the RPC worker could not listen on {endpoint} (port in use?); choose another --port")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail with one line before ggml does (it prints to stderr and returns)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ggml's create_server does
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CtxqError(f"the RPC worker could not listen on {host}:{port} ({e.strerror}); "
+                            "choose another --port") from None
+
+
 def listening_port(pid: int, host: str) -> int | None:
     """The TCP port process `pid` listens on at `host` (the worker binds port 0 -> the kernel picks)."""
     import psutil
@@ -331,6 +348,9 @@ class ServerThread:
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self, timeout: float = 30.0) -> str:
+        if self.port:
+            _check_port_free(self.host, self.port)
+
         def run():
             try:
                 serve_forever(self.host, self.port, self.devices, self.threads, self.cache_dir)

@@ -291,6 +291,8 @@ def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: f
                 except EOFError:  # the child died; it can send no more
                     proc.join(5)
                     raise _diagnose(proc, eps, workers, errfile.name) from None
+                except Exception as e:  # e.g. an exception type that does not unpickle
+                    raise CtxqError(f"run_supervised: the child's answer did not arrive intact ({e})") from None
                 if kind == "msg":
                     if on_message:
                         on_message(obj)
