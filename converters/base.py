@@ -1,0 +1,124 @@
+"""What a family module declares, and the metadata every llama-style family shares.
+
+A family is data: its GGUF architecture, whether Q/K rows are permuted for llama.cpp's rotary
+layout, whether norm weights are shifted by +1 (Gemma stores w and computes x * (1 + w)), which
+Hugging Face tensors llama.cpp does not use, and a function for its extra metadata keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import gguf
+import numpy as np
+
+from ..errors import ConversionError
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: gguf.MODEL_ARCH
+    extra_hparams: Callable[[dict, gguf.GGUFWriter], None] | None = None
+    permute_qk: bool = False  # llama.cpp's LLAMA arch uses interleaved (GPT-J style) rotary pairs
+    norm_shift: float = 0.0
+    skip: tuple[str, ...] = ()  # HF tensor names llama.cpp has no place for (e.g. Gemma 2's tied lm_head)
+    extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None
+    check: Callable[[dict], None] | None = None  # refuses configs llama.cpp would compute differently
+
+    @property
+    def arch_name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.arch]
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config (multimodal wrappers keep it under text_config)."""
+    return config.get("text_config") or config
+
+
+def head_dim(cfg: dict) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def rope(cfg: dict) -> dict:
+    """RoPE settings in one dict (transformers 5 `rope_parameters`, 4.x `rope_scaling` + `rope_theta`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if "full_attention" in params:  # per layer type (Gemma 3); the global layers' settings
+        params = dict(params["full_attention"])
+    legacy = cfg.get("rope_scaling") or {}
+    for k, v in legacy.items():
+        params.setdefault(k, v)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def write_common(cfg: dict, w: gguf.GGUFWriter) -> None:
+    """The keys llama.cpp's llama_model::load_hparams reads for every architecture here."""
+    n_head = cfg["num_attention_heads"]
+    w.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(cfg.get("num_key_value_heads") or n_head)
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    hd = head_dim(cfg)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    r = rope(cfg)
+    w.add_rope_freq_base(float(r["rope_theta"]))
+    w.add_rope_dimension_count(int(hd * float(r.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))))
+    kind = r["rope_type"]
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(r["factor"]))
+    elif kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(r["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
+    elif kind not in ("default", "llama3"):  # llama3 is written as the rope_freqs tensor
+        raise ConversionError(f"RoPE type {kind!r} is not supported by ctxq convert yet")
+
+
+def llama3_rope_factors(cfg: dict) -> dict[str, np.ndarray]:
+    """`rope_freqs.weight` for Llama 3.1-style scaling: llama.cpp divides each rotary frequency by
+    this factor. The rule is Meta's (transformers' _compute_llama3_parameters)."""
+    r = rope(cfg)
+    if r["rope_type"] != "llama3":
+        return {}
+    base, dim = float(r["rope_theta"]), head_dim(cfg)
+    factor, lo, hi = float(r["factor"]), float(r.get("low_freq_factor", 1.0)), float(r.get("high_freq_factor", 4.0))
+    old_ctx = float(r.get("original_max_position_embeddings", 8192))
+    freqs = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old_ctx / hi:
+            out.append(1.0)
+        elif wavelen > old_ctx / lo:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return {"rope_freqs.weight": np.array(out, dtype=np.float32)}
+
+
+def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF keeps each head's rotary halves apart; llama.cpp's LLAMA graph rotates adjacent pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass
+class TensorPlan:
+    """One output tensor: GGUF name, numpy shape, output type and how to produce its float32 data."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: gguf.GGMLQuantizationType
+    load: Callable[[], np.ndarray]
+    source_bytes: int = 0
+    notes: list[str] = field(default_factory=list)

@@ -1,0 +1,311 @@
+"""`ctxq convert`: a Hugging Face checkpoint (local folder or hub id) to a GGUF llama.cpp loads.
+
+Float types (f32, f16, bf16) and q8_0 are written here, tensor by tensor from memory-mapped
+safetensors; any other llama.cpp type is made from a temporary f16/bf16 GGUF by
+`ctxq.quantize.quantize_gguf`. The output appears at its destination only complete and verified:
+it is written under a temporary name beside it, loaded by llama.cpp, then renamed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType as FT
+
+from . import backend
+from .converters import family_for
+from .converters.base import Family, TensorPlan, head_dim, permute_rope, text_config, write_common
+from .converters.checkpoint import Checkpoint
+from .converters.tokenizer import Vocab, load_vocab
+from .errors import ConversionError
+from .models import models_dir
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]  # (done, total, what): bytes written here, tensors in quantize
+
+FLOAT_TYPES = {"f32": (T.F32, FT.ALL_F32), "f16": (T.F16, FT.MOSTLY_F16), "bf16": (T.BF16, FT.MOSTLY_BF16),
+               "q8_0": (T.Q8_0, FT.MOSTLY_Q8_0)}
+_QK8_0 = gguf.GGML_QUANT_SIZES[T.Q8_0][0]  # 32 weights per Q8_0 block
+_DISK_MARGIN = 64 * 1024 * 1024  # header, alignment padding and the filesystem's own slack
+
+
+@dataclass
+class ConvertResult:
+    path: Path
+    type: str
+    arch: str  # GGUF architecture
+    size: int  # bytes of the output file
+    n_tensors: int
+    pre: str | None  # BPE pre-tokenizer name written, None for SentencePiece
+    source: str  # the folder that was read
+    seconds: float
+    cached: bool = False
+
+
+def convert(model: str | os.PathLike, type: str | None = None, output: str | os.PathLike | None = None, *,
+            revision: str | None = None, pre: str | None = None, progress: Progress | None = None,
+            force: bool = False, **quant_options) -> ConvertResult:
+    """Convert `model` (HF folder, hub id, or a GGUF to quantize) to `type` at `output`.
+
+    `type` defaults to the checkpoint's own float type; `output` to
+    `<ctxq models dir>/<name>-<TYPE>.gguf`. `quant_options` go to `ctxq.quantize.quantize_gguf`
+    for types other than f32/f16/bf16/q8_0.
+    """
+    t0 = time.perf_counter()
+    kind = type.lower() if type else None
+    src = Path(str(model)).expanduser()
+    if src.is_file() and src.suffix == ".gguf":
+        return _quantize_gguf_file(src, kind, output, force, progress, quant_options, t0)
+    if src.is_file():
+        raise ConversionError(f"{src}: pass a Hugging Face model folder, a hub id (owner/name) or a .gguf to quantize")
+    folder = src if src.is_dir() else _download(str(model), revision)
+    ckpt = Checkpoint(folder)
+    kind = kind or ckpt.source_float_type()
+    name = _model_name(model, folder)
+    if kind in FLOAT_TYPES:
+        if quant_options:
+            raise ConversionError(f"{', '.join(sorted(quant_options))} apply to quantized types, not {kind}")
+        dest = _dest(output, name, kind, force)
+        return _convert_float(ckpt, kind, dest, pre, progress, t0)
+    return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, revision, t0)
+
+
+def _download(model: str, revision: str | None) -> Path:
+    from .hub import download, looks_like_repo_id
+
+    if not looks_like_repo_id(model):
+        raise ConversionError(f"{model}: no such folder, and not a hub id (owner/name)")
+    return download(model, revision)
+
+
+def _model_name(model, folder: Path) -> str:
+    text = str(model).rstrip("/")
+    return text.split("/")[-1] if not Path(text).exists() else folder.resolve().name
+
+
+def _dest(output, name: str, kind: str, force: bool) -> Path:
+    dest = Path(output).expanduser() if output else models_dir() / f"{name}-{kind.upper()}.gguf"
+    if dest.is_dir():
+        dest = dest / f"{name}-{kind.upper()}.gguf"
+    if dest.exists() and not force:
+        raise ConversionError(f"{dest} exists; pass --force to replace it or -o another path")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+# --- float and q8_0 output ------------------------------------------------------------------------
+
+def _convert_float(ckpt: Checkpoint, kind: str, dest: Path, pre: str | None, progress: Progress | None,
+                   t0: float) -> ConvertResult:
+    arch_name, family = family_for(ckpt.config)
+    cfg = text_config(ckpt.config)
+    if family.check:
+        family.check(cfg)
+    plans = plan_tensors(ckpt, family, cfg, kind)
+    embd = next(p for p in plans if p.name == "token_embd.weight")
+    vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], pre)
+    total = sum(_nbytes(p) for p in plans)
+    free = shutil.disk_usage(dest.parent).free
+    if free < total + _DISK_MARGIN:
+        raise ConversionError(f"{dest.parent} has {free} bytes free, the output needs about {total + _DISK_MARGIN}; "
+                              "free space or pass -o on another disk")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        _write(tmp, family, cfg, vocab, plans, kind, ckpt.folder.name, progress, total)
+        verify_loads(tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("wrote %s (%d tensors, %d bytes) in %.1f s", dest, len(plans), dest.stat().st_size, time.perf_counter() - t0)
+    return ConvertResult(dest, kind, family.arch_name, dest.stat().st_size, len(plans), vocab.pre,
+                         str(ckpt.folder), time.perf_counter() - t0)
+
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list[TensorPlan]:
+    """Every output tensor in llama.cpp's naming with its type and a loader applying the family's transforms."""
+    n_layer = cfg["num_hidden_layers"]
+    nmap = gguf.get_tensor_name_map(family.arch, n_layer)
+    n_head = cfg["num_attention_heads"]
+    n_head_kv = cfg.get("num_key_value_heads") or n_head
+    tied = "lm_head.weight" in ckpt.tensors and cfg.get("tie_word_embeddings", False)
+    plans: list[TensorPlan] = []
+    for hf_name, ref in ckpt.tensors.items():
+        if hf_name in family.skip or hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+            continue  # llama.cpp derives these (or duplicates token_embd for a tied output)
+        name = nmap.get_name(hf_name.removeprefix("language_model."), try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ConversionError(f"tensor {hf_name} has no place in llama.cpp's {family.arch_name} architecture")
+        transform = None
+        if family.permute_qk and re.search(r"\.attn_(q|k)\.", name):
+            heads = n_head if ".attn_q." in name else n_head_kv
+            transform = (lambda h: lambda x: permute_rope(x, h))(heads)
+        elif family.norm_shift and name.endswith("norm.weight"):
+            transform = (lambda s: lambda x: x + np.float32(s))(family.norm_shift)
+        load = (lambda r, f: (lambda: f(r.load_f32()) if f else r.load_f32()))(ref, transform)
+        plans.append(TensorPlan(name, ref.shape, _out_type(name, ref.shape, kind), load, ref.nbytes))
+    for name, arr in (family.extra_tensors(cfg) if family.extra_tensors else {}).items():
+        plans.append(TensorPlan(name, arr.shape, T.F32, (lambda a: lambda: a)(arr)))
+    if not any(p.name == "token_embd.weight" for p in plans):
+        raise ConversionError(f"{ckpt.folder}: no token embedding tensor (model.embed_tokens.weight)")
+    if head_dim(cfg) % 2:
+        raise ConversionError(f"head_dim {head_dim(cfg)} is odd; rotary embeddings need an even head size")
+    plans.sort(key=lambda p: (int(m.group(1)) if (m := _BLOCK_RE.match(p.name)) else
+                              (-1 if p.name.startswith("token_embd") else n_layer), p.name))
+    return plans
+
+
+def _out_type(name: str, shape: tuple[int, ...], kind: str) -> T:
+    # As llama.cpp's converter: norms, biases and other 1-D tensors stay F32 (they are tiny and
+    # several ops need F32 for them); Q8_0 needs rows that are whole blocks, else F16.
+    if len(shape) < 2 or name.endswith("norm.weight"):
+        return T.F32
+    target = FLOAT_TYPES[kind][0]
+    if target == T.Q8_0 and shape[-1] % _QK8_0:
+        return T.F16
+    return target
+
+
+def _nbytes(p: TensorPlan) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[p.type]
+    return int(np.prod(p.shape)) // block * size
+
+
+def _encode(x: np.ndarray, t: T) -> np.ndarray:
+    if t == T.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if t == T.F16:
+        return x.astype(np.float16)
+    return gguf.quants.quantize(x, t)  # BF16 (round to nearest even) and Q8_0, in numpy
+
+
+def _write(path: Path, family: Family, cfg: dict, vocab: Vocab, plans: list[TensorPlan], kind: str,
+           name: str, progress: Progress | None, total: int) -> None:
+    w = gguf.GGUFWriter(path, family.arch_name)
+    w.add_type(gguf.GGUFType.MODEL)
+    w.add_name(name)
+    w.add_file_type(FLOAT_TYPES[kind][1])
+    if kind == "q8_0":
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    write_common(cfg, w)
+    w.add_vocab_size(len(vocab.tokens))
+    if family.extra_hparams:
+        family.extra_hparams(cfg, w)
+    vocab.write(w)
+    for p in plans:
+        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), _nbytes(p), raw_dtype=p.type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    done = 0
+    try:
+        for p in plans:
+            data = _encode(p.load(), p.type)
+            w.write_tensor_data(data)
+            done += data.nbytes
+            del data
+            if progress:
+                progress(done, total, p.name)
+    finally:
+        w.close()
+
+
+def verify_loads(path: Path) -> None:
+    """Load the file's metadata, vocabulary and tensor index in llama.cpp; a rejection becomes a
+    ConversionError. A dry run (no_alloc, no mmap: see NOTES) reads no weights, so checking costs
+    no memory; llama_model_loader still checks every tensor's name, shape and file bounds."""
+    lc = backend.llama_cpp()
+    lc.llama_backend_init()
+    mp = lc.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    mp.no_alloc = True
+    mp.load_mode = lc.LLAMA_LOAD_MODE_NONE
+    with backend.capture_log() as lines:
+        model = lc.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        why = next((ln.strip() for ln in reversed(lines) if "error" in ln.lower() or "unknown" in ln.lower()),
+                   "see CTXQ_DEBUG=1 output")
+        raise ConversionError(f"llama.cpp rejects the converted file ({why}); nothing was written")
+    lc.llama_model_free(model)
+
+
+# --- other llama.cpp types: through ctxq.quantize ---------------------------------------------------
+
+def _quantize_module():
+    try:
+        from . import quantize
+    except ImportError as e:  # pragma: no cover - part of ctxq
+        raise ConversionError(f"quantized types need ctxq.quantize ({e})") from None
+    return quantize
+
+
+def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progress, options: dict,
+                        t0: float) -> ConvertResult:
+    if not kind:
+        raise ConversionError(f"{src} is already a GGUF; pass a TYPE to quantize it to (e.g. q4_k_m)")
+    q = _quantize_module()
+    r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=progress, **options)
+    return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, None, str(src),
+                         time.perf_counter() - t0, cached=r.cached)
+
+
+def _arch_of(path) -> str:
+    from .gguf_file import read_gguf
+
+    return read_gguf(path, skip_arrays=True).arch
+
+
+def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, force: bool, progress, options: dict,
+                       revision: str | None, t0: float) -> ConvertResult:
+    q = _quantize_module()
+    qname, _ = q.parse_type(kind)
+    dest = _dest(output, name, qname, force)
+    extra = {"hf_source": _source_digest(ckpt), "pre": pre, "converter": "ctxq.conversion/1"}
+    key = q.make_cache_key(qname, cache_key_extra=extra, **{k: v for k, v in options.items() if k in (
+        "imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")})
+    cached = None if force else q.cache_lookup(key)
+    if cached is not None and cached.is_file() and cached.resolve() != dest.resolve():
+        shutil.copyfile(cached, dest.with_name(dest.name + ".part"))
+        os.replace(dest.with_name(dest.name + ".part"), dest)
+    if cached is not None and dest.is_file():
+        return ConvertResult(dest, qname, _arch_of(dest), dest.stat().st_size, 0, pre, str(ckpt.folder),
+                             time.perf_counter() - t0, cached=True)
+    mid = "bf16" if ckpt.source_float_type() == "bf16" else "f16"
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{mid}.gguf")  # beside the destination, then deleted
+    try:
+        _convert_float(ckpt, mid, tmp, pre, progress, t0)
+        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=extra, progress=progress, **options)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, pre, str(ckpt.folder),
+                         time.perf_counter() - t0)
+
+
+def _source_digest(ckpt: Checkpoint) -> str:
+    """SHA-256 over the checkpoint files' digests (memoized per file by ctxq.quantize.file_digest)."""
+    import hashlib
+
+    from .quantize import file_digest
+
+    h = hashlib.sha256()
+    files = sorted({t.file for t in ckpt.tensors.values()} |
+                   {p for p in ckpt.folder.iterdir() if p.suffix in (".json", ".model", ".jinja")})
+    for f in files:
+        h.update(f.name.encode() + b"\0" + file_digest(f).encode())
+    return h.hexdigest()
