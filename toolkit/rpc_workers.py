@@ -82,7 +82,10 @@ class Workers:
 
     def __init__(self, sizes: list[int | None], threads: int | None, host: str, startup_timeout: float):
         self.sizes = sizes
-        self.threads = threads or default_threads()
+        # Default: share the cores out, one share kept for the client. ggml's CPU threads spin at
+        # barriers, and oversubscribing cores is ruinous: measured here (2 cores, SmolLM2 decode over
+        # one worker) 30 tok/s with 1 worker thread, 2.2 tok/s with 2 (docs/rpc.md).
+        self.threads = threads or max(1, default_threads() // (len(sizes) + 1))
         self.host = check_bind_host(host)
         self.startup_timeout = startup_timeout
         self.procs: list[subprocess.Popen] = []
@@ -379,6 +382,7 @@ def generate_greedy(model: str, prompt: str | list[int], n_predict: int = 16, **
         n_vocab = llm.n_vocab()
         t0 = time.perf_counter()
         llm.eval(toks)
+        lc.llama_synchronize(llm.ctx)  # decoding is asynchronous on RPC devices: wait for the result
         t1 = time.perf_counter()
         out: list[int] = []
         for _ in range(n_predict):
