@@ -33,7 +33,9 @@ from .models import models_dir
 
 log = logging.getLogger(__name__)
 
-Progress = Callable[[int, int, str], None]  # (done, total, what): bytes written here, tensors in quantize
+# progress(done, total, what): what is "write:<tensor>" while bytes are written here, and
+# "quantize:<tensor>" while ctxq.quantize works tensor by tensor.
+Progress = Callable[[int, int, str], None]
 
 FLOAT_TYPES = {"f32": (T.F32, FT.ALL_F32), "f16": (T.F16, FT.MOSTLY_F16), "bf16": (T.BF16, FT.MOSTLY_BF16),
                "q8_0": (T.Q8_0, FT.MOSTLY_Q8_0)}
@@ -221,7 +223,7 @@ def _write(path: Path, family: Family, cfg: dict, vocab: Vocab, plans: list[Tens
             done += data.nbytes
             del data
             if progress:
-                progress(done, total, p.name)
+                progress(done, total, f"write:{p.name}")
     finally:
         w.close()
 
@@ -260,7 +262,8 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
     if not kind:
         raise ConversionError(f"{src} is already a GGUF; pass a TYPE to quantize it to (e.g. q4_k_m)")
     q = _quantize_module()
-    r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=progress, **options)
+    qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
+    r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=qprogress, **options)
     return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, None, str(src),
                          time.perf_counter() - t0, cached=r.cached)
 
@@ -290,7 +293,8 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{mid}.gguf")  # beside the destination, then deleted
     try:
         _convert_float(ckpt, mid, tmp, pre, progress, t0)
-        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=extra, progress=progress, **options)
+        qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
+        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=extra, progress=qprogress, **options)
     finally:
         tmp.unlink(missing_ok=True)
     return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, pre, str(ckpt.folder),

@@ -1,0 +1,71 @@
+"""`ctxq convert`: Hugging Face checkpoint -> GGUF, and GGUF -> any llama.cpp quantization."""
+
+from __future__ import annotations
+
+import click
+
+from . import cli
+from .common import human
+
+
+class _Bars:
+    """tqdm bars from the library's progress callback: one bar per phase ("write:" bytes,
+    "quantize:" tensors), a new bar whenever the phase changes."""
+
+    def __init__(self):
+        self.bar = None
+        self.phase = None
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        from tqdm import tqdm
+
+        phase, _, name = what.partition(":") if ":" in what else ("quantize", "", what)
+        if self.bar is None or phase != self.phase or total != self.bar.total:
+            self.close()
+            self.phase = phase
+            byte_bar = phase == "write"
+            self.bar = tqdm(total=total, desc=phase, unit="B" if byte_bar else " tensors", unit_scale=byte_bar,
+                            unit_divisor=1024 if byte_bar else 1000, leave=False, dynamic_ncols=True)
+        self.bar.set_postfix_str(name[-40:], refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+@cli.command("convert")
+@click.argument("model")
+@click.argument("type", required=False)
+@click.option("-o", "--output", type=click.Path(), help="Output file (default: <models dir>/<name>-<TYPE>.gguf).")
+@click.option("--revision", help="Hub branch, tag or commit to download.")
+@click.option("--pre", help="BPE pre-tokenizer name for llama.cpp, when ctxq cannot recognise it.")
+@click.option("--imatrix", type=click.Path(exists=True, dir_okay=False), help="Importance matrix (GGUF) for quantizing.")
+@click.option("--output-tensor-type", help="ggml type for output.weight (quantized types).")
+@click.option("--token-embedding-type", help="ggml type for token_embd.weight (quantized types).")
+@click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight unquantized.")
+@click.option("--pure", is_flag=True, help="One type for every tensor, no per-tensor mix.")
+@click.option("--no-check", is_flag=True, help="Skip the quality check after quantizing.")
+@click.option("--force", is_flag=True, help="Replace an existing output and ignore the cache.")
+def convert_cmd(model: str, type: str | None, output: str | None, revision: str | None, pre: str | None,
+                imatrix: str | None, output_tensor_type: str | None, token_embedding_type: str | None,
+                leave_output_tensor: bool, pure: bool, no_check: bool, force: bool):
+    """Convert MODEL (a Hugging Face folder, a hub id, or a GGUF) to TYPE.
+
+    TYPE is f32, f16, bf16 or q8_0 (default: the checkpoint's own float type), or any llama.cpp
+    quantization such as q4_k_m, which is made from an f16/bf16 conversion.
+    """
+    from ..conversion import convert
+
+    quant = {k: v for k, v in dict(imatrix=imatrix, output_tensor_type=output_tensor_type,
+                                   token_embedding_type=token_embedding_type,
+                                   leave_output_tensor=leave_output_tensor or None, pure=pure or None,
+                                   check=False if no_check else None).items() if v is not None}
+    bars = _Bars()
+    try:
+        r = convert(model, type, output, revision=revision, pre=pre, progress=bars, force=force, **quant)
+    finally:
+        bars.close()
+    note = " (from the cache)" if r.cached else f" in {r.seconds:.1f} s"
+    click.echo(f"{r.path}  {r.type}  {r.arch}  {human(r.size)}{note}")
