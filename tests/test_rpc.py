@@ -174,7 +174,9 @@ def _generate_until_stopped(model, endpoints, **kw):
     toks = llm.tokenize(PROMPT.encode())
     llm.eval(toks)
     report("loaded")
-    for _ in range(1_000_000):
+    for i in range(1_000_000):
+        if i % 8 == 0:
+            report(i)  # progress, for run_supervised's stall_timeout
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
         if llm.n_tokens + 1 >= kw["n_ctx"]:
             llm.reset()
@@ -190,9 +192,9 @@ def test_worker_killed_during_run_is_one_line_and_leaves_nothing(smollm2):
         victim = w.procs[1]
 
         def on_message(msg):
-            assert msg == "loaded"
-            victim.kill()
-            killed["at"] = time.monotonic()
+            if msg == "loaded":
+                victim.kill()
+                killed["at"] = time.monotonic()
 
         with pytest.raises(WorkerLost) as e:
             rpc.run_supervised(_generate_until_stopped, str(smollm2), w.endpoints, rpc=w.endpoints,
@@ -203,6 +205,29 @@ def test_worker_killed_during_run_is_one_line_and_leaves_nothing(smollm2):
     assert w.endpoints[1] in msg and "went away" in msg and "\n" not in msg
     assert e.value.endpoint == w.endpoints[1]
     assert took < 10, f"the error took {took:.1f} s"
+    assert _descendants() == before
+
+
+def test_hung_worker_is_named_after_the_stall_timeout(smollm2):
+    """A worker that stops answering without closing its connection (SIGSTOP: a frozen host)."""
+    before = _descendants()
+    with rpc.start_workers(2, threads=1) as w:
+        frozen = {}
+
+        def on_message(msg):
+            if msg == "loaded":
+                os.kill(w.procs[0].pid, signal.SIGSTOP)
+                frozen["at"] = time.monotonic()
+
+        with pytest.raises(WorkerLost) as e:
+            rpc.run_supervised(_generate_until_stopped, str(smollm2), w.endpoints, rpc=w.endpoints,
+                               workers=w, on_message=on_message, stall_timeout=3.0, n_ctx=256,
+                               n_gpu_layers=31, tensor_split=[15.0, 16.0], n_threads=1)
+        took = time.monotonic() - frozen["at"]
+    assert str(e.value).startswith(f"RPC worker {w.endpoints[0]} stopped answering during the run "
+                                   "(the run made no progress for 3 s)")
+    assert e.value.endpoint == w.endpoints[0]
+    assert 3 <= took < 8, took
     assert _descendants() == before
 
 

@@ -157,6 +157,7 @@ class Workers:
         self._stopped = True
         for p in self.procs:
             _signal_group(p, signal.SIGTERM)
+            _signal_group(p, signal.SIGCONT)  # a stopped worker acts on SIGTERM only once continued
         deadline = time.monotonic() + _STOP_GRACE_S
         for p in self.procs:
             try:
@@ -271,10 +272,13 @@ def _child(conn, stderr_path, rpc, fn, args, kwargs):
 
 
 def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: float | None = None,
-                   on_message=None, **kwargs):
+                   stall_timeout: float | None = None, on_message=None, **kwargs):
     """`fn(*args, **kwargs)` in a child process that registers `rpc` first; its result or error.
 
     `fn` must be importable (a module-level function) and its arguments and result picklable.
+    `timeout` bounds the whole call, `stall_timeout` the time between two `report()`s from the
+    first one on (for a streaming `fn`): both catch a worker that vanished without closing its connection, which
+    llama.cpp would wait for forever. A dead local worker (`workers`) is noticed within ~5 s.
     """
     eps = [e.endpoint for e in parse_rpc(rpc)] if rpc else []
     ctx = multiprocessing.get_context("spawn")  # fork would copy llama.cpp's threads and state
@@ -286,6 +290,7 @@ def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: f
     proc.start()
     send.close()
     lost_at = None
+    last_msg = None  # the stall watchdog starts with the first report (loading can take long)
     try:
         while True:
             if recv.poll(0.1):
@@ -297,6 +302,7 @@ def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: f
                 except Exception as e:  # e.g. an exception type that does not unpickle
                     raise CtxqError(f"run_supervised: the child's answer did not arrive intact ({e})") from None
                 if kind == "msg":
+                    last_msg = time.monotonic()
                     if on_message:
                         on_message(obj)
                     continue
@@ -309,9 +315,11 @@ def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: f
                 lost_at = time.monotonic()  # the child aborts by itself once it notices; give it a moment
             if lost_at is not None and time.monotonic() - lost_at > 5.0:
                 raise _diagnose(proc, eps, workers, errfile.name)
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise WorkerLost(None, f"the run took longer than {timeout:g} s; stopped it "
-                                 "(a worker that vanished without closing its connection looks like this)")
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
+                raise _diagnose(proc, eps, workers, errfile.name, hung=f"took longer than {timeout:g} s")
+            if stall_timeout is not None and last_msg is not None and now - last_msg > stall_timeout:
+                raise _diagnose(proc, eps, workers, errfile.name, hung=f"made no progress for {stall_timeout:g} s")
     finally:
         if proc.is_alive():
             proc.kill()
@@ -320,27 +328,36 @@ def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: f
         os.unlink(errfile.name)
 
 
-def _diagnose(proc, eps: list[str], workers: Workers | None, errpath: str) -> CtxqError:
-    """One line for a child that died without a result: which worker went away, in ggml's words."""
+def _diagnose(proc, eps: list[str], workers: Workers | None, errpath: str, hung: str | None = None) -> CtxqError:
+    """One line for a child that died (or hung) without a result: which worker went away, in ggml's words."""
     try:
         lines = [l.strip() for l in Path(errpath).read_text(errors="replace").splitlines() if l.strip()]
     except OSError:
         lines = []
     ggml = next((l.split(": ", 1)[-1] for l in reversed(lines) if "GGML" in l or "RPC" in l), None)
+    if proc.is_alive():  # it holds the workers' only connection slot; free them for the probes
+        proc.kill()
+        proc.join()
     log.debug("supervised child ended with %s; its stderr: %s", proc.exitcode, lines[-20:])
     dead = workers.dead() if workers else []
+    silent = []
     for ep in eps:
         if ep in dead:
             continue
         try:
             probe_devices(ep, timeout=1.0)
         except WorkerUnreachable as e:
-            if "busy" not in str(e):
-                dead.append(ep)
-    why = f" (llama.cpp: {ggml})" if ggml else ""
+            (silent if e.why.startswith("did not answer") else dead).append(ep)
+    why = f" (the run {hung})" if hung else f" (llama.cpp: {ggml})" if ggml else ""
     if dead:
         return WorkerLost(dead[0], f"RPC worker {', '.join(dead)} went away during the run{why}; "
                           "restart it and run again, or leave it out of --rpc")
+    if silent:
+        return WorkerLost(silent[0], f"RPC worker {', '.join(silent)} stopped answering during the run{why}; "
+                          "check that host and its worker, or leave it out of --rpc")
+    if hung:
+        return WorkerLost(None, f"the run {hung}; stopped it (every worker answers now; "
+                          "raise the time limit if the work is simply slow)")
     code = proc.exitcode
     how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
     return WorkerLost(None, f"the model process ended with {how}{why}; set CTXQ_DEBUG=1 and -v for llama.cpp's log")
