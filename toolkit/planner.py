@@ -145,7 +145,9 @@ class _Costs:
     peaks: compute_mod.ComputePeaks
     inputs: int  # one copy of the inputs a device past the first receives
     host_inputs: int  # one copy of the inputs the host prepares for a split graph
+    resid: int  # the residual stream, f32 [n_embd, n_ubatch]
     logits: int
+    f16_cache: bool = True
 
 
 def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
@@ -165,23 +167,26 @@ def _costs(info: ModelInfo, src, n_ctx: int, n_ubatch: int, n_batch: int, type_k
     peaks = compute_mod.compute_peaks(src, info.swa_layers, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch,
                                       type_k=type_k, type_v=type_v, flash_attn=flash_attn)
     n_kv = -(-n_ctx // 256) * 256
-    # Graph inputs that cross devices: the residual stream (f32 [n_embd, n_ubatch]) and the attention
-    # mask ([n_kv, n_ubatch], f16 with flash attention, else f32), read off the measured splits.
-    mask = n_kv * n_ubatch * (2 if flash_attn else 4)
-    if any(info.swa_layers):
-        mask += kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) * n_ubatch * (2 if flash_attn else 4)
+    # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
+    # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
+    # iSWA models carry a second one of the same size) and the residual stream (f32 [n_embd, n_ubatch]).
+    mask = n_kv * n_ubatch * (2 if flash_attn else 4) * (2 if any(info.swa_layers) else 1)
     resid = info.n_embd * n_ubatch * 4
     return _Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
-                  host_inputs=mask + resid, logits=info.n_vocab * 4)
+                  host_inputs=mask + resid, resid=resid, logits=info.n_vocab * 4,
+                  f16_cache=type_k == "f16" and type_v == "f16")
 
 
 def _device_cost(c: _Costs, layers: range, has_output: bool, first: bool, n_used: int, dev: Device) -> DevicePlan:
     dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
     dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
-    peak = c.peaks.output if has_output else c.peaks.layer_full
-    copies = SCHED_COPIES if n_used > 1 else 1
-    dp.compute = peak + (0 if first and n_used == 1 else copies * c.inputs)
+    if n_used <= 1:  # one device, no pipeline: the graph's own peak (measured as such)
+        dp.compute = c.peaks.output if has_output else c.peaks.layer_full
+    elif has_output:  # with an f16 cache the output device also keeps 3 residual-sized tensors (measured, RPC)
+        dp.compute = c.peaks.output + SCHED_COPIES * c.inputs + (3 * c.resid if c.f16_cache else 0)
+    else:
+        dp.compute = c.peaks.layer_full + SCHED_COPIES * c.inputs
     dp.margin = GPU_MARGIN if dev.kind == "gpu" else RPC_MARGIN
     return dp
 
@@ -242,7 +247,8 @@ def _host(c: _Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
         dp.compute = c.peaks.output
     else:
         # the host builds the inputs of a split graph; with CPU layers it also runs them
-        dp.compute = (SCHED_COPIES if n_used > 1 else 1) * c.host_inputs + (c.peaks.layer_full if len(layers) else 0)
+        copies = SCHED_COPIES if n_used > 1 else 1
+        dp.compute = copies * c.host_inputs + c.resid + (c.peaks.layer_full if len(layers) else 0)
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp

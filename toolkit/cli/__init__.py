@@ -27,7 +27,7 @@ def cli(verbose: bool):
 
 def _register() -> None:
     from . import info  # noqa: F401  (each module adds its commands to `cli`)
-    for name in ("plan", "run", "convert", "worker"):
+    for name in ("plan", "run", "serve", "convert", "worker"):
         try:
             __import__(f"{__name__}.{name}")
         except ModuleNotFoundError as e:

@@ -1,0 +1,89 @@
+"""The planner against llama.cpp's real allocations, over real model geometries.
+
+For each cell (model geometry x devices x context x KV type) it plans with ctxq, loads the model for
+real (a synthetic GGUF with the real geometry and a sparse data region) on the CPU or split over
+local ggml RPC workers, and compares llama.cpp's own log lines per device.
+
+    .venv/bin/python scripts/accuracy.py                 # the matrix that fits this machine
+    .venv/bin/python scripts/accuracy.py --quick         # a small slice
+    .venv/bin/python scripts/accuracy.py --models llama3-8b --ctx 4096,32768 --kv f16,q8_0 --out docs/accuracy.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ctxq.accuracy import TARGET_ABS, check_cell
+from ctxq.rpc import start_workers
+from ctxq.synthetic import GEOMETRIES, write_synthetic_gguf
+
+MiB = 1024**2
+DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc5": [16, 16, 16, 8, 8]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="llama3-8b,qwen2.5-7b,gemma2-9b,mistral-nemo-12b,phi3-mini")
+    ap.add_argument("--devices", default="cpu,rpc2,rpc5")
+    ap.add_argument("--ctx", default="4096,32768,65536")
+    ap.add_argument("--kv", default="f16,q8_0,q4_0")
+    ap.add_argument("--max-kv-gib", type=float, default=6.0,
+                    help="skip cells whose KV cache exceeds this (RAM of this machine)")
+    ap.add_argument("--quick", action="store_true", help="llama3-8b and gemma2-9b at 4096 on cpu and rpc5")
+    ap.add_argument("--out", default=None, help="write the table as Markdown")
+    a = ap.parse_args()
+    if a.quick:
+        a.models, a.devices, a.ctx, a.kv = "llama3-8b,gemma2-9b", "cpu,rpc5", "4096", "f16,q8_0"
+    tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
+    rows, worst, fails, t0 = [], (0, ""), 0, time.time()
+    for name in a.models.split(","):
+        model = str(write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
+        from ctxq.modelinfo import model_info
+        info = model_info(model)
+        for dev in a.devices.split(","):
+            sizes = DEVICE_SETS[dev]
+            with start_workers(len(sizes)) if sizes else _null() as w:
+                for ctx in map(int, a.ctx.split(",")):
+                    for kv in a.kv.split(","):
+                        kv_gib = info.kv_bytes_per_token[kv] * ctx / 1024**3
+                        if kv_gib > a.max_kv_gib:
+                            print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
+                            continue
+                        r = check_cell(model, ctx, kv, sizes, workers=w, label=f"{name} {dev} {ctx} {kv}")
+                        for d in r.devices:
+                            rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
+                                         d.error / MiB, "ok" if d.ok else "OVER", "yes" if r.layers_match else "NO"])
+                            if abs(d.error) > abs(worst[0]):
+                                worst = (d.error, f"{r.label} {d.name}")
+                        fails += not r.ok
+                        print(f"{r.label}: worst {r.worst.name} {r.worst.error / MiB:+.2f} MiB, layers "
+                              f"{'match' if r.layers_match else 'DIFFER ' + r.layer_mismatch}", flush=True)
+    head = "| model | devices | n_ctx | KV | device | planned MiB | llama.cpp MiB | error MiB | within 1 %/32 MiB | layers match |"
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:+.1f} | {r[8]} | {r[9]} |")
+    table = "\n".join(lines)
+    print(table)
+    print(f"\n{len(rows)} device rows, {fails} cells outside the target; worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); "
+          f"{time.time() - t0:.0f} s")
+    if a.out:
+        Path(a.out).write_text(f"<!-- written by scripts/accuracy.py {' '.join(sys.argv[1:])} -->\n{table}\n\n"
+                               f"Worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); target: within 1 % or "
+                               f"{TARGET_ABS // MiB} MiB per device.\n")
+    return 0 if fails == 0 else 1
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

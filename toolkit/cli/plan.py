@@ -1,0 +1,137 @@
+"""`ctxq plan`: show how a required context fits on the devices, per device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from . import cli
+from .common import GiB, echo_json, table
+
+
+def device_options(f):
+    """--gpus / --profile / --rpc, shared by plan, run and serve."""
+    f = click.option("--rpc", default=None, metavar="HOST:PORT[=GiB],…",
+                     help="ggml RPC workers; they come first in llama.cpp's device order.")(f)
+    f = click.option("--profile", default=None, help="A hardware profile in profiles/ (e.g. 3x16-2x8) or a .toml file.")(f)
+    f = click.option("--gpus", default=None, metavar="GiB,…",
+                     help="Describe GPUs instead of detecting them: 16,16,16,8,8 or 3x16,2x8.")(f)
+    return f
+
+
+def kv_options(f):
+    f = click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
+                     help="Flash attention (auto: on; a quantized V cache needs it).")(f)
+    f = click.option("-ctv", "--cache-type-v", "type_v", default=None, help="V cache type (f16, q8_0, q4_0).")(f)
+    f = click.option("-ctk", "--cache-type-k", "type_k", default=None, help="K cache type (f16, q8_0, q4_0).")(f)
+    f = click.option("--kv", default="auto", type=click.Choice(["auto", "f16", "q8_0", "q4_0"]),
+                     help="KV-cache type for K and V; auto chooses the best that fits.")(f)
+    return f
+
+
+def render_plan(p, *, title: str | None = None) -> str:
+    """The per-device table, the llama.cpp flags and the choice made."""
+    rows = []
+    for d in p.devices:
+        n_l = len([x for x in d.layers if x < p.n_layer])
+        has_out = p.n_layer in d.layers
+        if d.device.kind != "cpu" and not d.layers:
+            layers = "-"
+        elif d.layers:
+            layers = f"{min(d.layers)}-{max(d.layers) if not has_out else p.n_layer - 1}" if n_l else ""
+            layers = f"{n_l} ({layers}{'+out' if has_out else ''})" if n_l else ("output" if has_out else "0")
+        else:
+            layers = "0"
+        use = d.total / d.device.usable * 100 if d.device.usable else 0
+        rows.append([d.device.name, layers, f"{d.weights / GiB:.2f}", f"{d.kv / GiB:.2f}", f"{d.compute / GiB:.2f}",
+                     f"{d.margin / GiB:.2f}", f"{d.total / GiB:.2f}", f"{d.device.usable / GiB:.2f}", f"{use:.0f}%"])
+    head = ["device", "layers", "weights", "KV", "compute", "margin", "total", "capacity", "use"]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append(f"model {Path(p.model).name}: {p.n_layer} layers, context {p.n_ctx:,} tokens, "
+                 f"KV {p.type_k}/{p.type_v}, flash attention {'on' if p.flash_attn else 'off'}")
+    lines.append(table(rows, head) + "\n(sizes in GiB; layers: count (range), +out = output head)")
+    lines.append(f"llama.cpp flags: {p.llama_flags()}")
+    if p.device_order:
+        lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
+    lines.append(f"why: {p.reason}")
+    if p.est_decode_tps:
+        lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "
+                     "(from memory bandwidth; an estimate, not a measurement)")
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def svg(p) -> str:
+    """Per-device stacked bars: weights, KV, compute, margin against capacity."""
+    colors = {"weights": "#4e79a7", "KV": "#f28e2b", "compute": "#59a14f", "margin": "#bab0ac"}
+    devs = p.devices
+    w_bar, gap, h, top = 60, 30, 300, 40
+    scale = h / max(max(d.device.usable, d.total) for d in devs)
+    width = len(devs) * (w_bar + gap) + gap + 120
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + top + 60}" font-family="sans-serif" font-size="11">',
+           f'<text x="{gap}" y="20" font-size="13">{Path(p.model).name} at {p.n_ctx:,} tokens, KV {p.type_k}/{p.type_v}</text>']
+    for i, d in enumerate(devs):
+        x = gap + i * (w_bar + gap)
+        cap_y = top + h - d.device.usable * scale
+        out.append(f'<rect x="{x}" y="{cap_y:.1f}" width="{w_bar}" height="{d.device.usable * scale:.1f}" fill="none" stroke="#333"/>')
+        y = top + h
+        for name, val in (("weights", d.weights), ("KV", d.kv), ("compute", d.compute), ("margin", d.margin)):
+            hh = val * scale
+            y -= hh
+            out.append(f'<rect x="{x}" y="{y:.1f}" width="{w_bar}" height="{hh:.1f}" fill="{colors[name]}">'
+                       f'<title>{name}: {val / GiB:.2f} GiB</title></rect>')
+        out.append(f'<text x="{x}" y="{top + h + 15}">{d.device.name[:12]}</text>')
+        out.append(f'<text x="{x}" y="{top + h + 28}">{d.total / GiB:.1f}/{d.device.usable / GiB:.1f} GiB</text>')
+    lx = gap + len(devs) * (w_bar + gap)
+    for j, (name, c) in enumerate(colors.items()):
+        out.append(f'<rect x="{lx}" y="{top + j * 18}" width="12" height="12" fill="{c}"/>'
+                   f'<text x="{lx + 16}" y="{top + j * 18 + 10}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+@cli.command("plan")
+@click.argument("model", required=False)
+@click.option("-c", "--ctx", "n_ctx", type=int, required=True, help="The context the input needs, in tokens.")
+@device_options
+@click.option("--simulate", default=None, metavar="GiB,…",
+              help="Plan for local RPC workers standing for GPUs of these sizes (no GPU margin).")
+@kv_options
+@click.option("--prefer", type=click.Choice(["quality", "speed"]), default="quality",
+              help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.")
+@click.option("-ts", "--split", default=None, help="Evaluate this split: ratios 16:16:16:8:8 or layer counts 19,19,19,10,14.")
+@click.option("-ub", "--ubatch", "n_ubatch", type=int, default=512, show_default=True)
+@click.option("-b", "--batch", "n_batch", type=int, default=2048, show_default=True)
+@click.option("--cpu-memory", type=float, default=None, help="Host RAM to plan with, GiB (default: available now).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--svg", "svg_path", type=click.Path(dir_okay=False), default=None, help="Write per-device bars to FILE.")
+def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, flash_attn, prefer, split, n_ubatch,
+             n_batch, cpu_memory, as_json, svg_path):
+    """Plan MODEL (a GGUF; default: the embedded SmolLM2) for a context of --ctx tokens.
+
+    Chooses the KV-cache type, flash attention and the layers per device so that the whole context
+    fits, leftover layers on the CPU; never shrinks the context.
+    """
+    from ..devices import Device
+    from ..planner import plan
+
+    devices = None
+    if simulate:
+        from ..devices import parse_gpus
+
+        devices = [Device(name=f"RPC{i}[simulated]", kind="rpc", total=d.total, usable=d.usable, bandwidth=None)
+                   for i, d in enumerate(parse_gpus(simulate))]
+    p = plan(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, devices=devices, kv=kv, type_k=type_k,
+             type_v=type_v, flash_attn={"on": True, "off": False, "auto": None}[flash_attn], split=split,
+             prefer=prefer, n_ubatch=n_ubatch, n_batch=n_batch,
+             cpu_memory=int(cpu_memory * GiB) if cpu_memory else None)
+    if svg_path:
+        Path(svg_path).write_text(svg(p))
+    if as_json:
+        echo_json(p.to_dict())
+    else:
+        click.echo(render_plan(p))
