@@ -54,10 +54,25 @@ def test_parse_rpc():
     assert eps == [RpcEndpoint("127.0.0.1", 50052, 16 * GiB), RpcEndpoint("10.0.0.2", 6000, None),
                    RpcEndpoint("host-b", 7, int(7.5 * GiB))]
     assert [e.endpoint for e in rpc.parse_rpc(["a:1", "b:2=8"])] == ["a:1", "b:2"]
-    for bad in ("127.0.0.1", "host:0", "host:70000", "host:1=0", "host:1=x", "", "a:1,a:1"):
+    for bad in ("127.0.0.1", "host:0", "host:70000", "host:1=0", "host:1=x", "", "a:1,a:1", "[::1]:5", "a:b:1"):
         with pytest.raises(CtxqError) as e:
             rpc.parse_rpc(bad)
         assert "\n" not in str(e.value) and "--rpc" in str(e.value)
+
+
+def test_simulated_sizes_from_gpus_spec_or_profile():
+    from ctxq.rpc_workers import _sizes
+
+    assert _sizes("16,16,16,8,8") == _sizes("3x16,2x8") == [16 * GiB] * 3 + [8 * GiB] * 2
+    assert len(_sizes("3x16-2x8")) == 5  # the profile of the same box
+    assert _sizes(2) == [None, None]
+    with pytest.raises(CtxqError):
+        _sizes("16,banana")
+
+
+def test_probe_unresolvable_host():
+    with pytest.raises(WorkerUnreachable, match="nosuchhost.invalid:5 has a host name that does not resolve"):
+        rpc.probe("nosuchhost.invalid:5", timeout=3.0)
 
 
 def test_probe_refused_and_silent_are_bounded():

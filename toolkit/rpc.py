@@ -96,7 +96,8 @@ class RpcEndpoint:
         return f"{self.host}:{self.port}"
 
 
-_EP_RE = re.compile(r"^(\[?[^\s=\]]+?\]?):(\d{1,5})(?:=(\d+(?:\.\d+)?)\s*(?:gib|gb|g)?)?$", re.I)
+# IPv4 or a host name; llama.cpp's client splits host and port at the first ':' (no IPv6).
+_EP_RE = re.compile(r"^([^\s:=\[\]]+):(\d{1,5})(?:=(\d+(?:\.\d+)?)\s*(?:gib|gb|g)?)?$", re.I)
 
 
 def parse_rpc(spec: str | RpcEndpoint | list | tuple) -> list[RpcEndpoint]:
@@ -119,7 +120,7 @@ def parse_rpc(spec: str | RpcEndpoint | list | tuple) -> list[RpcEndpoint]:
         if not m or not 0 < port < 65536 or (m.group(3) and float(m.group(3)) <= 0):
             raise CtxqError(f"--rpc {p!r}: write HOST:PORT or HOST:PORT=GiB, e.g. 127.0.0.1:50052=16")
         declared = int(float(m.group(3)) * GiB) if m.group(3) else None
-        out.append(RpcEndpoint(m.group(1).strip("[]"), port, declared))
+        out.append(RpcEndpoint(m.group(1), port, declared))
     if not out:
         raise CtxqError("--rpc: give one or more HOST:PORT[=GiB] endpoints, e.g. 127.0.0.1:50052=16")
     seen = [e.endpoint for e in out]
@@ -183,6 +184,8 @@ def probe_devices(endpoint: str | RpcEndpoint, timeout: float = 3.0) -> list[tup
     except ConnectionRefusedError:
         raise WorkerUnreachable(ep.endpoint, f"refused the connection: start one there with "
                                 f"`ctxq worker --port {ep.port}` or fix --rpc") from None
+    except socket.gaierror as e:
+        raise WorkerUnreachable(ep.endpoint, f"has a host name that does not resolve ({e.strerror}); fix --rpc") from None
     except (TimeoutError, socket.timeout):
         raise WorkerUnreachable(ep.endpoint, f"did not answer within {timeout:g} s (host down or "
                                 "firewalled, or the worker is busy serving another client)") from None

@@ -69,7 +69,8 @@ def _sizes(n_or_sizes) -> list[int | None]:
         return [None] * n_or_sizes
     if isinstance(n_or_sizes, str):
         spec = n_or_sizes.strip()
-        devs = devices.parse_gpus(spec) if spec[:1].isdigit() else devices.load_profile(spec)[0]
+        is_profile = spec in devices.list_profiles() or spec.endswith(".toml")
+        devs = devices.load_profile(spec)[0] if is_profile else devices.parse_gpus(spec)
         return [d.usable for d in devs]
     out = [d.usable if isinstance(d, devices.Device) else int(d) for d in n_or_sizes]
     if not out or any(s <= 0 for s in out):
