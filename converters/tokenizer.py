@@ -221,7 +221,11 @@ def read_spm(path: Path) -> tuple[list[tuple[str, float, int]], bool]:
                 pieces.append((piece, score, kind))
             elif num == 3:  # NormalizerSpec
                 for n, v in _fields(val):
-                    if n == 3:
+                    if n == 1 and v not in (b"identity", b""):
+                        # llama.cpp's SPM tokenizer does not normalize (no NFKC, newlines kept)
+                        log.warning("%s: SentencePiece normalizer %r is not reproduced by llama.cpp; "
+                                    "tokenization may differ on unusual text", path, v.decode(errors="replace"))
+                    elif n == 3:
                         add_dummy_prefix = bool(v)
     except (IndexError, UnicodeDecodeError, struct.error):
         raise ConversionError(f"{path}: not a SentencePiece model") from None

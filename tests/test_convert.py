@@ -1,0 +1,245 @@
+"""`ctxq convert` proven against transformers: tiny random checkpoints of every supported family,
+with odd shapes (widths and head sizes that are not powers of two, GQA, biases, tied embeddings,
+padded vocabularies, sliding windows shorter than the prompt), converted and run in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="transformers reference logits need torch (pip install ctxq[test])")
+transformers = pytest.importorskip("transformers", reason="reference logits need transformers (ctxq[test])")
+
+from ctxq import CtxqError, convert  # noqa: E402
+from ctxq.converters.tokenizer import LLAMA3_RE, QWEN2_RE  # noqa: E402
+
+from .conftest import run_ctxq  # noqa: E402
+
+# Spaces, newlines, tabs, digits, emoji, CJK, apostrophes: the pre-tokenizer's hard cases.
+TEXT = ("Hello world! It's 2024: numbers 12345 and 3.14159\n\n  indented\tline, don't we'll they're "
+        "😀🎉 日本語のテキスト 中文 ÅÉÎ café   spaces    end.\nNew line 007 x1y2z3")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It's 10:30 and we'll see 42 foxes.",
+    "Numbers like 123, 4567 and 89 appear; don't they? Yes, they're here.",
+    "Hello world, hello there, world of words and worlds of numbers 2024 2025.",
+    "café naïve résumé — quotes 'single' and \"double\"\n\tindented lines\n\n",
+]
+
+_PRE = {
+    "llama-bpe": lambda pt: pt.Sequence([pt.Split(_regex(LLAMA3_RE), "isolated"), pt.ByteLevel(False, use_regex=False)]),
+    "qwen2": lambda pt: pt.Sequence([pt.Split(_regex(QWEN2_RE), "isolated"), pt.ByteLevel(False, use_regex=False)]),
+    "gpt-2": lambda pt: pt.ByteLevel(add_prefix_space=False, use_regex=True),
+    "smollm": lambda pt: pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(False, use_regex=True)]),
+}
+
+
+def _regex(text):
+    from tokenizers import Regex
+
+    return Regex(text)
+
+
+def write_bpe_tokenizer(folder: Path, pre: str, vocab_size: int = 333) -> int:
+    """Train a byte-level BPE on CORPUS (tokenizers), save it as a transformers tokenizer; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = _PRE[pre](pre_tokenizers)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|end|>", "<|start|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|start|>", eos_token="<|end|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = "{% for m in messages %}<|start|>{{ m['content'] }}<|end|>{% endfor %}"
+    fast.save_pretrained(folder)
+    return tok.get_vocab_size()
+
+
+def write_spm_tokenizer(folder: Path, style: str, vocab_size: int = 341) -> int:
+    """Train a SentencePiece model with byte fallback and save tokenizer.model: "gemma" style has no
+    dummy prefix (as Gemma's); "llama" style has one and a user-defined <|endoftext|> (as Phi-3's)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece", reason="training a test SentencePiece model needs sentencepiece")
+    buf = io.BytesIO()
+    gemma = style == "gemma"
+    ids = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3) if gemma else dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS * 8), model_writer=buf, vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   add_dummy_prefix=not gemma, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity",  # as Llama 2, Phi-3 and Gemma ship
+                                   user_defined_symbols=[] if gemma else ["<|endoftext|>"], minloglevel=2, **ids)
+    (folder / "tokenizer.model").write_bytes(buf.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer", "add_bos_token": True,
+        "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        **({"pad_token": "<pad>"} if gemma else {"legacy": False})}))
+    return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).vocab_size()
+
+
+# Each family: config class, config overrides, tokenizer. Widths 60 (not a power of two), head
+# size 10 or 16, GQA 6:2, intermediate 84, vocab rows > tokenizer size (padded in the GGUF).
+COMMON = dict(hidden_size=60, intermediate_size=84, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, max_position_embeddings=512)
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(attention_bias=True, tie_word_embeddings=True), "llama-bpe"),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None), "gpt-2"),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "qwen2"),
+    "qwen3": ("Qwen3Config", dict(head_dim=16), "qwen2"),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                    num_hidden_layers=3), "smollm"),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+               "spm-gemma"),
+    "phi3": ("Phi3Config", dict(pad_token_id=None, eos_token_id=2, bos_token_id=1), "spm-llama"),
+}
+ARCH_CLASS = {"gemma3": "Gemma3ForCausalLM"}
+
+
+def make_tiny(folder: Path, family: str, seed: int = 0) -> Path:
+    """A random checkpoint of `family` with its tokenizer, saved as safetensors in `folder`."""
+    cfg_name, overrides, tok_kind = FAMILIES[family]
+    folder.mkdir(parents=True, exist_ok=True)
+    n_tok = (write_spm_tokenizer(folder, tok_kind[4:]) if tok_kind.startswith("spm-")
+             else write_bpe_tokenizer(folder, tok_kind))
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **overrides, "vocab_size": n_tok + 7})
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, ARCH_CLASS.get(family, cfg_name.replace("Config", "ForCausalLM")))
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():  # weights big enough that logits are far from ties, norms away from 1 (or 0)
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def reference_logits(folder: Path, ids: list[int]) -> np.ndarray:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def llama_logits(gguf_path: Path, ids: list[int]) -> tuple[np.ndarray, list[int]]:
+    """llama.cpp's logits for every position, and its own tokenization of TEXT."""
+    from llama_cpp import Llama
+
+    from ctxq.backend import llama_cpp
+
+    llama_cpp()  # ctxq's log capture instead of llama.cpp's stderr
+    llm = Llama(str(gguf_path), n_ctx=256, n_batch=256, logits_all=True, n_threads=2, verbose=False)
+    try:
+        toks = llm.tokenize(TEXT.encode(), add_bos=False, special=False)
+        llm.eval(ids)
+        return np.array(llm.scores[: len(ids)], dtype=np.float32), toks
+    finally:
+        llm.close()
+
+
+def compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, int, int]:
+    """Relative L2 error at the last position; top-1 disagreements outside near-ties, and near-ties."""
+    rel = float(np.linalg.norm(got[-1] - ref[-1]) / np.linalg.norm(ref[-1]))
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    near_tie = (top2[:, 1] - top2[:, 0]) < 1e-3 * (ref.max(1) - ref.min(1))
+    differ = ref.argmax(1) != got.argmax(1)
+    return rel, int((differ & ~near_tie).sum()), int(near_tie.sum())
+
+
+def hf_ids(folder: Path) -> list[int]:
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    return tok(TEXT, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: make_tiny(root / f, f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(tiny, family, tmp_path):
+    folder = tiny[family]
+    ids = hf_ids(folder)
+    ref = reference_logits(folder, ids)
+    results = {}
+    for kind, limit in (("f32", 1e-3), ("f16", 1e-2)):
+        r = convert(folder, kind, tmp_path / f"{family}-{kind}.gguf")
+        got, llama_tokens = llama_logits(r.path, ids)
+        assert llama_tokens == ids, f"{family}: llama.cpp tokenizes differently from transformers"
+        rel, flips, _ = compare(ref, got)
+        results[kind] = rel
+        assert rel <= limit, f"{family} {kind}: relative L2 {rel:.2e} > {limit}"
+        assert flips == 0, f"{family} {kind}: {flips} top-1 changes outside near-ties"
+    assert len(ids) > 40  # the comparison spans the sliding windows (8) of the Gemma models
+
+
+def test_gguf_metadata_of_odd_shapes(tiny, tmp_path):
+    from ctxq.modelinfo import model_info
+
+    r = convert(tiny["gemma3"], "f32", tmp_path / "g3.gguf")
+    info = model_info(r.path)
+    assert (info.arch, info.n_layer, info.n_embd, info.head_dim_k) == ("gemma3", 3, 60, 16)
+    assert info.n_head_kv == [2, 2, 2] and info.swa_layers == [True, True, False] and info.n_swa == 8
+    assert info.output_tied
+    r = convert(tiny["qwen3"], "q8_0", tmp_path / "q3.gguf")
+    info = model_info(r.path)
+    # rows of 60 or 84 are not whole 32-weight Q8_0 blocks: those fall back to F16, 1-D stays F32
+    assert set(info.tensor_types) <= {"F16", "F32", "Q8_0"} and "F16" in info.tensor_types
+
+
+def test_unknown_pre_tokenizer_names_the_way_out(tmp_path):
+    folder = make_tiny(tmp_path / "m", "mistral")
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\d{1,5}"}, "behavior": "Isolated", "invert": False},
+        tj["pre_tokenizer"]]}
+    (folder / "tokenizer.json").write_text(json.dumps(tj))
+    out = tmp_path / "out.gguf"
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
+    assert rc.returncode == 1 and "--pre NAME" in rc.stderr and "Traceback" not in rc.stderr
+    assert len(rc.stderr.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))
+    # a name llama.cpp does not know is caught by the load check: nothing is left behind
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out), "--pre", "no-such-pre")
+    assert rc.returncode == 1 and "rejects" in rc.stderr, rc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))
+    # the right name makes it work
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out), "--pre", "gpt-2")
+    assert rc.returncode == 0, rc.stderr
+    assert out.is_file()
+
+
+def test_refuses_pickles_and_unknown_architectures(tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    with pytest.raises(CtxqError, match="safetensors only"):
+        convert(folder, "f16", tmp_path / "x.gguf")
+    rc = run_ctxq("convert", str(folder), "-o", str(tmp_path / "x.gguf"))
+    assert rc.returncode == 1 and rc.stderr.startswith("Error:") and "safetensors" in rc.stderr
+    folder2 = make_tiny(tmp_path / "arch", "phi3")
+    cfg = json.loads((folder2 / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (folder2 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CtxqError, match="not supported.*Phi3ForCausalLM"):
+        convert(folder2, "f16", tmp_path / "y.gguf")
+    assert not (tmp_path / "y.gguf").exists()
+
+
+def test_existing_output_needs_force(tiny, tmp_path):
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    with pytest.raises(CtxqError, match="--force"):
+        convert(tiny["llama"], "f16", out)
+    assert out.read_bytes() == b"keep me"
+    r = convert(tiny["llama"], "f16", out, force=True)
+    assert r.path == out and out.read_bytes()[:4] == b"GGUF"
