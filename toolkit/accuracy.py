@@ -81,7 +81,7 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
     else:
         p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch)
     kw = dict(n_ctx=n_ctx, n_gpu_layers=p.n_gpu_layers, type_k=p.type_k, type_v=p.type_v,
-              flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch)
+              flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full)
     if sizes_gib:
         kw["tensor_split"] = [float(s) for s in sizes_gib]  # the ratios, as a user would give them
     real = run_supervised(_measure_child, model, kw, rpc=workers.endpoints if workers else (),

@@ -26,7 +26,8 @@ class Measurement:
 
 def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split: list[float] | None = None,
             type_k: str = "f16", type_v: str = "f16", flash_attn: bool = False, n_batch: int = 2048,
-            n_ubatch: int = 512, dry_run: bool = False, use_mmap: bool = True) -> Measurement:
+            n_ubatch: int = 512, dry_run: bool = False, use_mmap: bool = True,
+            swa_full: bool = False) -> Measurement:
     lc = backend.llama_cpp()
     lc.llama_backend_init()
     from gguf.constants import GGMLQuantizationType as T
@@ -52,6 +53,7 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
     cp.type_v = int(T[type_v.upper()])
     cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED
     cp.offload_kqv = True
+    cp.swa_full = swa_full  # llama.cpp's default is a full-size SWA cache; ctxq plans the window
     with backend.capture_log() as lines:
         model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
         if not model:

@@ -88,6 +88,7 @@ class Plan:
     gpus: list[DevicePlan]  # in llama.cpp's order (after any reordering)
     host: DevicePlan
     n_layer: int
+    swa_full: bool = False  # sliding-window layers keep only their window (llama.cpp defaults to full)
     device_order: list[int] | None = None  # indices into the given devices when reordered
     reason: str = ""
     est_decode_tps: float | None = None  # an estimate from memory bandwidth, not a measurement
@@ -109,7 +110,7 @@ class Plan:
         kw = dict(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                   n_gpu_layers=self.n_gpu_layers, split_mode=llama_cpp.LLAMA_SPLIT_MODE_LAYER,
                   type_k=int(T[self.type_k.upper()]), type_v=int(T[self.type_v.upper()]),
-                  flash_attn=self.flash_attn, offload_kqv=True)
+                  flash_attn=self.flash_attn, offload_kqv=True, swa_full=self.swa_full)
         if self.gpus:
             kw["tensor_split"] = [float(c) for c in self.tensor_split]
             kw["main_gpu"] = 0
@@ -121,6 +122,8 @@ class Plan:
         if self.gpus:
             flags += " -sm layer -ts " + ",".join(str(c) for c in self.tensor_split)
         flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
+        if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
+            flags += " --swa-full"
         return flags
 
     def to_dict(self) -> dict:
@@ -169,8 +172,9 @@ def _costs(info: ModelInfo, src, n_ctx: int, n_ubatch: int, n_batch: int, type_k
     n_kv = -(-n_ctx // 256) * 256
     # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
     # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
-    # iSWA models carry a second one of the same size) and the residual stream (f32 [n_embd, n_ubatch]).
-    mask = n_kv * n_ubatch * (2 if flash_attn else 4) * (2 if any(info.swa_layers) else 1)
+    # iSWA models carry a second one over the window's cells) and the residual stream (f32 [n_embd, n_ubatch]).
+    mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
+    mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
     return _Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
                   host_inputs=mask + resid, resid=resid, logits=info.n_vocab * 4,
@@ -183,6 +187,8 @@ def _device_cost(c: _Costs, layers: range, has_output: bool, first: bool, n_used
     dp.kv = sum(c.layer_kv[i] for i in layers)
     if n_used <= 1:  # one device, no pipeline: the graph's own peak (measured as such)
         dp.compute = c.peaks.output if has_output else c.peaks.layer_full
+    elif has_output and not layers:  # the output head alone: no attention, so no mask copies (measured)
+        dp.compute = c.peaks.output + 3 * c.resid
     elif has_output:  # with an f16 cache the output device also keeps 3 residual-sized tensors (measured, RPC)
         dp.compute = c.peaks.output + SCHED_COPIES * c.inputs + (3 * c.resid if c.f16_cache else 0)
     else:
