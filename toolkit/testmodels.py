@@ -126,3 +126,101 @@ def tiny_llama_gguf(dest: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 
         w.close()
 
     return _write_atomic(write, dest)
+
+
+def synthetic_imatrix_gguf(model: str | os.PathLike, dest: str | os.PathLike, seed: int = 0) -> Path:
+    """A GGUF importance matrix for every 2-D weight of `model`, in llama-imatrix's layout
+    (`<tensor>.in_sum2` and `<tensor>.counts` F32, keys `imatrix.*`), with random positive
+    activation statistics: enough to exercise the types that need one, not to improve quality."""
+    import gguf
+
+    from .gguf_file import read_gguf
+
+    g = read_gguf(model, skip_arrays=True)
+    rng = np.random.default_rng(seed)
+    chunks = 10  # pretend 10 chunks of 512 tokens were seen (llama-imatrix's default chunk size)
+
+    def write(part: Path) -> None:
+        w = gguf.GGUFWriter(str(part), arch="")
+        w.add_type("imatrix")
+        w.add_array("imatrix.datasets", ["synthetic"])
+        w.add_uint32("imatrix.chunk_count", chunks)
+        w.add_uint32("imatrix.chunk_size", 512)
+        for t in g.tensors:
+            if len(t.shape) < 2 or t.name == "token_embd.weight":
+                continue
+            n = chunks * 512
+            w.add_tensor(t.name + ".in_sum2", (rng.random((1, t.shape[0]), dtype=np.float32) + 0.5) * n)
+            w.add_tensor(t.name + ".counts", np.full((1, 1), n, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return _write_atomic(write, Path(dest))
+
+
+def tiny_chat_llama_gguf(dest: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 64, n_ff: int = 128,
+                         n_ctx_train: int = 65536, seed: int = 0) -> Path:
+    """A random-weight llama with the default model's real tokenizer and chat template.
+
+    Every `tokenizer.*` key of SmolLM2 is copied, so text tokenizes exactly as with SmolLM2 (49,152
+    tokens) and `--chat` formats with its template; the network is tiny (default 2 layers, 64 wide,
+    one 64-wide head), so a 60k-token prefill takes about a minute on 2 CPU cores instead of hours.
+    Its output is meaningless text. Reuses `dest` when it exists.
+    """
+    import gguf
+
+    from .models import fetch_default_model
+
+    dest = Path(dest)
+    if dest.is_file():
+        return dest
+    src = gguf.GGUFReader(str(fetch_default_model()))
+    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    head_dim = 64  # SmolLM2's head size
+    n_head = max(1, n_embd // head_dim)
+    rng = np.random.default_rng(seed)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        # std 0.02: the initializer_range of Llama-family HF configs
+        return rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+
+    def write(part: Path) -> None:
+        w = gguf.GGUFWriter(str(part), "llama")
+        w.add_name("tiny-chat-llama")
+        w.add_block_count(n_layer)
+        w.add_context_length(n_ctx_train)
+        w.add_embedding_length(n_embd)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head)
+        w.add_rope_dimension_count(n_embd // n_head)
+        w.add_rope_freq_base(100000.0)  # SmolLM2's
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_file_type(0)  # ALL_F32
+        w.add_vocab_size(n_vocab)
+        for key, field in src.fields.items():
+            if not key.startswith("tokenizer."):
+                continue
+            vtype = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), vtype, sub)
+        w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+        w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor("output.weight", mat(n_vocab, n_embd))
+        for il in range(n_layer):
+            p = f"blk.{il}."
+            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                w.add_tensor(p + name + ".weight", mat(n_embd, n_embd))
+            w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
+            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
+            w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    return _write_atomic(write, dest)
