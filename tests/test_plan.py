@@ -68,7 +68,7 @@ def test_70b_at_64k_on_the_mixed_box(models):
     assert sum(p.tensor_split) == p.n_gpu_layers == 81
     for g in p.gpus:
         assert g.total <= g.device.usable
-    assert "f16 KV does not fit" in p.reason
+    assert "f16 KV (20.0 GiB) does not fit at 65536 tokens" in p.reason
     same = plan(models["llama3-70b"], 65536, gpus="3x16,2x8")
     assert same.tensor_split == p.tensor_split
 

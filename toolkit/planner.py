@@ -432,7 +432,11 @@ def plan(model: str | os.PathLike | None, n_ctx: int, *, gpus=None, profile: str
         chosen = max(plans, key=lambda p: (p.n_gpu_layers, -KV_ORDER.index(p.type_v)))
         why = f"{chosen.cpu_layers} layers on the CPU with the smallest KV type that minimises them"
     if chosen.type_k != "f16" and len(candidates) > 1:
-        why += f"; f16 KV does not fit at {n_ctx} tokens"
+        kv_f16 = sum(kv_cells(info, n_ctx, n_ubatch, il) * (kv_bytes("f16", info.n_embd_k_gqa(il))
+                     + kv_bytes("f16", info.n_embd_v_gqa(il))) for il in range(info.n_layer))
+        kv_got = chosen.host.kv + sum(g.kv for g in chosen.gpus)
+        why += (f"; f16 KV ({kv_f16 / GiB:.1f} GiB) does not fit at {n_ctx} tokens, "
+                f"{chosen.type_k} ({kv_got / GiB:.1f} GiB) does")
     chosen.reason = why
     return chosen
 
