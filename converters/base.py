@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import gguf
 import numpy as np
@@ -114,11 +114,12 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @dataclass
 class TensorPlan:
-    """One output tensor: GGUF name, numpy shape, output type and how to produce its float32 data."""
+    """One output tensor: GGUF name, numpy shape, output type, and its float32 data as blocks of
+    whole rows (a generator, so only one block is in memory)."""
 
     name: str
     shape: tuple[int, ...]
     type: gguf.GGMLQuantizationType
-    load: Callable[[], np.ndarray]
+    blocks: Callable[[], Iterable[np.ndarray]]
     source_bytes: int = 0
     notes: list[str] = field(default_factory=list)

@@ -37,17 +37,34 @@ class TensorRef:
     nbytes: int
 
     def load_f32(self) -> np.ndarray:
-        """The tensor as float32, read through a map of only its own bytes."""
+        """The whole tensor as float32."""
+        return self._rows(0, self.shape[0] if self.shape else 1)
+
+    def iter_f32(self, max_bytes: int = 32 << 20):
+        """The tensor as float32 blocks of whole rows (axis 0), each from about `max_bytes` of source."""
+        if len(self.shape) < 2:
+            yield self.load_f32()
+            return
+        row_bytes = max(1, self.nbytes // self.shape[0])
+        step = max(1, max_bytes // row_bytes)
+        for r in range(0, self.shape[0], step):
+            yield self._rows(r, min(step, self.shape[0] - r))
+
+    def _rows(self, first: int, count: int) -> np.ndarray:
+        """Rows [first, first+count) as float32, read through a map of only those bytes."""
         np_dtype = _DTYPES[self.dtype]
-        if self.nbytes == 0:
-            return np.zeros(self.shape, np.float32)
+        shape = (count, *self.shape[1:]) if self.shape else ()
+        n = int(np.prod(shape, dtype=np.int64))
+        if n == 0:
+            return np.zeros(shape, np.float32)
+        size = np.dtype(np_dtype).itemsize
+        start = self.start + first * (self.nbytes // max(1, self.shape[0] if self.shape else 1))
         page = mmap.ALLOCATIONGRANULARITY
-        base = self.start // page * page
+        base = start // page * page
         with open(self.file, "rb") as f:
-            mm = mmap.mmap(f.fileno(), self.start - base + self.nbytes, access=mmap.ACCESS_READ, offset=base)
+            mm = mmap.mmap(f.fileno(), start - base + n * size, access=mmap.ACCESS_READ, offset=base)
         try:
-            raw = np.frombuffer(mm, dtype=np_dtype, count=self.nbytes // np.dtype(np_dtype).itemsize,
-                                offset=self.start - base).reshape(self.shape)
+            raw = np.frombuffer(mm, dtype=np_dtype, count=n, offset=start - base).reshape(shape)
             if self.dtype == "BF16":
                 out = (raw.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of an f32
             else:

@@ -160,10 +160,12 @@ def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list
             transform = (lambda h: lambda x: permute_rope(x, h))(heads)
         elif family.norm_shift and name.endswith("norm.weight"):
             transform = (lambda s: lambda x: x + np.float32(s))(family.norm_shift)
-        load = (lambda r, f: (lambda: f(r.load_f32()) if f else r.load_f32()))(ref, transform)
-        plans.append(TensorPlan(name, ref.shape, _out_type(name, ref.shape, kind), load, ref.nbytes))
+        # Whole tensor when a transform needs it (Q/K permutation mixes rows within a head, and
+        # those tensors are small); otherwise row blocks, so the embedding never sits in memory whole.
+        blocks = (lambda r, f: (lambda: [f(r.load_f32())]) if f else r.iter_f32)(ref, transform)
+        plans.append(TensorPlan(name, ref.shape, _out_type(name, ref.shape, kind), blocks, ref.nbytes))
     for name, arr in (family.extra_tensors(cfg) if family.extra_tensors else {}).items():
-        plans.append(TensorPlan(name, arr.shape, T.F32, (lambda a: lambda: a)(arr)))
+        plans.append(TensorPlan(name, arr.shape, T.F32, (lambda a: lambda: [a])(arr)))
     if not any(p.name == "token_embd.weight" for p in plans):
         raise ConversionError(f"{ckpt.folder}: no token embedding tensor (model.embed_tokens.weight)")
     if head_dim(cfg) % 2:
@@ -215,15 +217,25 @@ def _write(path: Path, family: Family, cfg: dict, vocab: Vocab, plans: list[Tens
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    # Tensor data is written here block by block (GGUFWriter.write_tensor_data takes whole
+    # tensors): each tensor starts at the next multiple of the alignment, as the offsets it wrote say.
+    f = w.fout[0]
+    align = w.data_alignment
     done = 0
     try:
         for p in plans:
-            data = _encode(p.load(), p.type)
-            w.write_tensor_data(data)
-            done += data.nbytes
-            del data
-            if progress:
-                progress(done, total, f"write:{p.name}")
+            f.write(b"\0" * (-f.tell() % align))
+            start = f.tell()
+            for block in p.blocks():
+                data = _encode(block, p.type)
+                data.tofile(f)
+                done += data.nbytes
+                del data, block
+                if progress:
+                    progress(done, total, f"write:{p.name}")
+            if f.tell() - start != _nbytes(p):
+                raise ConversionError(f"{p.name}: wrote {f.tell() - start} bytes, expected {_nbytes(p)}")
+        f.write(b"\0" * (-f.tell() % align))
     finally:
         w.close()
 
