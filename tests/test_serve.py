@@ -1,0 +1,134 @@
+"""`ctxq serve` end to end: the real console script on a free local port, a real HTTP client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+KEY = "test-key"
+N_CTX = 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    exe = Path(sys.executable).with_name("ctxq")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(exe), "serve", str(smollm2), "-c", str(N_CTX), "--port", str(port),
+                                 "--api-key", KEY, "--seed", "1"], stdout=out, stderr=subprocess.STDOUT,
+                                env={k: v for k, v in os.environ.items() if k != "CTXQ_DEBUG"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ctxq serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"ctxq serve did not answer /health within 120 s: {log.read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield base, log
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _client(base):
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+
+
+def test_health_and_startup_report(server):
+    base, log = server
+    h = httpx.get(base + "/health").json()  # no key needed
+    assert h["status"] == "ok" and h["n_ctx"] == N_CTX and f"-c {N_CTX}" in h["plan"]
+    text = log.read_text()
+    assert "serving on http://127.0.0.1:" in text and "planned" in text and "llama.cpp" in text
+
+
+def test_chat_completion(server):
+    with _client(server[0]) as c:
+        r = c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["usage"]["prompt_tokens"] > 10
+
+
+def test_streaming_completion(server):
+    chunks = []
+    with _client(server[0]) as c, c.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Count from one to five."}],
+            "max_tokens": 12, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[len("data: "):])
+    assert chunks[-1] == "[DONE]"
+    deltas = [json.loads(c)["choices"][0]["delta"].get("content") or "" for c in chunks[:-1]]
+    assert len([d for d in deltas if d]) >= 3 and "".join(deltas).strip()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_overlong_request_is_400_with_numbers(server, stream):
+    prompt = "word " * (N_CTX + 200)
+    with _client(server[0]) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["n_ctx"] == N_CTX
+        assert err["prompt_tokens"] > N_CTX and f"{err['prompt_tokens']} tokens" in err["message"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                 "stream": stream})
+        assert r.status_code == 400 and str(N_CTX) in r.json()["error"]["message"]
+        # the server is still there
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_api_key_is_required(server):
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 401
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "word " * 3000}, timeout=60)
+    assert r.status_code == 401  # an unauthenticated caller learns nothing about the context
+
+
+def test_16_concurrent_requests_all_answered(server):
+    def ask(i):
+        with _client(server[0]) as c:
+            r = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": f"Say the number {i}."}], "max_tokens": 4,
+                "temperature": 0})
+            return r.status_code, r.json()
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(ask, range(16)))
+    assert [s for s, _ in results] == [200] * 16
+    assert all(b["choices"][0]["message"]["content"] for _, b in results)
+    assert len({b["id"] for _, b in results}) == 16
