@@ -23,9 +23,9 @@ from ctxq.rpc_workers import generate_greedy, report
 
 GiB = 1024**3
 MiB = 1024**2
-# Per-device agreement between the plan and llama.cpp's log. The planner (issue 3) aims at 5 %;
-# the margin is the planner's own fixed headroom, which llama.cpp does not log.
-ACCURACY = 0.05
+# The planner's accuracy target (docs/planner.md): every device within 1.0 % or 32 MiB of what
+# llama.cpp logs (model + KV + compute; the plan's margin is headroom, not an allocation).
+ACCURACY_REL, ACCURACY_ABS = 0.01, 32 * MiB
 PROMPT = "The three primary colours are"
 
 
@@ -171,10 +171,11 @@ def test_split_over_five_simulated_devices_matches_one_device(smollm2):
 
     for k, g in enumerate(p.gpus):
         buf = f"RPC0[{endpoints[k]}]"  # buffer type names: device index on the worker + endpoint
-        assert a.kv[buf] == pytest.approx(g.kv, rel=0.001)
-        assert a.model[buf] == pytest.approx(g.weights, rel=ACCURACY)
-        assert a.compute[buf] == pytest.approx(g.compute, rel=ACCURACY)
-        assert a.total(buf) == pytest.approx(g.weights + g.kv + g.compute, rel=ACCURACY)
+        # KV and weights are exact sums (llama.cpp logs MiB with 2 decimals: 0.005 MiB rounding).
+        assert abs(a.kv[buf] - g.kv) <= 0.005 * MiB
+        assert a.model[buf] == pytest.approx(g.weights, rel=ACCURACY_REL)
+        planned, logged_total = g.weights + g.kv + g.compute, a.total(buf)
+        assert abs(logged_total - planned) <= max(ACCURACY_REL * logged_total, ACCURACY_ABS), (buf, planned, logged_total)
 
 
 def _generate_until_stopped(model, endpoints, **kw):
