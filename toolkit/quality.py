@@ -51,11 +51,14 @@ def _tokens(path: str, n_ctx: int) -> list[int]:
     usable vocabulary (tokenizer "none"), a fixed pseudo-random token sequence instead."""
     from llama_cpp import Llama
 
+    from .gguf_file import read_gguf
+
     llm = Llama(path, n_ctx=n_ctx, vocab_only=True, verbose=False)
-    try:
-        toks = llm.tokenize(REFERENCE_TEXT.encode(), add_bos=True)
-    except Exception:  # noqa: BLE001  (llama.cpp raises for a vocabulary it cannot tokenize with)
+    # llama.cpp aborts (GGML_ASSERT) when asked to tokenize with a "none" vocabulary.
+    if read_gguf(path, skip_arrays=True).get("tokenizer.ggml.model") in ("none", "no_vocab"):
         toks = []
+    else:
+        toks = llm.tokenize(REFERENCE_TEXT.encode(), add_bos=True)
     n_vocab = llm.n_vocab()
     llm.close()
     if len(toks) >= MIN_TOKENS:

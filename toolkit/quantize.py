@@ -79,6 +79,7 @@ _BASE: dict[str, tuple[float, int, tuple[float, int]]] = {
 # Mixes give some tensors (output, attn_v, ffn_down) more bits: Q4_K_M is 4.95 bits per weight on
 # tests' tiny llama and 4.89 on Llama-3-8B against 4.5 for Q4_K, so allow one bit more.
 _MIX_MARGIN_BITS = 1.0
+_HEADER_SLACK = 1 << 16  # keys llama.cpp adds to the header: quantization_version, quantize.imatrix.*
 _UNQUANTIZED = {0: 32.0, 1: 16.0, 30: 16.0}  # ggml types F32, F16, BF16 -> bits per weight
 
 Progress = Callable[[int, int, str], None]  # (tensors done, tensors in all, tensor being quantized)
@@ -134,10 +135,10 @@ def estimate_size(src: str | os.PathLike, type: str) -> int:
     weight of the type's default tensor type (its fallback for odd rows) and a margin for mixes."""
     name, _ = parse_type(type)
     g = read_gguf(src, skip_arrays=True)
-    total = g.data_offset
+    total = g.data_offset + _HEADER_SLACK
     for t in g.tensors:
         if name in ("COPY",) or len(t.shape) < 2:
-            total += t.nbytes  # copied, or 1-D (norms, biases) kept as they are
+            total += t.nbytes + g.alignment  # copied, or 1-D (norms, biases) kept as they are
             continue
         if name in ("F32", "F16", "BF16"):
             bits = {"F32": 32.0, "F16": 16.0, "BF16": 16.0}[name]

@@ -1,0 +1,132 @@
+"""Issue 4: every llama.cpp quantization type, walked on a tiny real llama GGUF (rows of 256, so no
+type falls back), through the real quantizer in its child process."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from ctxq import quantize as q
+from ctxq.backend import capture_log, llama_cpp
+from ctxq.errors import ConversionError, CtxqError
+from ctxq.testmodels import synthetic_imatrix_gguf, tiny_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama_gguf(d / "tiny-F16.gguf")
+    return model, synthetic_imatrix_gguf(model, d / "tiny.imatrix.gguf")
+
+
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
+
+
+def _dry_run_needs_imatrix(src, ftype: int) -> bool:
+    """llama.cpp's own verdict: its dry run warns when the real run would need an imatrix."""
+    lc = llama_cpp()
+    p = lc.llama_model_quantize_default_params()
+    p.ftype, p.dry_run = ftype, True
+    with capture_log() as lines:
+        assert lc.llama_model_quantize(str(src).encode(), b"", ctypes.byref(p)) == 0
+    return any("will require an imatrix" in ln for ln in lines)
+
+
+def test_type_names_are_llama_cpps():
+    lc = llama_cpp()
+    for name, ftype in q.QUANT_TYPES.items():
+        alias = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M", "F32": "ALL_F32", "COPY": "ALL_F32"}
+        const = alias.get(name, name)
+        assert getattr(lc, f"LLAMA_FTYPE_{'' if const == 'ALL_F32' else 'MOSTLY_'}{const}") == ftype, name
+    assert q.parse_type("q4_k_m") == ("Q4_K_M", 15)
+    with pytest.raises(CtxqError, match=r"unknown quantization type 'Q4_K_X'; choose one of: Q1_0, .*IQ4_XS, .*Q4_K_M, .*COPY$"):
+        q.parse_type("Q4_K_X")
+
+
+def test_needs_imatrix_matches_llama_cpp_dry_run(tiny):
+    model, _ = tiny
+    verdicts = {n for n, f in q.QUANT_TYPES.items() if _dry_run_needs_imatrix(model, f)}
+    assert verdicts == set(q.NEEDS_IMATRIX)
+
+
+GATED = {"F32", "COPY", "Q8_0", "Q4_K_M", "Q2_K", "IQ2_XXS"}
+ALIASES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # in QUANT_TYPES, the alias comes first
+
+
+def test_walk_every_type(tiny, tmp_path):
+    """Each type produces a file that llama.cpp loads, with quality numbers and a size within the
+    estimate, or (types needing an imatrix, without one) is refused before any work."""
+    model, imatrix = tiny
+    lc = llama_cpp()
+    made = {}
+    for name in q.QUANT_TYPES:
+        dst = tmp_path / f"tiny-{name}.gguf"
+        if name in q.NEEDS_IMATRIX:
+            with pytest.raises(ConversionError, match=f"{name} needs an importance matrix: pass --imatrix"):
+                q.quantize_gguf(model, dst, name, check=False)
+            assert not dst.exists() and not list(tmp_path.glob(".*.part"))
+        check = name in GATED  # the gate costs two model loads; the walk runs it on a few types
+        r = q.quantize_gguf(model, dst, name, imatrix=imatrix if name in q.NEEDS_IMATRIX else None, check=check)
+        if name in ALIASES:  # same llama_ftype as the type it names: the cache returns that file
+            assert r.cached and r.path == tmp_path / f"tiny-{ALIASES[name]}.gguf", name
+            dst = r.path
+        else:
+            assert r.path == dst and r.size == dst.stat().st_size and not r.cached, name
+        assert r.size <= q.estimate_size(model, name), name
+        if check:
+            assert 0 <= r.quality["mean_kl"] < 1.0 and 0 <= r.quality["top1_agreement"] <= 1, (name, r.quality)
+        m = lc.llama_model_load_from_file(str(dst).encode(), lc.llama_model_default_params())
+        assert m, f"{name}: llama.cpp cannot load {dst}"
+        buf = ctypes.create_string_buffer(128)
+        lc.llama_model_desc(m, buf, 128)
+        made[name] = (r.size, lc.llama_model_n_params(m), buf.value.decode(), r.quality and r.quality["mean_kl"])
+        lc.llama_model_free(m)
+    assert len({n for _, n, _, _ in made.values()}) == 1  # every file holds the same weights' count
+    assert made["F32"][3] < 1e-6 and made["COPY"][3] < 1e-6  # lossless types match the reference
+    assert made["F32"][0] > made["F16"][0] > made["Q8_0"][0] > made["Q4_K_M"][0] > made["Q2_K"][0] > made["IQ1_S"][0]
+    assert made["Q8_0"][3] < made["Q4_K_M"][3] < made["Q2_K"][3]
+    assert "Q4_K - Medium" in made["Q4_K_M"][2]
+
+
+def test_imatrix_is_used_and_recorded(tiny, tmp_path):
+    """With an imatrix the quantizer writes llama.cpp's provenance keys into the file, as its tool does."""
+    from ctxq.gguf_file import read_gguf
+
+    model, imatrix = tiny
+    r = q.quantize_gguf(model, tmp_path / "t.gguf", "IQ4_XS", imatrix=imatrix, check=False)
+    meta = read_gguf(r.path, skip_arrays=True).metadata
+    assert meta["quantize.imatrix.file"] == str(imatrix)
+    assert meta["quantize.imatrix.entries_count"] == 2 * 7 + 1  # 7 matrices per layer + output
+    assert meta["quantize.imatrix.dataset"] == "synthetic" and meta["quantize.imatrix.chunks_count"] == 10
+
+
+def test_bad_options_are_one_line_errors(tiny, tmp_path):
+    model, _ = tiny
+    with pytest.raises(CtxqError, match="unknown tensor type 'q9_9' for --output-tensor-type"):
+        q.quantize_gguf(model, tmp_path / "x.gguf", "Q4_0", output_tensor_type="q9_9")
+    with pytest.raises(CtxqError, match="not a GGUF importance matrix"):
+        q.quantize_gguf(model, tmp_path / "x.gguf", "IQ2_XS", imatrix=model)
+    with pytest.raises(CtxqError, match="would overwrite the source"):
+        q.quantize_gguf(model, model, "Q4_0")
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_pass_through_options_change_the_output(tiny, tmp_path):
+    from ctxq.gguf_file import read_gguf
+
+    model, _ = tiny
+
+    def types(**kw):
+        r = q.quantize_gguf(model, tmp_path / f"{len(list(tmp_path.iterdir()))}.gguf", "Q4_K_M", check=False, **kw)
+        return {t.name: t.type_name for t in read_gguf(r.path, skip_arrays=True).tensors}
+
+    base = types()
+    assert base["output.weight"] == "Q6_K" and base["token_embd.weight"] == "Q4_K"
+    assert types(output_tensor_type="q8_0")["output.weight"] == "Q8_0"
+    assert types(token_embedding_type="F16")["token_embd.weight"] == "F16"
+    assert types(leave_output_tensor=True)["output.weight"] == "F16"
+    pure = types(pure=True)
+    assert {t for n, t in pure.items() if n.endswith(".weight") and "norm" not in n} == {"Q4_K"}
