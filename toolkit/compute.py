@@ -63,32 +63,7 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     out = _derived_path(src, layers, small_vocab, swa)
     if out.exists():
         return out
-    arch = src.arch
-    n_layer = int(src.arch_get("block_count"))
     n_vocab = _SMALL_VOCAB if small_vocab else _vocab_size(src)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".part")
-    os.close(fd)
-    w = gguf.GGUFWriter(tmp, arch)
-    for key, value in src.metadata.items():
-        if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
-            continue
-        vtype, etype = src.value_types[key]
-        if isinstance(value, list) and len(value) == n_layer:
-            value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
-        if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
-            continue
-        if key == f"{arch}.block_count":
-            value = len(layers)
-        if key == f"{arch}.vocab_size":
-            value = n_vocab
-        w.add_key_value(key, value, gguf.GGUFValueType(vtype),
-                        sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
-    if swa is not None:
-        w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
-                        sub_type=gguf.GGUFValueType.BOOL)
-    if f"{arch}.vocab_size" not in src.metadata:
-        w.add_vocab_size(n_vocab)
-    w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
     remap = {il: i for i, il in enumerate(layers)}
     specs = []
     for t in src.tensors:
@@ -101,6 +76,43 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
         if small_vocab and name in ("token_embd.weight", "output.weight"):
             shape = (shape[0], n_vocab)
         specs.append((name, shape, t.type))
+    write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, swa=swa)
+    return out
+
+
+def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], *,
+                 layers: tuple[int, ...] | None = None, n_vocab: int | None = None,
+                 swa: tuple[bool, ...] | None = None) -> Path:
+    """Write src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a
+    loadable GGUF whose data region is a sparse hole; atomically, to `out`."""
+    arch = src.arch
+    n_layer = int(src.arch_get("block_count"))
+    n_vocab = n_vocab or _vocab_size(src)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".part")
+    os.close(fd)
+    w = gguf.GGUFWriter(tmp, arch)
+    for key, value in src.metadata.items():
+        if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
+            continue
+        if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
+            continue
+        vtype, etype = src.value_types[key]
+        if layers is not None and isinstance(value, list) and len(value) == n_layer:
+            value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
+        if key == f"{arch}.block_count" and layers is not None:
+            value = len(layers)
+        if key == f"{arch}.vocab_size":
+            value = n_vocab
+        w.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                        sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
+    if swa is not None:
+        w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
+                        sub_type=gguf.GGUFValueType.BOOL)
+    if f"{arch}.vocab_size" not in src.metadata:
+        w.add_vocab_size(n_vocab)
+    w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
+    import numpy as np
+
     total = 0
     for name, shape, ttype in specs:
         qt = GGMLQuantizationType(ttype)
@@ -111,10 +123,8 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
         nbytes = shape[0] // block * size * rows
         np_shape = tuple(reversed(shape))
         if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            import numpy as np
             w.add_tensor_info(name, np_shape, np.float32 if qt == GGMLQuantizationType.F32 else np.float16, nbytes)
         else:
-            import numpy as np
             w.add_tensor_info(name, np_shape[:-1] + (shape[0] // block * size,), np.uint8, nbytes, raw_dtype=qt)
         total += -(-nbytes // 32) * 32
     w.write_header_to_file()

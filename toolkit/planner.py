@@ -445,10 +445,12 @@ def _does_not_fit(info, devices, cpu, results, n_ctx) -> DoesNotFit:
     host_need = min((r[3].total for r in results), default=0)
     if results and host_need > cpu.usable:
         short = host_need - cpu.usable
+        tried_q4 = any(r[2] == "q4_0" for r in results)
+        kv_hint = "" if tried_q4 else "use -ctk q4_0 -ctv q4_0, "
         return DoesNotFit(f"{n_ctx} tokens do not fit: the CPU needs {host_need / GiB:.1f} GiB for the layers "
                           f"the GPUs cannot hold, {cpu.usable / GiB:.1f} GiB is available",
-                          f"add {short / GiB:.1f} GiB of GPU memory, use -ctk q4_0 -ctv q4_0, or a smaller "
-                          "quantization of the model")
+                          f"add {short / GiB:.1f} GiB of GPU memory, {kv_hint}or use a smaller quantization "
+                          "of the model")
     return DoesNotFit(f"{n_ctx} tokens do not fit on these devices",
                       "use a smaller quantization, a smaller --ctx, or more GPU memory")
 

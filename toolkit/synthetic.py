@@ -152,3 +152,58 @@ def _np_dtype(t: T):
     import numpy as np
 
     return {T.F32: np.float32, T.F16: np.float16}.get(t, np.uint8)
+
+
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def write_sparse_hf_checkpoint(dest: str | os.PathLike, g: Geometry, tokenizer_from: str | os.PathLike) -> Path:
+    """A Hugging Face folder (config.json, tokenizer files, one bf16 model.safetensors whose data is a
+    sparse hole) with geometry g: enough for `ctxq plan HF_FOLDER`, which reads headers only."""
+    import json
+    import shutil
+    import struct
+
+    if g.arch not in _HF_ARCH:
+        raise ValueError(f"no Hugging Face config for {g.arch}")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": [_HF_ARCH[g.arch]], "model_type": g.arch, "hidden_size": g.n_embd,
+           "num_hidden_layers": g.n_layer, "num_attention_heads": g.n_head, "num_key_value_heads": g.n_head_kv,
+           "head_dim": g.head_dim, "intermediate_size": g.n_ff, "vocab_size": g.n_vocab,
+           "max_position_embeddings": g.n_ctx_train, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "tie_word_embeddings": g.tied, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = Path(tokenizer_from) / name
+        if src.is_file():
+            shutil.copy(src, dest / name)
+    q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    shapes = {"model.embed_tokens.weight": (g.n_vocab, g.n_embd), "model.norm.weight": (g.n_embd,)}
+    if not g.tied:
+        shapes["lm_head.weight"] = (g.n_vocab, g.n_embd)
+    for il in range(g.n_layer):
+        p = f"model.layers.{il}."
+        shapes.update({p + "input_layernorm.weight": (g.n_embd,), p + "post_attention_layernorm.weight": (g.n_embd,),
+                       p + "self_attn.q_proj.weight": (q, g.n_embd), p + "self_attn.k_proj.weight": (kv, g.n_embd),
+                       p + "self_attn.v_proj.weight": (kv, g.n_embd), p + "self_attn.o_proj.weight": (g.n_embd, q),
+                       p + "mlp.gate_proj.weight": (g.n_ff, g.n_embd), p + "mlp.up_proj.weight": (g.n_ff, g.n_embd),
+                       p + "mlp.down_proj.weight": (g.n_embd, g.n_ff)})
+        if g.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    header, off = {}, 0
+    for name, shape in shapes.items():
+        n = 2
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = dest / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        f.truncate(8 + len(raw) + off)  # the weights: a sparse hole
+    return dest

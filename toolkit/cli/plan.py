@@ -119,6 +119,8 @@ def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, fla
     from ..devices import Device
     from ..planner import plan
 
+    if model is not None and not Path(model).is_file() and (Path(model).is_dir() or "/" in model):
+        return _plan_hf(model, n_ctx, gpus, profile, rpc, as_json, prefer)
     devices = None
     if simulate:
         from ..devices import parse_gpus
@@ -135,3 +137,42 @@ def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, fla
         echo_json(p.to_dict())
     else:
         click.echo(render_plan(p))
+
+
+def render_hf(r) -> str:
+    from ..hfplan import QUALITY_SOURCE
+
+    rows = []
+    for c in r.candidates:
+        p = c.plan
+        if p is None:
+            rows.append([("* " if c.recommended else "  ") + c.type, f"{c.size / GiB:.2f}", "no", "-", "-", "-",
+                         c.quality])
+            continue
+        rows.append([("* " if c.recommended else "  ") + c.type, f"{c.size / GiB:.2f}",
+                     "yes" + (" (needs --imatrix)" if c.needs_imatrix else ""), f"{p.type_k}/{p.type_v}",
+                     str(p.cpu_layers), f"{p.est_decode_tps:.1f}" if p.est_decode_tps else "-", c.quality])
+    out = [f"{r.model} at {r.n_ctx:,} tokens:",
+           table(rows, ["type", "GiB", "fits", "KV", "CPU layers", "tok/s (est.)", "quality (llama.cpp)"]),
+           f"* recommended: the highest-quality type that fits with every layer on the GPUs, else the "
+           f"fewest layers on the CPU. Quality figures: {QUALITY_SOURCE}."]
+    rec = r.recommended
+    if rec:
+        out.append(f"convert it: ctxq convert {r.model} {rec.type}   (or: ctxq convert {r.model} auto --ctx {r.n_ctx} ...)")
+        out.append(f"llama.cpp flags for {rec.type}: {rec.plan.llama_flags()}")
+    else:
+        out.append("nothing fits: " + next((c.why_not for c in r.candidates if c.why_not), ""))
+    return "\n".join(out)
+
+
+def _plan_hf(model, n_ctx, gpus, profile, rpc, as_json, prefer):
+    from ..hfplan import plan_hf
+
+    r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, prefer=prefer)
+    if as_json:
+        echo_json({"model": r.model, "n_ctx": r.n_ctx, "candidates": [
+            {"type": c.type, "size": c.size, "fits": c.fits, "recommended": c.recommended,
+             "needs_imatrix": c.needs_imatrix, "quality": c.quality, "why_not": c.why_not,
+             "plan": c.plan.to_dict() if c.plan else None} for c in r.candidates]})
+    else:
+        click.echo(render_hf(r))

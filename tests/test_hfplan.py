@@ -1,0 +1,59 @@
+"""Issue 9: plan a Hugging Face model before converting it; predicted sizes against real conversions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers", reason="random checkpoints need transformers (pip install ctxq[test])")
+
+from ctxq import convert  # noqa: E402
+from ctxq.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
+from ctxq.synthetic import GEOMETRIES, write_sparse_hf_checkpoint  # noqa: E402
+from ctxq.testmodels import rebuild_smollm2_hf  # noqa: E402
+
+from .conftest import run_ctxq  # noqa: E402
+from .test_convert import FAMILIES, make_tiny  # noqa: E402
+
+
+def _within_1pct(predicted: int, real: int) -> bool:
+    return abs(predicted - real) <= 0.01 * real
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_K_M", "Q8_0"])
+def test_smollm2_predicted_size_is_the_converted_size(smollm2, tmp_path, qtype):
+    hf = rebuild_smollm2_hf()
+    _, predicted, _ = predicted_gguf(header_gguf(hf), qtype)
+    real = convert(hf, qtype, output=tmp_path / f"s-{qtype}.gguf", check=False) if qtype != "Q8_0" \
+        else convert(hf, qtype, output=tmp_path / f"s-{qtype}.gguf")
+    assert _within_1pct(predicted, real.path.stat().st_size), (predicted, real.path.stat().st_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_predicted_size(family, tmp_path):
+    folder = make_tiny(tmp_path / family, family)
+    src = header_gguf(folder)
+    real_f16 = convert(folder, "f16", output=tmp_path / "f16.gguf")
+    assert _within_1pct(src.stat().st_size, real_f16.path.stat().st_size)
+    _, predicted, _ = predicted_gguf(src, "Q4_K_M")
+    real = convert(tmp_path / "f16.gguf", "Q4_K_M", output=tmp_path / "q.gguf", check=False)
+    assert _within_1pct(predicted, real.path.stat().st_size), (predicted, real.path.stat().st_size)
+
+
+def test_70b_config_recommends_a_type_that_fits(smollm2, tmp_path):
+    hf = write_sparse_hf_checkpoint(tmp_path / "hf70b", GEOMETRIES["llama3-70b"], rebuild_smollm2_hf())
+    r = plan_hf(hf, 65536, gpus="16,16,16,8,8", types=("F16", "Q5_K_M", "Q4_K_M", "Q2_K"), cpu_memory=16 * 2**30)
+    by = {c.type: c for c in r.candidates}
+    assert not by["F16"].fits  # 131 GiB of weights
+    assert by["Q4_K_M"].size == pytest.approx(42.5e9, rel=0.01)  # Llama-3-70B Q4_K_M is 42.5 GB
+    rec = r.recommended
+    assert rec is not None and rec.type == "Q5_K_M" and rec.plan.cpu_layers == 0
+    assert rec.plan.n_ctx == 65536
+    out = run_ctxq("plan", str(hf), "--ctx", "65536", "--gpus", "16,16,16,8,8", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert [c["type"] for c in d["candidates"] if c["recommended"]] == ["Q5_K_M"]
+    assert all(c["quality"] for c in d["candidates"])
