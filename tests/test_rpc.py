@@ -325,3 +325,52 @@ def test_ctxq_worker_port_in_use_is_one_line():
     assert r.returncode == 1, r.stdout
     assert r.stderr.startswith("Error: the RPC worker could not listen on 127.0.0.1:")
     assert r.stderr.count("\n") == 1
+
+
+# --- --simulate through the CLI -------------------------------------------------------------------
+
+def _workers_of(pid: int) -> list[int]:
+    """Live worker processes started by process `pid` (they carry its pid in their environment)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "ctxq.rpc" in " ".join(p.info["cmdline"] or []) and \
+                    p.environ().get("CTXQ_WORKER_PARENT") == str(pid) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _needs_simulate(command: str):
+    from .conftest import run_ctxq
+
+    if "--simulate" not in run_ctxq(command, "--help", timeout=60).stdout:
+        pytest.skip(f"ctxq {command} has no --simulate yet (issue 4)")
+
+
+def test_ctxq_run_simulate_ctrl_c_leaves_no_workers(smollm2):
+    _needs_simulate("run")
+    proc = subprocess.Popen([_ctxq(), "run", "-c", "4096", "--simulate", "16,16", "-ts", "1:1", "-n", "3000",
+                             "--temp", "0", "-p", "Tell a long story"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.read(8), proc.stderr.read()  # generating, so both workers serve layers
+        assert len(_workers_of(proc.pid)) == 2
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
+        proc.communicate(timeout=20)
+        assert proc.returncode == 130
+        assert _workers_of(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ctxq_run_simulate_error_after_start_leaves_no_workers(smollm2):
+    _needs_simulate("run")
+    # The workers start, then the plan fails: a q4_0 V cache needs flash attention.
+    proc = subprocess.Popen([_ctxq(), "run", "-c", "2048", "--simulate", "16,16", "-ctv", "q4_0", "-fa", "off",
+                             "-p", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err.startswith("Error: ") and err.count("\n") == 1, err
+    assert _workers_of(proc.pid) == []
