@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +169,25 @@ def test_60k_token_file_at_65536_with_q8_0_kv(tiny, tmp_path):
     assert m and int(m.group(1).replace(",", "")) == n
     print(f"\n60k prefill: {n} tokens in {m.group(2)} s")
     assert r.stdout.strip()  # a generated answer (random weights: the words mean nothing)
+
+
+def test_library_run_reports_progress_and_streams(tiny):
+    text, n = text_of_tokens(tiny, 5000)
+    seen, pieces = [], []
+    r = runner.run(tiny, text, n_ctx=8192, kv="q8_0", n_predict=8, temp=0, n_batch=2048,
+                   on_progress=seen.append, on_text=pieces.append)
+    assert r.n_prompt == n and r.plan.n_batch == 2048
+    assert [p.done for p in seen] == [0, 2048, 4096, n] and all(p.total == n for p in seen)
+    assert seen[-1].tokens_per_s > 0
+    assert "".join(pieces) == r.text and r.n_generated == 8 and r.stop == "length"
+    assert r.ttft_s >= r.prefill_s > 0 and r.decode_tps > 0
+
+
+def test_readme_example_runs(capfd):
+    """The README's ctxq.load() example, executed as written."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Running, serving and loading", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    out = capfd.readouterr().out
+    assert "-c 8192" in out and "Paris" in out

@@ -153,7 +153,7 @@ def run_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_
     click.echo("")
     click.echo(f"prompt {r.n_prompt:,} tokens: prefill {r.prefill_s:.2f} s ({r.prefill_tps:.1f} tok/s), "
                f"time to first token {r.ttft_s:.2f} s; generated {r.n_generated} tokens "
-               f"({r.decode_tps:.1f} tok/s, stop: {r.stop})", err=True)
+               f"({r.decode_tps:.2f} tok/s, stop: {r.stop})", err=True)
     click.echo(_memory_table(r.memory), err=True)
 
 
