@@ -126,7 +126,12 @@ def _register_twice(endpoints):
 
     first = rpc.add_servers(endpoints)
     second = rpc.add_servers(endpoints)
-    return first, second, [(d.name, d.description, d.type) for d in backend.ggml_devices()]
+    try:
+        rpc.add_servers(endpoints[::-1])
+        reversed_error = None
+    except CtxqError as e:
+        reversed_error = str(e)
+    return first, second, reversed_error, [(d.name, d.description, d.type) for d in backend.ggml_devices()]
 
 
 def test_add_servers_names_devices_in_llama_order():
@@ -134,8 +139,9 @@ def test_add_servers_names_devices_in_llama_order():
         assert len(w.endpoints) == 2 and w.sizes == [None, None]
         free, total = rpc.probe(w.endpoints[0])
         assert 0 < free <= total  # a CPU worker reports the host's RAM
-        first, second, devs = rpc.run_supervised(_register_twice, w.endpoints)
+        first, second, reversed_error, devs = rpc.run_supervised(_register_twice, w.endpoints)
     assert first == second == ["RPC0", "RPC1"]
+    assert "in another order before (RPC1, RPC0)" in reversed_error
     # ggml lists them after its own devices, described by their endpoint, typed as GPUs (llama.cpp
     # then moves them to the front of a model's device list: see the split test).
     assert [d for d in devs if d[0].startswith("RPC")] == [("RPC0", w.endpoints[0], "gpu"),

@@ -229,9 +229,11 @@ def _libs():
 
 
 def add_servers(endpoints, timeout: float = 3.0) -> list[str]:
-    """Register workers with ggml (probing each first); their ggml device names, in llama.cpp's order.
+    """Register workers with ggml (probing each first); their ggml device names, in the order given.
 
-    Call before loading a model. An endpoint registered before returns the same names again.
+    Call before loading a model. llama.cpp orders RPC devices by registration, so an endpoint
+    registered before returns the same names again, and asking for an order that contradicts
+    earlier registrations in this process is an error (use a fresh process: `run_supervised`).
     """
     eps = parse_rpc(endpoints) if endpoints else []
     if not eps:
@@ -254,6 +256,10 @@ def add_servers(endpoints, timeout: float = 3.0) -> list[str]:
                     for i in range(g.ggml_backend_reg_dev_count(reg))]
                 log.info("registered RPC worker %s as %s", ep.endpoint, _registered[ep.endpoint])
             names += _registered[ep.endpoint]
+    index = [int(n[3:]) for n in names if n[3:].isdigit()]  # "RPC<n>": n counts registrations
+    if index != sorted(index):
+        raise CtxqError(f"this process registered these RPC workers in another order before ({', '.join(names)}); "
+                        "llama.cpp keeps the first order, so load in a fresh process (ctxq.rpc.run_supervised)")
     return names
 
 
