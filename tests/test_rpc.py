@@ -253,6 +253,55 @@ def test_hung_worker_is_named_after_the_stall_timeout(smollm2):
     assert _descendants() == before
 
 
+_IN_PROCESS = """
+import os, sys
+from llama_cpp import Llama
+from ctxq import rpc
+
+def on_abort(message):  # what a CLI does: one line, then exit (llama.cpp would abort() next)
+    sys.stderr.write("Error: " + rpc.describe_abort(message) + "\\n")
+    sys.stderr.flush()
+    os._exit(3)
+
+with rpc.start_workers(2, threads=1) as w:
+    rpc.add_servers(w.endpoints)
+    rpc.on_ggml_abort(on_abort)
+    llm = Llama(sys.argv[1], n_ctx=256, n_gpu_layers=31, tensor_split=[15.0, 16.0], n_threads=1, verbose=False)
+    toks = llm.tokenize(b"Hello")
+    llm.eval(toks)
+    w.procs[1].kill()
+    print(w.endpoints[1], flush=True)
+    while True:
+        llm.eval([1000])
+        if llm.n_tokens > 200:
+            llm.reset()
+            llm.eval(toks)
+"""
+
+
+def test_worker_killed_under_an_in_process_model_is_one_line(smollm2):
+    """`ctxq.load`/`ctxq run` load in their own process: on_ggml_abort turns llama.cpp's abort into one line."""
+    proc = subprocess.Popen([sys.executable, "-c", _IN_PROCESS, str(smollm2)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        killed = proc.stdout.readline().strip()
+        t = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed and proc.returncode == 3, err
+    assert err.startswith(f"Error: RPC worker {killed} went away during the run (llama.cpp: Remote RPC server "
+                          "crashed or returned malformed response)")
+    assert err.count("\n") == 1  # no backtrace, no "Aborted (core dumped)"
+    assert took < 10
+    deadline = time.monotonic() + 5  # os._exit skips the cleanup; the kernel's PDEATHSIG does it
+    while _workers_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _workers_of(proc.pid) == []
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
 def test_workers_do_not_outlive_their_parent(sig):
     script = ("import json, time\nfrom ctxq import rpc\n"

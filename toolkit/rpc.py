@@ -12,6 +12,8 @@ API (used by `plan`, `run`, `serve`, `ctxq.load` and the planner's accuracy scri
 - `add_servers(endpoints)` -> ggml device names (`RPC0`, `RPC1`, ... in registration order, which is
   llama.cpp's order: RPC devices come before local GPUs). Idempotent per endpoint.
 - `serve_forever(host, port, devices=None, threads=None, cache_dir=None)`: be a worker (blocks).
+- `on_ggml_abort(fn)` / `describe_abort(message)`: a one-line error instead of a core dump when a
+  worker goes away under a model loaded in this very process (`ctxq.load`, `ctxq run`).
 - `start_workers(n_or_sizes, threads=None, host="127.0.0.1")`: local worker processes
   (context manager `Workers`, see `ctxq.rpc_workers`), `run_supervised(fn, ...)`: run `fn` in a
   child process that a dead worker cannot take down with it, `generate_greedy(...)`: load, prefill,
@@ -261,6 +263,50 @@ def add_servers(endpoints, timeout: float = 3.0) -> list[str]:
         raise CtxqError(f"this process registered these RPC workers in another order before ({', '.join(names)}); "
                         "llama.cpp keeps the first order, so load in a fresh process (ctxq.rpc.run_supervised)")
     return names
+
+
+# --- when llama.cpp aborts in this process -------------------------------------------------------
+
+_abort_callback = None  # keeps the ctypes callback alive
+
+
+def on_ggml_abort(fn) -> None:
+    """Call `fn(message)` when ggml is about to abort this process (`ggml_set_abort_callback`),
+    e.g. because a worker dropped the connection. `fn` runs on whatever thread aborts (for RPC,
+    ggml's dispatcher thread); if it returns, ggml aborts as before. For a CLI that loads models in
+    its own process: print `describe_abort(message)` and `os._exit()`. `fn=None` restores ggml's."""
+    global _abort_callback
+    base = ctypes.CDLL(str(backend._lib_dir() / "libggml-base.so.0"))
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+    base.ggml_set_abort_callback.argtypes = [ctypes.c_void_p]
+    base.ggml_set_abort_callback.restype = ctypes.c_void_p
+    if fn is None:
+        base.ggml_set_abort_callback(None)
+        _abort_callback = None
+        return
+
+    def call(message: bytes) -> None:
+        fn((message or b"").decode(errors="replace"))
+
+    _abort_callback = proto(call)
+    base.ggml_set_abort_callback(ctypes.cast(_abort_callback, ctypes.c_void_p))
+
+
+def describe_abort(message: str, timeout: float = 1.0) -> str:
+    """One line for a ggml abort: which registered worker went away (probed), in ggml's words."""
+    what = message.split(": ", 1)[-1].strip()  # drop ggml's "file:line: "
+    dead, silent = [], []
+    for ep in list(_registered):
+        try:
+            probe_devices(ep, timeout)
+        except WorkerUnreachable as e:
+            # A live worker still serving this process's connection does not answer either.
+            (silent if e.why.startswith("did not answer") else dead).append(ep)
+    if dead or silent:
+        how = "went away" if dead else "stopped answering"
+        return (f"RPC worker {', '.join(dead or silent)} {how} during the run (llama.cpp: {what}); "
+                "restart it and run again, or leave it out of --rpc")
+    return f"llama.cpp stopped the process: {what}"
 
 
 # --- being a worker ---------------------------------------------------------------------------
