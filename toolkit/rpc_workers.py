@@ -36,8 +36,8 @@ from pathlib import Path
 
 from . import backend
 from .errors import CtxqError
-from .rpc import (RpcEndpoint, ServerThread, WorkerLost, WorkerUnreachable, check_bind_host,
-                  default_threads, listening_port, parse_rpc, probe, probe_devices, worker_devices)
+from .rpc import RpcEndpoint, WorkerLost, WorkerUnreachable, parse_rpc, probe, probe_devices
+from .rpc_server import ServerThread, check_bind_host, default_threads, listening_port, worker_devices
 
 log = logging.getLogger(__name__)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 
@@ -45,7 +46,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
 
     backend.require_rpc()
     host = rpc.check_bind_host(host, allow_remote)
-    if allow_remote and not rpc.ipaddress.IPv4Address(host).is_loopback:
+    if allow_remote and not ipaddress.IPv4Address(host).is_loopback:
         click.echo(f"warning: llama.cpp's RPC protocol has no authentication: anyone who can reach "
                    f"{host}:{port} can run code on this worker's devices and read its memory", err=True)
     names = rpc.worker_devices(list(devices))
