@@ -140,6 +140,7 @@ def test_add_servers_names_devices_in_llama_order():
         free, total = rpc.probe(w.endpoints[0])
         assert 0 < free <= total  # a CPU worker reports the host's RAM
         first, second, reversed_error, devs = rpc.run_supervised(_register_twice, w.endpoints)
+    assert [p.returncode for p in w.procs] == [0, 0]  # stopped by SIGTERM, in order, not killed
     assert first == second == ["RPC0", "RPC1"]
     assert "in another order before (RPC1, RPC0)" in reversed_error
     # ggml lists them after its own devices, described by their endpoint, typed as GPUs (llama.cpp

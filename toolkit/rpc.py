@@ -300,6 +300,14 @@ def __getattr__(name: str):
 
 
 if __name__ == "__main__":
+    import os
+    import sys
+
     from .rpc_workers import worker_main
 
-    raise SystemExit(worker_main())
+    code = worker_main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The server thread is blocked in C (accept) and cannot be joined: leave without interpreter
+    # shutdown racing it.
+    os._exit(code)

@@ -8,11 +8,12 @@ Part of the `ctxq.rpc` API (import these names from there):
   exit, and, through `PR_SET_PDEATHSIG`, when this process dies without cleaning up (SIGKILL).
   The kernel signals a worker when the *thread* that started it ends: start workers from a
   thread that outlives them (the main thread, normally).
-- `run_supervised(fn, *args, rpc=(), workers=None, timeout=None, on_message=None, **kwargs)`:
-  calls `fn(*args, **kwargs)` in a fresh child process that first registers the `rpc` endpoints,
-  and returns its result. llama.cpp aborts a process whose worker drops the connection; here the
-  child dies instead, and the caller gets `WorkerLost` naming the worker, within a few seconds
-  (`timeout` bounds the whole call for workers that vanish without closing the connection).
+- `run_supervised(fn, *args, rpc=(), workers=None, timeout=None, stall_timeout=None,
+  on_message=None, **kwargs)`: calls `fn(*args, **kwargs)` in a fresh child process that first
+  registers the `rpc` endpoints, and returns its result. llama.cpp aborts a process whose worker
+  drops the connection; here the child dies instead, and the caller gets `WorkerLost` naming the
+  worker within a few seconds (`timeout` and `stall_timeout` catch workers that vanish without
+  closing the connection, which llama.cpp would wait for forever).
   Inside `fn`, `report(obj)` sends `obj` to `on_message(obj)` in the parent (streaming, progress).
 - `generate_greedy(model, prompt, n_predict, **llama_kwargs)` -> `Generation`: tokens, timings and
   what llama.cpp allocated where (from its log).
