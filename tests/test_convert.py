@@ -243,3 +243,42 @@ def test_existing_output_needs_force(tiny, tmp_path):
     assert out.read_bytes() == b"keep me"
     r = convert(tiny["llama"], "f16", out, force=True)
     assert r.path == out and out.read_bytes()[:4] == b"GGUF"
+
+
+def _hub_cache(hf_home: Path, repo: str, folder: Path, sha: str = "0123456789abcdef0123456789abcdef01234567"):
+    """A Hugging Face cache entry for `repo` holding `folder`'s files, laid out as huggingface_hub
+    lays it out (refs/main -> snapshots/<commit>/), so snapshot_download finds it offline."""
+    base = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / sha
+    snap.mkdir(parents=True)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(sha)
+    for f in folder.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    return sha
+
+
+def test_hub_id_resolves_through_the_hf_cache_offline(tiny, tmp_path):
+    hf_home = tmp_path / "hf"
+    sha = _hub_cache(hf_home, "ctxq-test/tiny-qwen3", tiny["qwen3"])
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "q.gguf"
+    rc = run_ctxq("convert", "ctxq-test/tiny-qwen3", "f16", "-o", str(out), "--revision", sha, env=env)
+    assert rc.returncode == 0, rc.stderr
+    assert out.read_bytes()[:4] == b"GGUF"
+    rc = run_ctxq("convert", "ctxq-test/not-there", "f16", "-o", str(tmp_path / "n.gguf"), env=env)
+    assert rc.returncode == 1 and "HF_HUB_OFFLINE" in rc.stderr and len(rc.stderr.strip().splitlines()) == 1
+
+
+def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path):
+    pytest.importorskip("ctxq.quantize", reason="quantized types are made by ctxq.quantize (issue 4)")
+    out = tmp_path / "l.gguf"
+    r = convert(tiny["llama"], "q4_k_m", out, check=False)
+    assert r.path == out and r.type.upper() == "Q4_K_M" and out.is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["l.gguf"]  # the f16 intermediate is gone
+    from ctxq.modelinfo import model_info
+
+    assert model_info(out).file_type == "Q4_K_M"
+    # a GGUF as MODEL is quantized directly
+    r2 = convert(out, "q8_0", tmp_path / "l8.gguf", check=False)
+    assert model_info(r2.path).file_type == "Q8_0"
