@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -191,3 +192,20 @@ def test_readme_example_runs(capfd):
     exec(compile(code, "README.md", "exec"), {})
     out = capfd.readouterr().out
     assert "-c 8192" in out and "Paris" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CTXQ_LONG_TESTS"),
+                    reason="SmolLM2 prefill of 8k tokens takes 1.5-5 min on 2 cores; set CTXQ_LONG_TESTS=1")
+def test_smollm2_8k_tokens_same_path(smollm2, tmp_path):
+    """The 60k path with the real model on an 8k-token input (--ctx 65536, q8_0 KV)."""
+    text, n = text_of_tokens(smollm2, 8000)
+    f = tmp_path / "8k.txt"
+    f.write_text("Read the text below, then say which word it mentions most.\n\n" + text)
+    r = run_ctxq("run", str(smollm2), "-f", str(f), "-c", "65536", "--kv", "q8_0", "-n", "32", "--chat",
+                 "--temp", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = re.search(r"prompt ([\d,]+) tokens: prefill ([\d.]+) s", r.stderr)
+    assert m and int(m.group(1).replace(",", "")) > n
+    print(f"\nSmolLM2 8k prefill: {m.group(1)} tokens in {m.group(2)} s")
+    assert r.stdout.strip()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import backend
-from .errors import CtxqError
+from .errors import CtxqError, DoesNotFit
 from .planner import Plan
 
 log = logging.getLogger(__name__)
@@ -221,12 +221,28 @@ def load(model=None, n_ctx: int = DEFAULT_CTX, split: str | None = "auto", gpus=
     configured from the plan for the devices present (or `gpus`/`profile`/`rpc`).
 
     The plan is `llm.ctxq_plan`, planned-vs-reported memory `llm.ctxq_memory`. Extra keyword arguments
-    go to `Llama` unchanged. Raises `DoesNotFit` when the context fits nowhere.
+    go to `Llama` unchanged. Raises `DoesNotFit` when the context fits nowhere. A plan that reorders
+    the GPUs needs CUDA_VISIBLE_DEVICES set before CUDA starts; in a process where it has started,
+    load() falls back to the best plan for the present order (and says so in the log).
     """
+    opts = dict(split=split, gpus=gpus, profile=profile, rpc=rpc, kv=kv, type_k=type_k, type_v=type_v,
+                flash_attn=flash_attn, prefer=prefer)
+    given = plan is not None
     if plan is None:
-        plan = make_plan(model, n_ctx, split=split, gpus=gpus, profile=profile, rpc=rpc, kv=kv, type_k=type_k,
-                         type_v=type_v, flash_attn=flash_attn, prefer=prefer)
-    llm, memory, _ = load_plan(plan, rpc=rpc, n_threads=n_threads, seed=seed, **llama_kwargs)
+        plan = make_plan(model, n_ctx, **opts)
+    try:
+        llm, memory, _ = load_plan(plan, rpc=rpc, n_threads=n_threads, seed=seed, **llama_kwargs)
+    except ReorderNeeded as e:
+        # CUDA is initialised in this process (planning asked it for its devices), so the better order
+        # cannot be applied here; the plan for llama.cpp's own order is next best, if it fits.
+        if given:
+            raise
+        try:
+            plan = make_plan(model, n_ctx, reorder=False, **opts)
+        except DoesNotFit:
+            raise e from None
+        log.warning("%s; using the plan for the present order instead", e)
+        llm, memory, _ = load_plan(plan, rpc=rpc, n_threads=n_threads, seed=seed, **llama_kwargs)
     llm.ctxq_plan, llm.ctxq_memory = plan, memory
     return llm
 

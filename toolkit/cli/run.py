@@ -14,7 +14,11 @@ from .plan import device_options, kv_options, render_plan
 
 
 def plan_options(f):
-    """The options that make a plan, shared by run and serve (the same words as `ctxq plan`)."""
+    """The options that make a plan, shared by run and serve (the same words as `ctxq plan`).
+    click lists options in the reverse order of application, so the last applied shows first."""
+    f = click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")(f)
+    f = click.option("-t", "--threads", "n_threads", type=int, default=None,
+                     help="CPU threads (default: every CPU this process may use).")(f)
     f = click.option("-b", "--batch", "n_batch", type=int, default=2048, show_default=True)(f)
     f = click.option("-ub", "--ubatch", "n_ubatch", type=int, default=512, show_default=True)(f)
     f = click.option("--prefer", type=click.Choice(["quality", "speed"]), default="quality",
@@ -27,9 +31,6 @@ def plan_options(f):
                      help="auto (plan for the devices), ratios 16:16:16:8:8, or layer counts 19,19,19,10,14.")(f)
     f = click.option("-c", "--ctx", "n_ctx", type=int, default=4096, show_default=True,
                      help="Context in tokens; never shrunk to fit.")(f)
-    f = click.option("-t", "--threads", "n_threads", type=int, default=None,
-                     help="CPU threads (default: every CPU this process may use).")(f)
-    f = click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")(f)
     return f
 
 
