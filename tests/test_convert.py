@@ -89,13 +89,22 @@ COMMON = dict(hidden_size=60, intermediate_size=84, num_hidden_layers=2, num_att
               num_key_value_heads=2, max_position_embeddings=512)
 FAMILIES = {
     "llama": ("LlamaConfig", dict(attention_bias=True, tie_word_embeddings=True), "llama-bpe"),
-    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None), "gpt-2"),
-    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "qwen2"),
+    # Llama 3.1 RoPE scaling (rope_freqs tensor) with a short original context, so it bites
+    "llama31": ("LlamaConfig", dict(head_dim=16, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)), "llama-bpe"),
+    "mistral": ("MistralConfig", dict(head_dim=16, sliding_window=None, rope_parameters=dict(
+        rope_type="linear", rope_theta=10000.0, factor=2.0)), "gpt-2"),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128)), "qwen2"),
     "qwen3": ("Qwen3Config", dict(head_dim=16), "qwen2"),
     "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                                     num_hidden_layers=3), "smollm"),
     "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8, num_hidden_layers=3,
-                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                         "full_attention": dict(rope_type="linear", factor=2.0,
+                                                                                rope_theta=1000000.0)}),
                "spm-gemma"),
     "phi3": ("Phi3Config", dict(pad_token_id=None, eos_token_id=2, bos_token_id=1), "spm-llama"),
 }
