@@ -291,3 +291,31 @@ def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path):
     # a GGUF as MODEL is quantized directly
     r2 = convert(out, "q8_0", tmp_path / "l8.gguf", check=False)
     assert model_info(r2.path).file_type == "Q8_0"
+
+
+def _small_fs_run(tmp_path: Path, size: str, *args: str):
+    """`ctxq convert` writing into a real tmpfs of `size`, mounted in a user namespace (no root needed)."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare to mount a small tmpfs")
+    mnt = tmp_path / "small"
+    mnt.mkdir(exist_ok=True)
+    exe = Path(sys.executable).with_name("ctxq")
+    script = f'mount -t tmpfs -o size={size} none "{mnt}" || exit 99; "{exe}" "$@"; rc=$?; ls -A "{mnt}"; exit $rc'
+    done = subprocess.run(["unshare", "-r", "-m", "sh", "-c", script, "sh", *args], capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode == 99:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {done.stderr.strip()[:200]}")
+    return done, mnt
+
+
+def test_free_disk_is_checked_before_writing(tiny, tmp_path):
+    done, mnt = _small_fs_run(tmp_path, "1m", "convert", str(tiny["qwen2"]), "f32", "-o", str(tmp_path / "small" / "q.gguf"))
+    assert done.returncode == 1 and "free" in done.stderr and "-o on another disk" in done.stderr, done.stderr
+    assert done.stdout.strip() == ""  # nothing at all was written on the small filesystem
+    done, _ = _small_fs_run(tmp_path, "100m", "convert", str(tiny["qwen2"]), "f32", "-o", str(tmp_path / "small" / "q.gguf"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "q.gguf"

@@ -78,7 +78,8 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     name = _model_name(model, folder)
     if kind in FLOAT_TYPES:
         if quant_options:
-            raise ConversionError(f"{', '.join(sorted(quant_options))} apply to quantized types, not {kind}")
+            flags = sorted("--no-check" if k == "check" else "--" + k.replace("_", "-") for k in quant_options)
+            raise ConversionError(f"{', '.join(flags)}: only for quantized types (e.g. q4_k_m), not {kind}")
         dest = _dest(output, name, kind, force)
         return _convert_float(ckpt, kind, dest, pre, progress, t0)
     return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, revision, t0)
@@ -121,8 +122,8 @@ def _convert_float(ckpt: Checkpoint, kind: str, dest: Path, pre: str | None, pro
     total = sum(_nbytes(p) for p in plans)
     free = shutil.disk_usage(dest.parent).free
     if free < total + _DISK_MARGIN:
-        raise ConversionError(f"{dest.parent} has {free} bytes free, the output needs about {total + _DISK_MARGIN}; "
-                              "free space or pass -o on another disk")
+        raise ConversionError(f"{dest.parent} has {free / 2**20:.1f} MiB free, the output needs about "
+                              f"{(total + _DISK_MARGIN) / 2**20:.1f} MiB; free space or pass -o on another disk")
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
