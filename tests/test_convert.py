@@ -111,9 +111,10 @@ FAMILIES = {
 ARCH_CLASS = {"gemma3": "Gemma3ForCausalLM"}
 
 
-def make_tiny(folder: Path, family: str, seed: int = 0) -> Path:
-    """A random checkpoint of `family` with its tokenizer, saved as safetensors in `folder`."""
+def make_tiny(folder: Path, family: str, seed: int = 0, tokenizer: str | None = None) -> Path:
+    """A random checkpoint of `family` with its tokenizer (or `tokenizer`), saved as safetensors in `folder`."""
     cfg_name, overrides, tok_kind = FAMILIES[family]
+    tok_kind = tokenizer or tok_kind
     folder.mkdir(parents=True, exist_ok=True)
     n_tok = (write_spm_tokenizer(folder, tok_kind[4:]) if tok_kind.startswith("spm-")
              else write_bpe_tokenizer(folder, tok_kind))
@@ -319,3 +320,13 @@ def test_free_disk_is_checked_before_writing(tiny, tmp_path):
     done, _ = _small_fs_run(tmp_path, "100m", "convert", str(tiny["qwen2"]), "f32", "-o", str(tmp_path / "small" / "q.gguf"))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "q.gguf"
+
+
+def test_phi3_named_model_with_a_bpe_vocabulary_loads(tmp_path):
+    """libllama looks up Phi-3's SentencePiece tokens by name when general.name says phi3; a Phi-3
+    with another vocabulary must still load (the name is written so that it does not trigger that)."""
+    folder = make_tiny(tmp_path / "phi3-mini-bpe", "phi3", tokenizer="gpt-2")
+    r = convert(folder, "f16", tmp_path / "p.gguf")
+    ids = hf_ids(folder)
+    _, toks = llama_logits(r.path, ids)
+    assert toks == ids

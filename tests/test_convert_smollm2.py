@@ -3,11 +3,9 @@ default GGUF (ctxq.testmodels), converted by the real `ctxq convert` command, ag
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="transformers reference logits need torch (pip install ctxq[test])")
@@ -17,7 +15,7 @@ from ctxq.gguf_file import read_gguf  # noqa: E402
 from ctxq.testmodels import rebuild_smollm2_hf  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
-from .test_convert import TEXT, compare, hf_ids, llama_logits, reference_logits  # noqa: E402
+from .test_convert import compare, hf_ids, llama_logits, reference_logits  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

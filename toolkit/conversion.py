@@ -67,6 +67,8 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     """
     t0 = time.perf_counter()
     kind = type.lower() if type else None
+    if kind and kind not in FLOAT_TYPES:
+        _quantize_module().parse_type(kind)  # a bad type name fails before any download or read
     src = Path(str(model)).expanduser()
     if src.is_file() and src.suffix == ".gguf":
         return _quantize_gguf_file(src, kind, output, force, progress, quant_options, t0)
@@ -81,8 +83,8 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
             flags = sorted("--no-check" if k == "check" else "--" + k.replace("_", "-") for k in quant_options)
             raise ConversionError(f"{', '.join(flags)}: only for quantized types (e.g. q4_k_m), not {kind}")
         dest = _dest(output, name, kind, force)
-        return _convert_float(ckpt, kind, dest, pre, progress, t0)
-    return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, revision, t0)
+        return _convert_float(ckpt, name, kind, dest, pre, progress, t0)
+    return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, t0)
 
 
 def _download(model: str, revision: str | None) -> Path:
@@ -110,8 +112,8 @@ def _dest(output, name: str, kind: str, force: bool) -> Path:
 
 # --- float and q8_0 output ------------------------------------------------------------------------
 
-def _convert_float(ckpt: Checkpoint, kind: str, dest: Path, pre: str | None, progress: Progress | None,
-                   t0: float) -> ConvertResult:
+def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str | None,
+                   progress: Progress | None, t0: float) -> ConvertResult:
     arch_name, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
     if family.check:
@@ -128,7 +130,7 @@ def _convert_float(ckpt: Checkpoint, kind: str, dest: Path, pre: str | None, pro
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write(tmp, family, cfg, vocab, plans, kind, ckpt.folder.name, progress, total)
+        _write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
         verify_loads(tmp)
         os.replace(tmp, dest)
     finally:
@@ -139,6 +141,17 @@ def _convert_float(ckpt: Checkpoint, kind: str, dest: Path, pre: str | None, pro
 
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# llama_vocab::impl::load sets Phi-3 token attributes when general.name contains "phi3"/"phi-3",
+# looking these tokens up with unordered_map::at: a vocabulary without them would not load.
+_PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def _safe_name(name: str, vocab: Vocab) -> str:
+    if re.search(r"phi-?3", name, re.I) and not set(_PHI3_NAME_TOKENS) <= set(vocab.tokens):
+        log.warning("general.name %r would make llama.cpp expect Phi-3's special tokens; writing it as %r",
+                    name, re.sub(r"(?i)phi-?3", "phi_3", name))
+        return re.sub(r"(?i)phi-?3", "phi_3", name)
+    return name
 
 
 def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list[TensorPlan]:
@@ -288,7 +301,7 @@ def _arch_of(path) -> str:
 
 
 def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, force: bool, progress, options: dict,
-                       revision: str | None, t0: float) -> ConvertResult:
+                       t0: float) -> ConvertResult:
     q = _quantize_module()
     qname, _ = q.parse_type(kind)
     dest = _dest(output, name, qname, force)
@@ -305,7 +318,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
     mid = "bf16" if ckpt.source_float_type() == "bf16" else "f16"
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{mid}.gguf")  # beside the destination, then deleted
     try:
-        _convert_float(ckpt, mid, tmp, pre, progress, t0)
+        _convert_float(ckpt, name, mid, tmp, pre, progress, t0)
         qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
         r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=extra, progress=qprogress, **options)
     finally:
