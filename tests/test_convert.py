@@ -280,17 +280,23 @@ def test_hub_id_resolves_through_the_hf_cache_offline(tiny, tmp_path):
     assert rc.returncode == 1 and "HF_HUB_OFFLINE" in rc.stderr and len(rc.stderr.strip().splitlines()) == 1
 
 
-def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path):
+def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path, monkeypatch):
     pytest.importorskip("ctxq.quantize", reason="quantized types are made by ctxq.quantize (issue 4)")
-    out = tmp_path / "l.gguf"
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))  # its cache records, not the user's
+    out = tmp_path / "out" / "l.gguf"
     r = convert(tiny["llama"], "q4_k_m", out, check=False)
-    assert r.path == out and r.type.upper() == "Q4_K_M" and out.is_file()
-    assert [p.name for p in tmp_path.iterdir()] == ["l.gguf"]  # the f16 intermediate is gone
+    assert r.path == out and r.type.upper() == "Q4_K_M" and out.is_file() and not r.cached
+    assert [p.name for p in out.parent.iterdir()] == ["l.gguf"]  # the f16 intermediate is gone
+    # the same conversion again: found in the cache, nothing converted
+    again = convert(tiny["llama"], "q4_k_m", out, check=False)
+    assert again.cached and again.path == out
+    copy = convert(tiny["llama"], "q4_k_m", tmp_path / "out" / "copy.gguf", check=False)
+    assert copy.cached and copy.path.read_bytes() == out.read_bytes()
     from ctxq.modelinfo import model_info
 
     assert model_info(out).file_type == "Q4_K_M"
     # a GGUF as MODEL is quantized directly
-    r2 = convert(out, "q8_0", tmp_path / "l8.gguf", check=False)
+    r2 = convert(out, "q8_0", tmp_path / "out" / "l8.gguf", check=False)
     assert model_info(r2.path).file_type == "Q8_0"
 
 

@@ -100,10 +100,14 @@ def _model_name(model, folder: Path) -> str:
     return text.split("/")[-1] if not Path(text).exists() else folder.resolve().name
 
 
-def _dest(output, name: str, kind: str, force: bool) -> Path:
+def _dest_path(output, name: str, kind: str) -> Path:
     dest = Path(output).expanduser() if output else models_dir() / f"{name}-{kind.upper()}.gguf"
-    if dest.is_dir():
-        dest = dest / f"{name}-{kind.upper()}.gguf"
+    return dest / f"{name}-{kind.upper()}.gguf" if dest.is_dir() else dest
+
+
+def _dest(output, name: str, kind: str, force: bool) -> Path:
+    """The output path, refused when it exists (unless force); its folder is created."""
+    dest = _dest_path(output, name, kind)
     if dest.exists() and not force:
         raise ConversionError(f"{dest} exists; pass --force to replace it or -o another path")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -304,17 +308,22 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
                        t0: float) -> ConvertResult:
     q = _quantize_module()
     qname, _ = q.parse_type(kind)
-    dest = _dest(output, name, qname, force)
     extra = {"hf_source": _source_digest(ckpt), "pre": pre, "converter": "ctxq.conversion/1"}
     key = q.make_cache_key(qname, cache_key_extra=extra, **{k: v for k, v in options.items() if k in (
         "imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")})
     cached = None if force else q.cache_lookup(key)
-    if cached is not None and cached.is_file() and cached.resolve() != dest.resolve():
-        shutil.copyfile(cached, dest.with_name(dest.name + ".part"))
-        os.replace(dest.with_name(dest.name + ".part"), dest)
-    if cached is not None and dest.is_file():
-        return ConvertResult(dest, qname, _arch_of(dest), dest.stat().st_size, 0, pre, str(ckpt.folder),
-                             time.perf_counter() - t0, cached=True)
+    wanted = _dest_path(output, name, qname)
+    if cached is not None and wanted.exists() and cached.resolve() == wanted.resolve():
+        return _cached_result(wanted, qname, pre, ckpt, t0)  # the same conversion is already there
+    dest = _dest(output, name, qname, force)
+    if cached is not None:  # done before, elsewhere: copy it instead of converting again
+        part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        try:
+            shutil.copyfile(cached, part)
+            os.replace(part, dest)
+        finally:
+            part.unlink(missing_ok=True)
+        return _cached_result(dest, qname, pre, ckpt, t0)
     mid = "bf16" if ckpt.source_float_type() == "bf16" else "f16"
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{mid}.gguf")  # beside the destination, then deleted
     try:
@@ -325,6 +334,11 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
         tmp.unlink(missing_ok=True)
     return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, pre, str(ckpt.folder),
                          time.perf_counter() - t0)
+
+
+def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float) -> ConvertResult:
+    return ConvertResult(path, qname, _arch_of(path), path.stat().st_size, 0, pre, str(ckpt.folder),
+                         time.perf_counter() - t0, cached=True)
 
 
 def _source_digest(ckpt: Checkpoint) -> str:
