@@ -336,3 +336,25 @@ def test_phi3_named_model_with_a_bpe_vocabulary_loads(tmp_path):
     ids = hf_ids(folder)
     _, toks = llama_logits(r.path, ids)
     assert toks == ids
+
+
+def test_sharded_bf16_checkpoint(tiny, tmp_path):
+    """A bf16 checkpoint in several shards (with model.safetensors.index.json): the default type is
+    the source's own (bf16), and an f32 conversion matches transformers' float32 upcast."""
+    from ctxq.modelinfo import model_info
+
+    src = tiny["qwen3"]
+    folder = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size="40KB")
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            (folder / f.name).write_bytes(f.read_bytes())
+    assert len(list(folder.glob("*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").is_file()
+    r = convert(folder, None, tmp_path / "d.gguf")
+    assert r.type == "bf16" and model_info(r.path).file_type == "BF16"
+    ids = hf_ids(folder)
+    ref = reference_logits(folder, ids)  # bf16 weights upcast to float32 by transformers
+    got, _ = llama_logits(convert(folder, "f32", tmp_path / "f.gguf").path, ids)
+    rel, flips, _ = compare(ref, got)
+    assert rel <= 1e-3 and flips == 0, rel
