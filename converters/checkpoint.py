@@ -83,7 +83,10 @@ class Checkpoint:
         cfg = self.folder / "config.json"
         if not cfg.is_file():
             raise ConversionError(f"{self.folder}: no config.json; pass a Hugging Face model folder or hub id")
-        self.config: dict = json.loads(cfg.read_text())
+        try:
+            self.config: dict = json.loads(cfg.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ConversionError(f"{cfg}: not valid JSON ({e}); download it again") from None
         self.tensors: dict[str, TensorRef] = {}
         files = self._weight_files()
         for f in files:

@@ -358,3 +358,19 @@ def test_sharded_bf16_checkpoint(tiny, tmp_path):
     got, _ = llama_logits(convert(folder, "f32", tmp_path / "f.gguf").path, ids)
     rel, flips, _ = compare(ref, got)
     assert rel <= 1e-3 and flips == 0, rel
+
+
+def test_truncated_weights_and_bad_config_fail_in_one_line(tiny, tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    for f in tiny["mistral"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    out = tmp_path / "b.gguf"
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
+    assert rc.returncode == 1 and "truncated" in rc.stderr and len(rc.stderr.strip().splitlines()) == 1
+    (folder / "config.json").write_text('{"architectures": ["MistralForCausalLM"], ')
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
+    assert rc.returncode == 1 and "not valid JSON" in rc.stderr and "Traceback" not in rc.stderr
+    assert not out.exists() and list(tmp_path.glob(".b.gguf*")) == []

@@ -120,6 +120,9 @@ def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str 
                    progress: Progress | None, t0: float) -> ConvertResult:
     arch_name, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(cfg.get(key), int):
+            raise ConversionError(f"{ckpt.folder / 'config.json'}: {key} is missing or not an integer")
     if family.check:
         family.check(cfg)
     plans = plan_tensors(ckpt, family, cfg, kind)
