@@ -47,7 +47,7 @@ def quantized(f16, home, tmp_path_factory):
     return {t: q.quantize_gguf(f16, out / q.default_output_name(f16, t), t) for t in BOUNDS}
 
 
-def test_smollm2_types_load_generate_and_pass_the_gate(quantized, f16):
+def test_smollm2_types_load_generate_and_pass_the_gate(quantized, f16, home):
     from llama_cpp import Llama
 
     sizes = {}
@@ -65,6 +65,8 @@ def test_smollm2_types_load_generate_and_pass_the_gate(quantized, f16):
     assert kl["Q8_0"] < kl["Q6_K"] < min(kl["Q5_K_M"], kl["Q4_K_M"])  # fewer bits, further away
     assert sizes["Q8_0"] > sizes["Q6_K"] > sizes["Q5_K_M"] > sizes["Q4_K_M"]
     assert f16.stat().st_size > sizes["Q8_0"]
+    # The reference was evaluated once for the four gates; its logits are kept for the next run.
+    assert len(list((home / "cache" / "reference-logits").glob("*.npy"))) == 1
 
 
 def test_cache_hit_does_nothing_and_force_redoes(quantized, f16, home, tmp_path):
@@ -134,7 +136,8 @@ def test_estimate_bounds_real_sizes(quantized, f16):
 
 
 _SCRIPT = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
 from pathlib import Path
 from ctxq.errors import CtxqError
 from ctxq.quantize import quantize_gguf
@@ -169,7 +172,7 @@ def test_kill_9_leaves_nothing_and_the_rerun_completes(f16, home, tmp_path):
     gone, alive = psutil.wait_procs([worker], timeout=10)
     assert not alive, "the quantizer outlived ctxq"
     assert not dst.exists()  # only the hidden temporary, which the rerun replaces
-    r = q.quantize_gguf(f16, dst, "Q8_0", check=False)
+    r = q.quantize_gguf(f16, dst, "Q8_0", check=False, force=True)  # the killed command, run again
     assert not r.cached and r.path == dst and dst.stat().st_size == r.size
     assert not part.exists()
 

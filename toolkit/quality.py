@@ -9,6 +9,7 @@ peak memory is that of the larger one.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -97,11 +98,36 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
     }
 
 
-def compare(reference: str | os.PathLike, candidate: str | os.PathLike, *, n_ctx: int = 512) -> dict:
+def _reference_logits(reference: str, tokens: list[int], n_ctx: int, cache_dir: Path | None) -> np.ndarray:
+    """The reference's logits, kept as float32 in `cache_dir` keyed by the file's identity and the
+    tokens: quantizing one model to several types evaluates the (largest) reference once."""
+    if cache_dir is None:
+        return _logits(reference, tokens, n_ctx)
+    import hashlib
+    import importlib.metadata as md
+
+    st = os.stat(reference)
+    stamp = json.dumps([os.path.realpath(reference), st.st_size, st.st_mtime_ns, st.st_ino, tokens,
+                        md.version("llama_cpp_python")])
+    path = Path(cache_dir) / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".npy")
+    try:
+        return np.load(path).astype(np.float64)
+    except (OSError, ValueError):
+        pass
+    logits = _logits(reference, tokens, n_ctx)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.stem}.{os.getpid()}.npy")
+    np.save(part, logits.astype(np.float32))
+    os.replace(part, path)
+    return logits
+
+
+def compare(reference: str | os.PathLike, candidate: str | os.PathLike, *, n_ctx: int = 512,
+            cache_dir: str | os.PathLike | None = None) -> dict:
     """Run both GGUF models on the built-in text; return top1_agreement, mean_kl (nats), max_kl,
-    n_tokens and the reference path."""
+    n_tokens and the reference path. With `cache_dir`, the reference's logits are reused."""
     reference, candidate = str(Path(reference)), str(Path(candidate))
     tokens = _tokens(reference, n_ctx)
-    ref = _logits(reference, tokens, n_ctx)
+    ref = _reference_logits(reference, tokens, n_ctx, Path(cache_dir) if cache_dir else None)
     cand = _logits(candidate, tokens, n_ctx)
     return {**compare_logits(ref, cand), "reference": reference}

@@ -14,7 +14,6 @@ type, the options, the imatrix and the ctxq and llama.cpp versions.
 
 from __future__ import annotations
 
-import collections
 import fcntl
 import hashlib
 import importlib.metadata as md
@@ -23,20 +22,17 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 from .errors import ConversionError, CtxqError
-from .gguf_file import read_gguf
+from .gguf_file import GGUFFile, read_gguf
 from .models import ctxq_home
+from .quantize_worker import Worker
 
 log = logging.getLogger(__name__)
-llama_log = logging.getLogger("ctxq.llama_cpp")
 
 # llama.cpp's quantize tool list (tools/quantize/quantize.cpp, QUANT_OPTIONS), in its order, with
 # the llama_ftype numbers of include/llama.h. Q3_K, Q4_K and Q5_K are its aliases for the _M mixes;
@@ -94,6 +90,7 @@ class QuantizeResult:
     seconds: float  # wall time of this call
     quality: dict | None  # top1_agreement, mean_kl (nats), max_kl, n_tokens, reference, ...
     source_was_quantized: bool  # requantized: quality is measured against an already quantized model
+    quantize_seconds: float | None = None  # the llama_model_quantize call alone (None when cached)
 
 
 def parse_type(name: str) -> tuple[str, int]:
@@ -130,11 +127,11 @@ def default_output_name(src: str | os.PathLike, type: str) -> str:
     return f"{stem}-{parse_type(type)[0]}.gguf"
 
 
-def estimate_size(src: str | os.PathLike, type: str) -> int:
+def estimate_size(src: str | os.PathLike | GGUFFile, type: str) -> int:
     """An upper estimate of the quantized file's bytes: the header plus, per tensor, the bits per
     weight of the type's default tensor type (its fallback for odd rows) and a margin for mixes."""
     name, _ = parse_type(type)
-    g = read_gguf(src, skip_arrays=True)
+    g = src if isinstance(src, GGUFFile) else read_gguf(src, skip_arrays=True)
     total = g.data_offset + _HEADER_SLACK
     for t in g.tensors:
         if name in ("COPY",) or len(t.shape) < 2:
@@ -151,14 +148,19 @@ def estimate_size(src: str | os.PathLike, type: str) -> int:
     return total
 
 
-def _is_quantized(src: Path) -> bool:
-    return any(len(t.shape) >= 2 and t.type not in _UNQUANTIZED for t in read_gguf(src, skip_arrays=True).tensors)
+def _is_quantized(g: GGUFFile) -> bool:
+    return any(len(t.shape) >= 2 and t.type not in _UNQUANTIZED for t in g.tensors)
 
 
 # --- the cache ----------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
     return ctxq_home() / "cache" / "quantize"
+
+
+def _logits_cache() -> Path:
+    """The quality gate's reference logits (float32, n_tokens x n_vocab: 57 MB for SmolLM2)."""
+    return ctxq_home() / "cache" / "reference-logits"
 
 
 def _sha256(path: Path) -> str:
@@ -243,74 +245,8 @@ def _cache_store(key: dict, result: QuantizeResult) -> None:
     rec = {**asdict(result), "path": str(result.path.resolve()), "key": key, "mtime_ns": st.st_mtime_ns,
            "size": st.st_size, "created": time.time()}
     rec.pop("cached")
+    rec.pop("quantize_seconds")
     _write_json(_record_path(key), rec)
-
-
-# --- running the quantizer ----------------------------------------------------------------------
-
-_TENSOR_RE = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
-
-
-def _failure(rc: int, result: dict, tail: collections.deque) -> str:
-    """One line saying why the worker failed, from llama.cpp's own error when it printed one."""
-    lines = [ln.strip() for ln in tail if ln.strip()]
-    for ln in reversed(lines):
-        m = re.search(r"failed to quantize: (.+)", ln)
-        if m:
-            return m.group(1).rstrip("!. ")
-    if rc < 0:
-        import signal
-
-        last = next((ln for ln in reversed(lines) if re.search(r"error|abort|assert", ln, re.I)), "")
-        return f"llama.cpp died with {signal.Signals(-rc).name}" + (f" ({last[:200]})" if last else "")
-    return result.get("error") or (lines[-1][:200] if lines else f"exit status {rc}")
-
-
-def run_worker(job: dict, progress: Progress | None = None) -> dict:
-    """Run `ctxq.quantize_worker` on a job; follow its `[ i/ N]` lines; a failure is a ConversionError.
-
-    The worker runs in its own session so a terminal's Ctrl-C reaches only this process, which then
-    kills it: interrupting never waits for a tensor to finish."""
-    with tempfile.TemporaryDirectory(prefix="ctxq-quantize-") as tmp:
-        job = {**job, "result": str(Path(tmp) / "result.json")}
-        job_file = Path(tmp) / "job.json"
-        job_file.write_text(json.dumps(job))
-        proc = subprocess.Popen([sys.executable, "-m", "ctxq.quantize_worker", str(job_file)],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        tail: collections.deque = collections.deque(maxlen=40)
-        line, last = b"", 0
-        try:
-            while chunk := proc.stderr.read1(1 << 16):
-                line += chunk
-                *done, line = line.split(b"\n")
-                for ln in done:
-                    text = ln.decode("utf-8", "replace")
-                    llama_log.debug("%s", text)
-                    tail.append(text)
-                for m in _TENSOR_RE.finditer(b"\n".join(done + [line])):
-                    i, n = int(m.group(1)), int(m.group(2))
-                    if progress and i > last:
-                        progress(i - 1, n, m.group(3).decode("utf-8", "replace"))
-                    last = max(last, i)
-            rc = proc.wait()
-        except BaseException:  # Ctrl-C or any error here: stop llama.cpp now
-            proc.kill()
-            proc.wait()
-            raise
-        finally:
-            proc.stderr.close()
-        if line:
-            tail.append(line.decode("utf-8", "replace"))
-        try:
-            result = json.loads(Path(job["result"]).read_text())
-        except (OSError, ValueError):
-            result = {}
-        if rc != 0 or "error" in result:
-            raise ConversionError(_failure(rc, result, tail))
-        if progress and last:
-            progress(last, last, "")
-        return result
 
 
 def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | None = None,
@@ -329,7 +265,8 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     src = Path(src)
     name, ftype = parse_type(type)
     dst = Path(dst) if dst is not None else src.with_name(default_output_name(src, name))
-    was_quantized = _is_quantized(src)  # reads the header: a bad source fails here, before any work
+    if not src.is_file():
+        raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model to `ctxq convert`)")
     if name in NEEDS_IMATRIX and imatrix is None:
         raise ConversionError(f"{name} needs an importance matrix: pass --imatrix FILE (a GGUF imatrix "
                               f"from llama-imatrix), or choose a type without one, e.g. Q4_K_M or IQ4_XS")
@@ -337,60 +274,71 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
         _check_imatrix(Path(imatrix))
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConversionError(f"{dst}: the output would overwrite the source; choose another -o path")
-    key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
-                         imatrix=imatrix, output_tensor_type=output_tensor_type,
-                         token_embedding_type=token_embedding_type,
-                         leave_output_tensor=leave_output_tensor, pure=pure)
-    rec = None if force else cache_record(key)
-    if rec is not None:
-        quality = rec.get("quality")
-        if check and quality is None:  # cached without the gate: run only the gate
-            quality = run_worker({"check_only": True, "out": rec["path"], "reference": str(src)})["quality"]
+    # The worker imports llama.cpp while this process prepares the job (cache, header, disk).
+    with Worker(lean=not check) as worker:
+        key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
+                             imatrix=imatrix, output_tensor_type=output_tensor_type,
+                             token_embedding_type=token_embedding_type,
+                             leave_output_tensor=leave_output_tensor, pure=pure)
+        rec = None if force else cache_record(key)
+        if rec is not None:
+            return _cached(worker, rec, key, src, name, check, t0)
+        if dst.exists() and not force:
+            raise ConversionError(f"{dst} exists and is not this conversion's cached result; "
+                                  "pass --force to overwrite it or -o to choose another path")
+        g = read_gguf(src, skip_arrays=True)  # GGUFError for a file that is not a GGUF model
+        was_quantized = _is_quantized(g)
+        if was_quantized:
+            log.warning("%s is already quantized: requantizing it to %s loses more quality than "
+                        "quantizing the original f16/bf16 model", src, name)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        need, free = estimate_size(g, name), shutil.disk_usage(dst.parent).free
+        if need > free:
+            gib = 1024**3
+            raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about {need / gib:.2f} "
+                                  f"GiB, {free / gib:.2f} GiB free; free space or pass -o elsewhere")
+        part = dst.with_name(f".{dst.name}.part")
+        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConversionError(f"another ctxq process is writing {dst}; wait for it to finish") from None
+            job = {"src": str(src), "out": str(part), "ftype": ftype, "nthread": nthread,
+                   "allow_requantize": was_quantized, "only_copy": name == "COPY", "pure": pure,
+                   "leave_output_tensor": leave_output_tensor,
+                   "output_tensor_type": key["output_tensor_type"],
+                   "token_embedding_type": key["token_embedding_type"],
+                   "imatrix": str(imatrix) if imatrix else None, "reference": str(src) if check else None,
+                   "logits_cache": str(_logits_cache())}
+            try:
+                out = worker.run(job, progress)
+                os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
+            except BaseException:  # Ctrl-C included: the worker is killed on leaving the block
+                part.unlink(missing_ok=True)
+                raise
+        finally:
+            os.close(fd)
+        quality = out.get("quality")
+        if quality is not None:
             quality["reference_is_quantized"] = was_quantized
-        res = QuantizeResult(Path(rec["path"]), name, rec["size"], True, time.perf_counter() - t0,
-                             quality, rec["source_was_quantized"])
-        if quality is not rec.get("quality"):
-            _cache_store(key, res)
-        log.info("%s to %s is cached at %s", src.name, name, res.path)
+        res = QuantizeResult(dst, name, dst.stat().st_size, False, time.perf_counter() - t0, quality, was_quantized,
+                             out.get("quantize_seconds"))
+        _cache_store(key, res)
         return res
-    if dst.exists() and not force:
-        raise ConversionError(f"{dst} exists and is not this conversion's cached result; "
-                              "pass --force to overwrite it or -o to choose another path")
-    if was_quantized:
-        log.warning("%s is already quantized: requantizing it to %s loses more quality than "
-                    "quantizing the original f16/bf16 model", src, name)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    need, free = estimate_size(src, name), shutil.disk_usage(dst.parent).free
-    if need > free:
-        gib = 1024**3
-        raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about "
-                              f"{need / gib:.2f} GiB, {free / gib:.2f} GiB free; free space or pass -o elsewhere")
-    part = dst.with_name(f".{dst.name}.part")
-    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConversionError(f"another ctxq process is writing {dst}; wait for it to finish") from None
-        job = {"src": str(src), "out": str(part), "ftype": ftype, "nthread": nthread,
-               "allow_requantize": was_quantized, "only_copy": name == "COPY", "pure": pure,
-               "leave_output_tensor": leave_output_tensor,
-               "output_tensor_type": key["output_tensor_type"],
-               "token_embedding_type": key["token_embedding_type"],
-               "imatrix": str(imatrix) if imatrix else None, "reference": str(src) if check else None}
-        try:
-            out = run_worker(job, progress)
-            os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
-    finally:
-        os.close(fd)
-    quality = out.get("quality")
-    if quality is not None:
-        quality["reference_is_quantized"] = was_quantized
-    res = QuantizeResult(dst, name, dst.stat().st_size, False, time.perf_counter() - t0, quality, was_quantized)
-    _cache_store(key, res)
+
+
+def _cached(worker: Worker, rec: dict, key: dict, src: Path, name: str, check: bool, t0: float) -> QuantizeResult:
+    quality = rec.get("quality")
+    if check and quality is None:  # cached without the gate: run only the gate
+        quality = worker.run({"check_only": True, "out": rec["path"], "reference": str(src),
+                              "logits_cache": str(_logits_cache())})["quality"]
+        quality["reference_is_quantized"] = rec["source_was_quantized"]
+    res = QuantizeResult(Path(rec["path"]), name, rec["size"], True, time.perf_counter() - t0,
+                         quality, rec["source_was_quantized"])
+    if quality is not rec.get("quality"):
+        _cache_store(key, res)
+    log.info("%s to %s is cached at %s", src.name, name, res.path)
     return res
 
 
