@@ -118,7 +118,7 @@ def _dest(output, name: str, kind: str, force: bool) -> Path:
 
 def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str | None,
                    progress: Progress | None, t0: float) -> ConvertResult:
-    arch_name, family = family_for(ckpt.config)
+    _, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if not isinstance(cfg.get(key), int):
@@ -136,6 +136,9 @@ def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; the result gets a normal file's mode
     try:
         _write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
         verify_loads(tmp)
