@@ -57,3 +57,18 @@ def test_70b_config_recommends_a_type_that_fits(smollm2, tmp_path):
     d = json.loads(out.stdout)
     assert [c["type"] for c in d["candidates"] if c["recommended"]] == ["Q5_K_M"]
     assert all(c["quality"] for c in d["candidates"])
+
+
+@pytest.mark.slow
+def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
+    hf = rebuild_smollm2_hf()
+    out = tmp_path / "auto.gguf"
+    r = run_ctxq("convert", str(hf), "auto", "--ctx", "65536", "--gpus", "4", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "auto: F16" in r.stderr  # 270 MB of f16 weights and a 64k f16 cache fit in 4 GiB
+    from ctxq.modelinfo import model_info
+
+    assert model_info(out).file_type == "F16"
+    r = run_ctxq("convert", str(hf), "auto", "-o", str(tmp_path / "x.gguf"))
+    assert r.returncode == 1 and "--ctx" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "x.gguf").exists()

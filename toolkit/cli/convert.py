@@ -6,6 +6,7 @@ import click
 
 from . import cli
 from .common import human
+from .plan import device_options
 
 
 class _Bars:
@@ -48,15 +49,37 @@ class _Bars:
 @click.option("--pure", is_flag=True, help="One type for every tensor, no per-tensor mix.")
 @click.option("--no-check", is_flag=True, help="Skip the quality check after quantizing.")
 @click.option("--force", is_flag=True, help="Replace an existing output and ignore the cache.")
+@click.option("-c", "--ctx", "n_ctx", type=int, default=None, help="With TYPE auto: the context that must fit.")
+@device_options
 def convert_cmd(model: str, type: str | None, output: str | None, revision: str | None, pre: str | None,
                 imatrix: str | None, output_tensor_type: str | None, token_embedding_type: str | None,
-                leave_output_tensor: bool, pure: bool, no_check: bool, force: bool):
+                leave_output_tensor: bool, pure: bool, no_check: bool, force: bool, n_ctx: int | None,
+                gpus: str | None, profile: str | None, rpc: str | None):
     """Convert MODEL (a Hugging Face folder, a hub id, or a GGUF) to TYPE.
 
     TYPE is f32, f16, bf16 or q8_0 (default: the checkpoint's own float type), or any llama.cpp
-    quantization such as q4_k_m, which is made from an f16/bf16 conversion.
+    quantization such as q4_k_m, which is made from an f16/bf16 conversion. TYPE auto picks the
+    type `ctxq plan MODEL --ctx N` recommends for the devices (--gpus/--profile/--rpc, or detected).
     """
     from ..conversion import convert
+    from ..errors import CtxqError
+
+    if type and type.lower() == "auto":
+        if not n_ctx:
+            raise CtxqError("convert MODEL auto needs --ctx N (the context that must fit) and the devices "
+                            "(--gpus, --profile or --rpc; default: the GPUs present)")
+        from ..hfplan import plan_hf
+
+        r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc)
+        if r.recommended is None:
+            raise CtxqError(f"no quantization fits {n_ctx} tokens on these devices: "
+                            + next((c.why_not for c in r.candidates if c.why_not), "see ctxq plan"))
+        type = r.recommended.type
+        p = r.recommended.plan
+        click.echo(f"auto: {type} ({human(r.recommended.size)}, KV {p.type_k}, {p.cpu_layers} layers on the CPU "
+                   f"at {n_ctx:,} tokens; see `ctxq plan {model} --ctx {n_ctx}`)", err=True)
+    elif n_ctx or gpus or profile or rpc:
+        raise CtxqError("--ctx, --gpus, --profile and --rpc go with TYPE auto")
 
     quant = {k: v for k, v in dict(imatrix=imatrix, output_tensor_type=output_tensor_type,
                                    token_embedding_type=token_embedding_type,
