@@ -57,24 +57,36 @@ def main() -> int:
                         for d in r.devices:
                             rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
                                          d.error / MiB, "ok" if d.ok else "OVER", "yes" if r.layers_match else "NO"])
+                            if a.out:  # rows as they come, so an interrupted run keeps what it measured
+                                _write(a.out, rows, worst, sys.argv[1:], done=False)
                             if abs(d.error) > abs(worst[0]):
                                 worst = (d.error, f"{r.label} {d.name}")
                         fails += not r.ok
                         print(f"{r.label}: worst {r.worst.name} {r.worst.error / MiB:+.2f} MiB, layers "
                               f"{'match' if r.layers_match else 'DIFFER ' + r.layer_mismatch}", flush=True)
+    print(_table(rows))
+    print(f"\n{len(rows)} device rows, {fails} cells outside the target; worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); "
+          f"{time.time() - t0:.0f} s")
+    if a.out:
+        _write(a.out, rows, worst, sys.argv[1:], done=True)
+    return 0 if fails == 0 else 1
+
+
+def _table(rows) -> str:
     head = "| model | devices | n_ctx | KV | device | planned MiB | llama.cpp MiB | error MiB | within 1 %/32 MiB | layers match |"
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:+.1f} | {r[8]} | {r[9]} |")
-    table = "\n".join(lines)
-    print(table)
-    print(f"\n{len(rows)} device rows, {fails} cells outside the target; worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); "
-          f"{time.time() - t0:.0f} s")
-    if a.out:
-        Path(a.out).write_text(f"<!-- written by scripts/accuracy.py {' '.join(sys.argv[1:])} -->\n{table}\n\n"
-                               f"Worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); target: within 1 % or "
-                               f"{TARGET_ABS // MiB} MiB per device.\n")
-    return 0 if fails == 0 else 1
+    return "\n".join(lines)
+
+
+def _write(out, rows, worst, argv, done: bool) -> None:
+    worst = max(rows, key=lambda r: abs(r[7])) if rows else None
+    over = sum(1 for r in rows if r[8] != "ok" or r[9] != "yes")
+    tail = (f"{len(rows)} device rows{'' if done else ' so far (run in progress)'}; {over} outside the target; "
+            f"worst error {worst[7]:+.2f} MiB ({' '.join(map(str, worst[:5]))}); target: within 1 % or "
+            f"{TARGET_ABS // MiB} MiB per device." if worst else "")
+    Path(out).write_text(f"<!-- written by scripts/accuracy.py {' '.join(argv)} -->\n{_table(rows)}\n\n{tail}\n")
 
 
 class _null:

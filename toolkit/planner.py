@@ -151,6 +151,7 @@ class _Costs:
     resid: int  # the residual stream, f32 [n_embd, n_ubatch]
     logits: int
     f16_cache: bool = True
+    swa_mask_overlap: int = 0
 
 
 def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
@@ -178,7 +179,8 @@ def _costs(info: ModelInfo, src, n_ctx: int, n_ubatch: int, n_batch: int, type_k
     resid = info.n_embd * n_ubatch * 4
     return _Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
                   host_inputs=mask + resid, resid=resid, logits=info.n_vocab * 4,
-                  f16_cache=type_k == "f16" and type_v == "f16")
+                  f16_cache=type_k == "f16" and type_v == "f16",
+                  swa_mask_overlap=n_kv * n_ubatch * (2 if flash_attn else 4) if any(info.swa_layers) else 0)
 
 
 def _device_cost(c: _Costs, layers: range, has_output: bool, first: bool, n_used: int, dev: Device) -> DevicePlan:
@@ -192,7 +194,10 @@ def _device_cost(c: _Costs, layers: range, has_output: bool, first: bool, n_used
     elif has_output:  # with an f16 cache the output device also keeps 3 residual-sized tensors (measured, RPC)
         dp.compute = c.peaks.output + SCHED_COPIES * c.inputs + (3 * c.resid if c.f16_cache else 0)
     else:
-        dp.compute = c.peaks.layer_full + SCHED_COPIES * c.inputs
+        # iSWA graphs: the derived model's peak already holds one full-size mask that the split graph
+        # receives as an input copy instead (measured on Gemma 2 at 4k-64k: the error grew by exactly
+        # one f16 mask per token without this)
+        dp.compute = c.peaks.layer_full + SCHED_COPIES * c.inputs - c.swa_mask_overlap
     dp.margin = GPU_MARGIN if dev.kind == "gpu" else RPC_MARGIN
     return dp
 
