@@ -7,8 +7,11 @@ the plain side is `Llama(**kwargs)` with the kwargs ctxq's plan produced (runner
 `llm.eval(tokens)` for the prefill and `llm.generate()` for decoding, timed the same way.
 
     .venv/bin/python scripts/bench_run.py [--model PATH] [--ctx 8192] [--tokens 2048] [-n 64] [--repeats 3]
+                                          [--threads N]
 
-Prints both sides' medians and the ratio ctxq / plain (target: >= 0.99).
+Prints both sides' medians and the ratio ctxq / plain (target: >= 0.99), then the same comparison
+inside one process on one loaded model (ctxq's prefill/generate code against plain Llama calls),
+which isolates ctxq's own cost from the load of a shared machine.
 """
 
 from __future__ import annotations
@@ -67,10 +70,48 @@ def plain_worker(model: str, text_file: str, kwargs_json: str, n_predict: int) -
                       "decode_tps": (n - 1) / (t_last - t_first) if n > 1 else 0.0}))
 
 
+def in_process(args, text: str, rounds: int) -> None:
+    """ctxq's own code path against plain Llama calls on one loaded model, alternating: this isolates
+    what ctxq adds (chunked prefill with a progress callback, streaming detokenization) from the
+    process-to-process noise of a shared machine."""
+    from ctxq import runner
+
+    p = runner.make_plan(args.model, args.ctx, kv=args.kv)
+    llm, _, _ = runner.load_plan(p, n_threads=args.threads)
+    toks = runner.tokenize(args.model, text)
+    ratios = {"prefill": [], "decode": []}
+    for i in range(rounds):
+        for side in (("ctxq", "plain") if i % 2 == 0 else ("plain", "ctxq")):
+            if side == "ctxq":
+                g = runner.generate(llm, toks, n_predict=args.n, temp=0, on_progress=lambda _: None,
+                                    on_text=lambda _: None)
+                c = (len(toks) / g["prefill_s"], (len(g["tokens"]) - 1) / g["decode_s"])
+            else:
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(toks)
+                t1 = time.perf_counter()
+                n, t_first = 0, t1
+                for tok in llm.generate(toks, temp=0.0, repeat_penalty=1.0):
+                    t_last = time.perf_counter()
+                    t_first = t_last if n == 0 else t_first
+                    n += 1
+                    if n >= args.n:
+                        break
+                q = (len(toks) / (t1 - t0), (n - 1) / (t_last - t_first))
+        ratios["prefill"].append(c[0] / q[0])
+        ratios["decode"].append(c[1] / q[1])
+        print(f"  in-process round {i + 1}: prefill ratio {ratios['prefill'][-1]:.3f}, "
+              f"decode ratio {ratios['decode'][-1]:.3f}", flush=True)
+    llm.close()
+    print(f"in-process (one model, same process): prefill ratio {statistics.median(ratios['prefill']):.3f}, "
+          f"decode ratio {statistics.median(ratios['decode']):.3f} (medians of paired rounds)")
+
+
 def ctxq_side(args, text_file: str) -> dict:
     exe = Path(sys.executable).with_name("ctxq")
     r = subprocess.run([str(exe), "run", args.model, "-f", text_file, "-c", str(args.ctx), "--kv", args.kv,
-                        "-n", str(args.n), "--temp", "0"], capture_output=True, text=True)
+                        "-n", str(args.n), "--temp", "0", "-t", str(args.threads)], capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"ctxq run failed: {r.stderr.strip()[-500:]}")
     m = re.search(r"prompt ([\d,]+) tokens: prefill ([\d.]+) s \(([\d.]+) tok/s\).*?generated (\d+) tokens "
@@ -101,10 +142,12 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens to generate")
     ap.add_argument("--kv", default="q8_0")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for both sides (default: ctxq's)")
     args = ap.parse_args()
     args.model = str(resolve_model(args.model))
     text, n = make_text(args.model, args.tokens)
-    kwargs = llama_params(make_plan(args.model, args.ctx, kv=args.kv))
+    kwargs = llama_params(make_plan(args.model, args.ctx, kv=args.kv), n_threads=args.threads)
+    args.threads = kwargs["n_threads"]
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
     print(f"model {Path(args.model).name}, context {args.ctx}, KV {args.kv}, prompt {n} tokens, {args.n} generated, "
@@ -120,11 +163,16 @@ def main() -> None:
     Path(f.name).unlink()
     if {r["n_prompt"] for s in res.values() for r in s} != {n}:
         print("warning: the two sides saw different prompt lengths")
-    print(f"\n{'':8s}{'ctxq run':>12s}{'plain Llama':>14s}{'ratio':>8s}")
+    # On a shared machine the load drifts between rounds: the median of each round's paired ratio
+    # (two runs seconds apart) is steadier than the ratio of the medians; both are shown.
+    print(f"\n{'':8s}{'ctxq run':>12s}{'plain Llama':>14s}{'ratio':>8s}{'paired':>9s}")
     for key, label in (("prefill_tps", "prefill"), ("decode_tps", "decode")):
         a = statistics.median(r[key] for r in res["ctxq"])
         b = statistics.median(r[key] for r in res["plain"])
-        print(f"{label:8s}{a:12.2f}{b:14.2f}{a / b:8.3f}   (tok/s, medians; target ratio >= 0.99)")
+        paired = statistics.median(x[key] / y[key] for x, y in zip(res["ctxq"], res["plain"]) if y[key])
+        print(f"{label:8s}{a:12.2f}{b:14.2f}{a / b:8.3f}{paired:9.3f}   (tok/s medians; target ratio >= 0.99)")
+    print()
+    in_process(args, text, max(args.repeats, 4))
 
 
 if __name__ == "__main__":
