@@ -47,6 +47,7 @@ def quantized(f16, home, tmp_path_factory):
     return {t: q.quantize_gguf(f16, out / q.default_output_name(f16, t), t) for t in BOUNDS}
 
 
+@pytest.mark.slow
 def test_smollm2_types_load_generate_and_pass_the_gate(quantized, f16, home):
     from llama_cpp import Llama
 
@@ -69,6 +70,7 @@ def test_smollm2_types_load_generate_and_pass_the_gate(quantized, f16, home):
     assert len(list((home / "cache" / "reference-logits").glob("*.npy"))) == 1
 
 
+@pytest.mark.slow
 def test_cache_hit_does_nothing_and_force_redoes(quantized, f16, home, tmp_path):
     first = quantized["Q8_0"]
     mtime = first.path.stat().st_mtime_ns
@@ -97,6 +99,7 @@ def test_existing_file_is_not_overwritten_without_force(f16, home, tmp_path):
     assert dst.read_bytes() == b"user data"
 
 
+@pytest.mark.slow
 def test_requantizing_says_so(smollm2, home, tmp_path):
     r = q.quantize_gguf(smollm2, tmp_path / "re.gguf", "Q4_K_M")
     assert r.source_was_quantized and r.quality["reference_is_quantized"]

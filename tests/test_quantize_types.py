@@ -56,6 +56,7 @@ GATED = {"F32", "COPY", "Q8_0", "Q4_K_M", "Q2_K", "IQ2_XXS"}
 ALIASES = {"Q3_K_M": "Q3_K", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # in QUANT_TYPES, the alias comes first
 
 
+@pytest.mark.slow
 def test_walk_every_type(tiny, tmp_path):
     """Each type produces a file that llama.cpp loads, with quality numbers and a size within the
     estimate, or (types needing an imatrix, without one) is refused before any work."""
@@ -130,3 +131,14 @@ def test_pass_through_options_change_the_output(tiny, tmp_path):
     assert types(leave_output_tensor=True)["output.weight"] == "F16"
     pure = types(pure=True)
     assert {t for n, t in pure.items() if n.endswith(".weight") and "norm" not in n} == {"Q4_K"}
+
+
+def test_progress_follows_the_tensor_lines(tiny, tmp_path):
+    model, _ = tiny
+    calls = []
+    q.quantize_gguf(model, tmp_path / "p.gguf", "Q4_K_M", check=False, progress=lambda *a: calls.append(a))
+    n = 3 + 2 * 9  # token_embd, output_norm, output + 9 tensors per layer
+    assert calls[-1] == (n, n, "") and all(total == n for _, total, _ in calls)
+    done = [d for d, _, _ in calls]
+    assert done == sorted(done) and done[0] == 0
+    assert {name for _, _, name in calls} >= {"blk.1.ffn_down.weight", "output.weight"}

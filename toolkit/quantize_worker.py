@@ -265,6 +265,8 @@ class Worker:
                 text = ln.decode("utf-8", "replace")
                 llama_log.debug("%s", text)
                 tail.append(text)
+                if progress and last and "quant size" in text:  # quantized; loading or the gate follows
+                    progress(last, last, "")
             for m in _TENSOR_RE.finditer(b"\n".join(done + [line])):
                 i, n = int(m.group(1)), int(m.group(2))
                 if progress and i > last:
@@ -279,8 +281,6 @@ class Worker:
             result = {}
         if rc != 0 or "error" in result:
             raise ConversionError(_failure(rc, result, tail))
-        if progress and last:
-            progress(last, last, "")
         return result
 
 
