@@ -142,3 +142,21 @@ def test_progress_follows_the_tensor_lines(tiny, tmp_path):
     done = [d for d, _, _ in calls]
     assert done == sorted(done) and done[0] == 0
     assert {name for _, _, name in calls} >= {"blk.1.ffn_down.weight", "output.weight"}
+
+
+def test_a_second_writer_is_refused(tiny, tmp_path):
+    """Two ctxq processes never write the same destination: the temporary file is locked."""
+    import fcntl
+    import os
+
+    model, _ = tiny
+    dst = tmp_path / "locked.gguf"
+    fd = os.open(dst.with_name(f".{dst.name}.part"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a running quantization holds it
+        with pytest.raises(ConversionError, match=f"another ctxq process is writing {dst}"):
+            q.quantize_gguf(model, dst, "Q4_0", check=False)
+    finally:
+        os.close(fd)
+    assert not dst.exists()
+    assert q.quantize_gguf(model, dst, "Q4_0", check=False).path == dst  # once it is released
