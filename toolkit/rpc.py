@@ -276,13 +276,21 @@ def on_ggml_abort(fn) -> None:
 def describe_abort(message: str, timeout: float = 1.0) -> str:
     """One line for a ggml abort: which registered worker went away (probed), in ggml's words."""
     what = message.split(": ", 1)[-1].strip()  # drop ggml's "file:line: "
-    dead, silent = [], []
-    for ep in list(_registered):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def check(ep: str) -> str | None:
         try:
             probe_devices(ep, timeout)
+            return None
         except WorkerUnreachable as e:
             # A live worker still serving this process's connection does not answer either.
-            (silent if e.why.startswith("did not answer") else dead).append(ep)
+            return "silent" if e.why.startswith("did not answer") else "dead"
+
+    eps = list(_registered)
+    with ThreadPoolExecutor(max_workers=max(1, len(eps))) as pool:  # all in ~timeout, not n x timeout
+        states = list(pool.map(check, eps))
+    dead = [ep for ep, st in zip(eps, states) if st == "dead"]
+    silent = [ep for ep, st in zip(eps, states) if st == "silent"]
     if dead or silent:
         how = "went away" if dead else "stopped answering"
         return (f"RPC worker {', '.join(dead or silent)} {how} during the run (llama.cpp: {what}); "

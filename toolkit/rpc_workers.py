@@ -153,6 +153,16 @@ class Workers:
         """Endpoints whose worker process has exited."""
         return [e for e, p in zip(self.endpoints, self.procs) if p.poll() is not None]
 
+    def how_ended(self, endpoint: str) -> str:
+        """How a worker's process ended ("killed by SIGKILL", "exit code 1: <its last line>")."""
+        i = self.endpoints.index(endpoint)
+        code = self.procs[i].poll()
+        if code is None:
+            return "running"
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        tail = self.log_tail(i, 1)
+        return f"{how}: {tail}" if tail and code > 0 else how
+
     def stop(self) -> None:
         if self._stopped:
             return
@@ -352,6 +362,9 @@ def _diagnose(proc, eps: list[str], workers: Workers | None, errpath: str, hung:
             (silent if e.why.startswith("did not answer") else dead).append(ep)
     why = f" (the run {hung})" if hung else f" (llama.cpp: {ggml})" if ggml else ""
     if dead:
+        ended = [f"{ep} {workers.how_ended(ep)}" for ep in dead if workers and ep in workers.endpoints]
+        if ended:  # a local worker: say how its process ended (a crash, a kill, the OOM killer's SIGKILL)
+            why = f" ({'; '.join(ended)}{'; llama.cpp: ' + ggml if ggml and not hung else ''})"
         return WorkerLost(dead[0], f"RPC worker {', '.join(dead)} went away during the run{why}; "
                           "restart it and run again, or leave it out of --rpc")
     if silent:
