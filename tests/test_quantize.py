@@ -33,7 +33,15 @@ def f16(smollm2):
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory, f16):
+def hf_dir(smollm2):
+    """Where the rebuilt Hugging Face checkpoint lives, read before `home` changes CTXQ_HOME."""
+    from ctxq.smollm2_hf import smollm2_hf_dir
+
+    return smollm2_hf_dir()
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, f16, hf_dir):
     """A private CTXQ_HOME (cache records) for this module, set after the models are in place."""
     with pytest.MonkeyPatch.context() as mp:
         h = tmp_path_factory.mktemp("home")
@@ -68,6 +76,24 @@ def test_smollm2_types_load_generate_and_pass_the_gate(quantized, f16, home):
     assert f16.stat().st_size > sizes["Q8_0"]
     # The reference was evaluated once for the four gates; its logits are kept for the next run.
     assert len(list((home / "cache" / "reference-logits").glob("*.npy"))) == 1
+
+
+@pytest.mark.slow
+def test_hugging_face_route_matches_the_gguf_route(quantized, home, hf_dir, tmp_path):
+    """The issue's path: SmolLM2 rebuilt as a Hugging Face checkpoint -> `ctxq.convert` (an f16
+    GGUF, then this quantizer, then the f16 deleted) -> Q4_K_M gives the F16 GGUF route's numbers."""
+    import ctxq
+    from ctxq.testmodels import rebuild_smollm2_hf
+
+    out = tmp_path / "hf-Q4_K_M.gguf"
+    r = ctxq.convert(rebuild_smollm2_hf(hf_dir), "q4_k_m", out)
+    assert r.path == out and sorted(tmp_path.iterdir()) == [out]  # the f16 temporary is gone
+    recs = [json.loads(p.read_text()) for p in (home / "cache" / "quantize").glob("*.json")]
+    rec = next(x for x in recs if x["path"] == str(out.resolve()))
+    ref = quantized["Q4_K_M"].quality
+    assert rec["quality"]["top1_agreement"] == ref["top1_agreement"]
+    assert rec["quality"]["mean_kl"] == pytest.approx(ref["mean_kl"], rel=1e-4)  # float32-cached reference
+    assert abs(rec["size"] - quantized["Q4_K_M"].size) < 4096  # the same tensors; metadata may differ
 
 
 @pytest.mark.slow
