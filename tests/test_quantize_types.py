@@ -160,3 +160,17 @@ def test_a_second_writer_is_refused(tiny, tmp_path):
         os.close(fd)
     assert not dst.exists()
     assert q.quantize_gguf(model, dst, "Q4_0", check=False).path == dst  # once it is released
+
+
+def test_cache_key_extra_stands_for_the_source(tiny, tmp_path):
+    """A caller (the Hugging Face route) keys by its own source identity, tuples included."""
+    model, _ = tiny
+    extra = {"hf_repo": "org/tiny", "revision": "abc123", "files": ("a", "b")}
+    key = q.make_cache_key("Q4_0", cache_key_extra=extra)
+    assert key["source"] is None and q.cache_lookup(key) is None
+    r = q.quantize_gguf(model, tmp_path / "x.gguf", "Q4_0", check=False, cache_key_extra=extra)
+    assert q.cache_lookup(key) == r.path.resolve()
+    assert q.quantize_gguf(model, tmp_path / "y.gguf", "Q4_0", check=False, cache_key_extra=extra).cached
+    assert q.cache_lookup(q.make_cache_key("Q4_0", cache_key_extra={**extra, "revision": "def"})) is None
+    r.path.write_bytes(r.path.read_bytes() + b"x")  # edited since: no longer a hit
+    assert q.cache_lookup(key) is None

@@ -204,7 +204,7 @@ def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_
     if cache_key_extra is None and source is None:
         raise ValueError("make_cache_key needs a source file or cache_key_extra")
     name, ftype = parse_type(type)
-    return {
+    key = {
         "source": None if cache_key_extra is not None else file_digest(source),
         "extra": cache_key_extra,
         "ftype": ftype,
@@ -217,6 +217,7 @@ def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_
         "ctxq": md.version("ctxq"),
         "llama_cpp_python": md.version("llama_cpp_python"),  # pins the vendored llama.cpp
     }
+    return json.loads(json.dumps(key, sort_keys=True))  # as stored: tuples in `cache_key_extra` become lists
 
 
 def _record_path(key: dict) -> Path:
