@@ -145,14 +145,14 @@ def run(lc, job: dict) -> dict:
     if rc != 0:
         return {"error": "llama_model_quantize failed", "rc": int(rc)}
     result = {"quantize_seconds": seconds}
-    if not job.get("reference"):  # the quality gate loads the result anyway
-        t0 = time.perf_counter()
-        result["n_params"] = verify(lc, job["out"])
-        result["verify_seconds"] = time.perf_counter() - t0
-    if job.get("reference"):
+    if job.get("reference"):  # the quality gate loads the result: that is the load check too
         from .quality import compare
 
         result["quality"] = compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"))
+    else:
+        t0 = time.perf_counter()
+        result["n_params"] = verify(lc, job["out"])
+        result["verify_seconds"] = time.perf_counter() - t0
     return result
 
 
