@@ -16,6 +16,9 @@ from ctxq.testmodels import synthetic_imatrix_gguf, tiny_llama_gguf
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
+    # IQ1_S/IQ1_M (with the imatrix) take most of the walk, and not per weight: IQ1_S took 36 s on a
+    # one-layer 0.6M-weight model and 44 s on this 1.4M one (shared 2-core machine), the cost of
+    # llama.cpp building its search grids once per process. A smaller model would not help.
     model = tiny_llama_gguf(d / "tiny-F16.gguf")
     return model, synthetic_imatrix_gguf(model, d / "tiny.imatrix.gguf")
 
