@@ -54,6 +54,8 @@ class ConvertResult:
     source: str  # the folder that was read
     seconds: float
     cached: bool = False
+    quality: dict | None = None  # the quantization quality gate's numbers (ctxq.quality), when it ran
+    source_was_quantized: bool = False  # requantized from an already quantized GGUF
 
 
 def convert(model: str | os.PathLike, type: str | None = None, output: str | os.PathLike | None = None, *,
@@ -301,7 +303,8 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
     qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
     r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=qprogress, **options)
     return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, None, str(src),
-                         time.perf_counter() - t0, cached=r.cached)
+                         time.perf_counter() - t0, cached=r.cached, quality=r.quality,
+                         source_was_quantized=r.source_was_quantized)
 
 
 def _arch_of(path) -> str:
@@ -314,6 +317,8 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
                        t0: float) -> ConvertResult:
     q = _quantize_module()
     qname, _ = q.parse_type(kind)
+    if q.needs_imatrix(qname) and not options.get("imatrix"):  # refuse before converting anything
+        raise ConversionError(f"{qname} needs an importance matrix: pass --imatrix FILE.gguf (llama-imatrix output)")
     extra = {"hf_source": _source_digest(ckpt), "pre": pre, "converter": "ctxq.conversion/1"}
     key = q.make_cache_key(qname, cache_key_extra=extra, **{k: v for k, v in options.items() if k in (
         "imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")})
@@ -339,7 +344,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
     finally:
         tmp.unlink(missing_ok=True)
     return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, pre, str(ckpt.folder),
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, quality=r.quality)
 
 
 def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float) -> ConvertResult:

@@ -91,4 +91,11 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
     finally:
         bars.close()
     note = " (from the cache)" if r.cached else f" in {r.seconds:.1f} s"
+    if r.source_was_quantized:
+        click.echo("note: the source GGUF was already quantized; this requantizes it, and the quality check "
+                   "compares against that quantized source, not the original weights", err=True)
     click.echo(f"{r.path}  {r.type}  {r.arch}  {human(r.size)}{note}")
+    if r.quality:
+        g = r.quality
+        click.echo(f"quality vs {g.get('reference', 'the unquantized model')}: top-1 agreement "
+                   f"{g['top1_agreement']:.3f}, mean KL {g['mean_kl']:.4f} nats over {g.get('n_tokens', '?')} tokens")
