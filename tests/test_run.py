@@ -162,7 +162,7 @@ def test_60k_token_file_at_65536_with_q8_0_kv(tiny, tmp_path):
     f = tmp_path / "60k.txt"
     f.write_text(text)
     r = run_ctxq("run", str(tiny), "-f", str(f), "-c", "65536", "-ctk", "q8_0", "-ctv", "q8_0", "-n", "16",
-                 "--seed", "1")
+                 "--seed", "1", timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "-c 65536" in r.stderr and "-ctk q8_0 -ctv q8_0" in r.stderr
     assert f"{n}/{n} tokens" in r.stderr  # the progress bar reached the end
@@ -203,7 +203,7 @@ def test_smollm2_8k_tokens_same_path(smollm2, tmp_path):
     f = tmp_path / "8k.txt"
     f.write_text("Read the text below, then say which word it mentions most.\n\n" + text)
     r = run_ctxq("run", str(smollm2), "-f", str(f), "-c", "65536", "--kv", "q8_0", "-n", "32", "--chat",
-                 "--temp", "0")
+                 "--temp", "0", timeout=1800)
     assert r.returncode == 0, r.stderr[-2000:]
     m = re.search(r"prompt ([\d,]+) tokens: prefill ([\d.]+) s", r.stderr)
     assert m and int(m.group(1).replace(",", "")) > n
