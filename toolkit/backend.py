@@ -150,7 +150,8 @@ class GgmlDevice:
 
 
 def ggml_devices() -> list[GgmlDevice]:
-    """ggml's device list, in the order llama.cpp uses (RPC devices first, then GPUs, then CPU)."""
+    """ggml's device list in registration order (the CPU is listed too). For a model llama.cpp
+    puts RPC devices first, then GPUs (llama_model_load_from_file)."""
     lc = llama_cpp()
     lc.llama_backend_init()
     lib = _ggml()

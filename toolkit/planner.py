@@ -301,7 +301,11 @@ def _best_split(c: _Costs, devs: list[Device], cpu: Device, allow_reorder: bool)
         return None
     slots, order = best
     ds = [devs[i] for i in order]
-    # Balance: the smallest fill fraction that still places every slot.
+    # Balance: first as llama.cpp would by default (layers in proportion to memory), kept when every
+    # device holds its share; else the smallest common fill fraction that still places every slot.
+    prop = _proportional(ds, slots)
+    if _counts_fit(c, ds, prop):
+        return slots, order, prop
     f_lo, f_hi = 0.0, 1.0
     counts = _fill(c, ds, slots, 1.0)
     for _ in range(20):
@@ -312,6 +316,20 @@ def _best_split(c: _Costs, devs: list[Device], cpu: Device, allow_reorder: bool)
         else:
             f_lo = mid
     return slots, order, counts
+
+
+def _proportional(devs: list[Device], slots: int) -> list[int]:
+    """Slots in proportion to usable memory, by largest remainder."""
+    total = sum(d.usable for d in devs) or 1
+    exact = [slots * d.usable / total for d in devs]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(devs)), key=lambda i: exact[i] - counts[i], reverse=True)[:slots - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _counts_fit(c: _Costs, devs: list[Device], counts: list[int]) -> bool:
+    return all(dp.total <= dp.device.usable for dp in _layout(c, devs, counts))
 
 
 def _estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int) -> float | None:
