@@ -196,7 +196,8 @@ def test_readme_example_runs(capfd):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("CTXQ_LONG_TESTS"),
-                    reason="SmolLM2 prefill of 8k tokens takes 1.5-5 min on 2 cores; set CTXQ_LONG_TESTS=1")
+                    reason="SmolLM2 prefill of 8k tokens: minutes on 2 idle cores, 25 min on the shared "
+                           "machine (docs/run.md); set CTXQ_LONG_TESTS=1")
 def test_smollm2_8k_tokens_same_path(smollm2, tmp_path):
     """The 60k path with the real model on an 8k-token input (--ctx 65536, q8_0 KV)."""
     text, n = text_of_tokens(smollm2, 8000)
