@@ -354,7 +354,10 @@ def test_ctxq_worker_serves_and_stops_cleanly(sig):
         assert total >= psutil.virtual_memory().total * 0.9  # the CPU device: the host's RAM
         t = time.monotonic()
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=10)
+        proc.wait(timeout=10)
+        # read through the same text wrappers as readline() above: communicate() reads the raw pipe and
+        # would miss lines that readline() already buffered (the device list arrives with the first line)
+        out, err = proc.stdout.read(), proc.stderr.read()
         assert time.monotonic() - t < 3
         assert proc.returncode == 0, err
         assert f"ctxq worker on {endpoint} stopped ({sig.name})" in out

@@ -235,8 +235,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def wait_for_signal(server: ServerThread) -> int:
-    """Block until SIGINT/SIGTERM (returns the signal) or the server thread ends (raises)."""
+def catch_stop_signals() -> list[int]:
+    """Record SIGINT/SIGTERM from now on (into the returned list) instead of dying of them."""
     got: list[int] = []
 
     def on_signal(signum, frame):
@@ -244,6 +244,15 @@ def wait_for_signal(server: ServerThread) -> int:
 
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
+    return got
+
+
+def wait_for_signal(server: ServerThread, got: list[int] | None = None) -> int:
+    """Block until SIGINT/SIGTERM (returns the signal) or the server thread ends (raises).
+
+    Pass the list from `catch_stop_signals()` called before the endpoint was announced, so that a
+    signal sent as soon as the announcement is read is not lost to the default action."""
+    got = catch_stop_signals() if got is None else got
     while not got:
         server.thread.join(0.2)
         if not server.thread.is_alive():

@@ -42,7 +42,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
     Other machines (or processes) use it with `--rpc HOST:PORT` on plan, run and serve.
     """
     from .. import backend, rpc
-    from ..rpc_workers import wait_for_signal
+    from ..rpc_workers import catch_stop_signals, wait_for_signal
 
     backend.require_rpc()
     host = rpc.check_bind_host(host, allow_remote)
@@ -53,6 +53,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
     info = {d.name: d for d in backend.ggml_devices()}
     verbose = bool(ctx.find_root().params.get("verbose"))
     _quiet_c_stdout(verbose)
+    stop = catch_stop_signals()  # before the endpoint is announced: a caller may signal at once
     server = rpc.ServerThread(host, port, names, threads or rpc.default_threads(), cache_dir)
     endpoint = server.start()
     click.echo(f"ctxq worker listening on {endpoint} (llama.cpp RPC protocol {rpc.RPC_PROTO_MAJOR}.x, "
@@ -61,7 +62,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
         d = info[n]
         click.echo(f"  {n:<8} {d.description}  {gib(d.free)} free of {gib(d.total)}")
     click.echo(f"use it with --rpc {endpoint}; Ctrl-C stops it")
-    sig = wait_for_signal(server)
+    sig = wait_for_signal(server, stop)
     click.echo(f"ctxq worker on {endpoint} stopped ({'SIGINT' if sig == 2 else 'SIGTERM'})")
     sys.stdout.flush()
     sys.stderr.flush()
