@@ -130,6 +130,8 @@ def run_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_
                     click.echo(f"input: {len(tokens):,} tokens + {n_predict:,} to generate, "
                                f"context {n_ctx:,}")
             return
+        if rpc_eps:
+            _one_line_on_worker_loss()
         try:
             llm, memory, load_s = load_plan(p, rpc=rpc_eps, n_threads=n_threads, seed=seed)
         except ReorderNeeded as e:
@@ -219,3 +221,18 @@ def serve_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, typ
             click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
         click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
         uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _one_line_on_worker_loss() -> None:
+    """llama.cpp aborts the process when an RPC worker goes away; say which one in one line instead."""
+    import os
+    import sys
+
+    from ..rpc import describe_abort, on_ggml_abort
+
+    def on_abort(message: str) -> None:
+        sys.stderr.write(f"\nError: {describe_abort(message)}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    on_ggml_abort(on_abort)
