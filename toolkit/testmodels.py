@@ -102,24 +102,7 @@ def tiny_llama_gguf(dest: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 
         w.add_vocab_size(n_vocab)
         w.add_tokenizer_model("none")
         kv = n_head_kv * (n_embd // n_head)
-        w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
-        w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor("output.weight", mat(n_vocab, n_embd))
-        for il in range(n_layer):
-            p = f"blk.{il}."
-            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-            w.add_tensor(p + "attn_q.weight", mat(n_embd, n_embd))
-            w.add_tensor(p + "attn_k.weight", mat(kv, n_embd))
-            w.add_tensor(p + "attn_v.weight", mat(kv, n_embd))
-            w.add_tensor(p + "attn_output.weight", mat(n_embd, n_embd))
-            w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
-            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
-            w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _write_llama_tensors(w, mat, n_vocab=n_vocab, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, kv=kv)
 
     return _write_atomic(write, dest)
 
@@ -202,25 +185,32 @@ def tiny_chat_llama_gguf(dest: str | os.PathLike, *, n_layer: int = 2, n_embd: i
             vtype = gguf.GGUFValueType(field.types[0])
             sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), vtype, sub)
-        w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
-        w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-        w.add_tensor("output.weight", mat(n_vocab, n_embd))
-        for il in range(n_layer):
-            p = f"blk.{il}."
-            w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-                w.add_tensor(p + name + ".weight", mat(n_embd, n_embd))
-            w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-            w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
-            w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
-            w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        _write_llama_tensors(w, mat, n_vocab=n_vocab, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, kv=n_embd)
 
     return _write_atomic(write, dest)
 
 
 # SmolLM2-135M-Instruct as a Hugging Face checkpoint (converter tests, issue 3); kept in its own module.
 from .smollm2_hf import rebuild_smollm2_hf, smollm2_hf_dir  # noqa: E402,F401
+
+
+def _write_llama_tensors(w, mat, *, n_vocab: int, n_embd: int, n_ff: int, n_layer: int, kv: int) -> None:
+    """A llama model's tensors from `mat(rows, cols)` (norms are ones), then the whole file."""
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    w.add_tensor("output.weight", mat(n_vocab, n_embd))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "attn_q.weight", mat(n_embd, n_embd))
+        w.add_tensor(p + "attn_k.weight", mat(kv, n_embd))
+        w.add_tensor(p + "attn_v.weight", mat(kv, n_embd))
+        w.add_tensor(p + "attn_output.weight", mat(n_embd, n_embd))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        w.add_tensor(p + "ffn_gate.weight", mat(n_ff, n_embd))
+        w.add_tensor(p + "ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(p + "ffn_down.weight", mat(n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
