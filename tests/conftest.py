@@ -4,6 +4,7 @@ GGUF files written in code."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,12 @@ from pathlib import Path
 import pytest
 
 from ctxq.models import fetch_default_model
+
+# A test run started in the background (`cmd &`, some CI runners) inherits SIGINT as *ignored*, and
+# exec keeps an ignored signal ignored: the children that tests interrupt with Ctrl-C would then never
+# see it. A handled signal is reset to the default on exec, so handling it here gives every child
+# Python's normal KeyboardInterrupt again.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
