@@ -14,21 +14,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def direct(lc, src: Path, dst: Path, ftype: int) -> float:
@@ -52,7 +43,7 @@ def main() -> None:
 
     from ctxq.backend import llama_cpp
     from ctxq.models import models_dir
-    from ctxq.quantize import parse_type, quantize_gguf
+    from ctxq.quantize import file_digest, parse_type, quantize_gguf
     from ctxq.testmodels import dequantized_smollm2_gguf
 
     lc = llama_cpp()  # ctxq's log callback: llama.cpp's per-tensor lines go to logging, not the terminal
@@ -71,7 +62,7 @@ def main() -> None:
             t_call.append(r.quantize_seconds)
             print(f"run {i + 1}: direct {t_direct[-1]:.2f} s, ctxq {t_ctxq[-1]:.2f} s "
                   f"(its llama_model_quantize call {t_call[-1]:.2f} s)", flush=True)
-        same = sha256(a) == sha256(b)
+        same = file_digest(a) == file_digest(b)
         size = b.stat().st_size
     md, mc = statistics.median(t_direct), statistics.median(t_ctxq)
     print()

@@ -39,8 +39,7 @@ _SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
 class ComputePeaks:
     """Bytes of the compute buffer for one device, by what it holds."""
 
-    layer_full: int  # a device holding layers but not the output head
-    layer_swa: int  # the same for sliding-window layers (measured together with full ones)
+    layer_full: int  # a device holding layers but not the output head (full and SWA layers measured together)
     output: int  # the device that also holds the output head (peak over its layers and the head)
 
 
@@ -169,7 +168,7 @@ def compute_peaks(src: GGUFFile, swa_layers: list[bool], *, n_ctx: int, n_ubatch
     # (llama_model::build_graph asserts is_swa_any), so one derived model holds one layer of each
     # and its peak stands for both kinds; with alternating patterns every device holds both anyway.
     layer = _dry_run(str(write_derived(src, layers, True, pattern)), *args)
-    return ComputePeaks(layer_full=layer, layer_swa=layer, output=full)
+    return ComputePeaks(layer_full=layer, output=full)
 
 
 def load_source(path: str | os.PathLike) -> GGUFFile:

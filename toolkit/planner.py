@@ -146,8 +146,7 @@ class _Costs:
     layer_kv: list[int]
     output_weights: int
     peaks: compute_mod.ComputePeaks
-    inputs: int  # one copy of the inputs a device past the first receives
-    host_inputs: int  # one copy of the inputs the host prepares for a split graph
+    inputs: int  # one copy of the split-graph inputs (masks + residual), as the host builds and devices receive them
     resid: int  # the residual stream, f32 [n_embd, n_ubatch]
     logits: int
     f16_cache: bool = True
@@ -178,7 +177,7 @@ def _costs(info: ModelInfo, src, n_ctx: int, n_ubatch: int, n_batch: int, type_k
     mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
     return _Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
-                  host_inputs=mask + resid, resid=resid, logits=info.n_vocab * 4,
+                  resid=resid, logits=info.n_vocab * 4,
                   f16_cache=type_k == "f16" and type_v == "f16",
                   swa_mask_overlap=n_kv * n_ubatch * (2 if flash_attn else 4) if any(info.swa_layers) else 0)
 
@@ -259,7 +258,7 @@ def _host(c: _Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
     else:
         # the host builds the inputs of a split graph; with CPU layers it also runs them
         copies = SCHED_COPIES if n_used > 1 else 1
-        dp.compute = copies * c.host_inputs + c.resid + (c.peaks.layer_full if len(layers) else 0)
+        dp.compute = copies * c.inputs + c.resid  # the host builds the inputs + (c.peaks.layer_full if len(layers) else 0)
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
