@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="threads of the 1-device run (default: all cores)")
     ap.add_argument("--worker-threads", type=int, default=None,
                     help="threads per worker (default: start_workers' share of the cores)")
+    ap.add_argument("--skip-one-simulated", action="store_true",
+                    help="leave out the 1-simulated run (the cost of RPC alone); saves a third of a long run")
     ap.add_argument("--json", action="store_true", help="print the results as JSON too")
     a = ap.parse_args()
 
@@ -77,7 +79,8 @@ def main() -> None:
         cpu_kwargs = {**p1.llama_kwargs(), "n_gpu_layers": 0}
         cpu_kwargs.pop("tensor_split", None)
         run("1 device", cpu_kwargs)
-        run("1 simulated", p1.llama_kwargs(), one.endpoints, one)
+        if not a.skip_one_simulated:
+            run("1 simulated", p1.llama_kwargs(), one.endpoints, one)
     with rpc.start_workers(a.gpus, threads=a.worker_threads) as w:
         wthreads = f"{one.threads}/{w.threads}"
         pn = plan(model, n_ctx, rpc=w.rpc_spec, kv="f16", split=":".join(f"{s:g}" for s in sizes))

@@ -189,7 +189,7 @@ def _start_mid_quantization(src: Path, dst: Path):
         assert time.time() < deadline, "the quantizer never started writing"
         time.sleep(0.05)
     workers = psutil.Process(proc.pid).children()
-    assert len(workers) == 1 and "ctxq.quantize_worker" in " ".join(workers[0].cmdline())
+    assert len(workers) == 1 and "quantize_worker" in " ".join(workers[0].cmdline())
     return proc, workers[0], part
 
 

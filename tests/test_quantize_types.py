@@ -49,6 +49,33 @@ def test_type_names_are_llama_cpps():
         q.parse_type("Q4_K_X")
 
 
+@pytest.mark.parametrize("ours, theirs", [("QuantizeParams", "llama_model_quantize_params"),
+                                           ("ModelParams", "llama_model_params")])
+def test_lean_worker_structures_match_llama_cpp_python(ours, theirs):
+    """The lean worker binds libllama itself: its structures must be llama-cpp-python's, field for
+    field (name, offset, size), or the quantizer would read the wrong parameters."""
+    from ctxq import quantize_worker as w
+
+    a, b = getattr(w, ours), getattr(llama_cpp(), theirs)
+    layout = lambda s: [(n, getattr(s, n).offset, getattr(s, n).size) for n, *_ in s._fields_]  # noqa: E731
+    assert layout(a) == layout(b)
+    assert ctypes.sizeof(a) == ctypes.sizeof(b)
+
+
+def test_lean_worker_defaults_are_llama_cpps():
+    """Defaults read through the worker's own binding equal those read through llama-cpp-python."""
+    from ctxq import quantize_worker as w
+
+    lib = w.bind(str(q._llama_lib_dir()))
+    lc = llama_cpp()
+    fields = lambda s: {n: ctypes.string_at(ctypes.addressof(s) + getattr(type(s), n).offset,  # noqa: E731
+                                            getattr(type(s), n).size) for n, *_ in s._fields_}
+    for ours, theirs in ((lib.llama_model_quantize_default_params(), lc.llama_model_quantize_default_params()),
+                         (lib.llama_model_default_params(), lc.llama_model_default_params())):
+        assert fields(ours) == fields(theirs)  # field by field: padding bytes may differ
+    assert lib.llama_model_quantize_default_params().quantize_output_tensor  # not all zero: it read something
+
+
 def test_needs_imatrix_matches_llama_cpp_dry_run(tiny):
     model, _ = tiny
     verdicts = {n for n, f in q.QUANT_TYPES.items() if _dry_run_needs_imatrix(model, f)}

@@ -96,24 +96,54 @@ def tensor_nbytes(type_: int, shape: tuple[int, ...]) -> int:
     return shape[0] // block * type_size * n_rows
 
 
+_STRUCTS = {fmt: struct.Struct("<" + fmt) for fmt in {*_SCALAR.values(), "I", "Q"}}
+_U64 = _STRUCTS["Q"]
+
+
 class _Cursor:
-    """Bounded sequential reads from a file; any overrun is a truncation."""
+    """Bounded sequential reads from the start of a file; any overrun is a truncation. The bytes
+    read so far are kept in one growing buffer, so parsing is `unpack_from` on memory."""
 
     def __init__(self, f, size: int, path: Path):
         self.f, self.size, self.path = f, size, path
+        self.buf = bytearray()  # the file's bytes [0, len(buf))
         self.pos = 0
+
+    def _truncated(self) -> GGUFError:
+        return GGUFError(f"{self.path}: truncated or corrupted GGUF (header ends past the end of the file)")
+
+    def _fill(self, end: int) -> None:
+        """Have bytes [0, end) in the buffer (end <= size, checked by the callers)."""
+        have = len(self.buf)
+        if end > have:
+            self.f.seek(have)
+            self.buf += self.f.read(min(self.size, max(end, 2 * have, 1 << 16)) - have)
+            if len(self.buf) < end:  # the file shrank while being read
+                raise GGUFError(f"{self.path}: truncated GGUF (read {len(self.buf)} of {end} bytes)")
 
     def read(self, n: int) -> bytes:
         if n < 0 or self.pos + n > self.size:
-            raise GGUFError(f"{self.path}: truncated or corrupted GGUF (header ends past the end of the file)")
-        data = self.f.read(n)
-        if len(data) != n:
-            raise GGUFError(f"{self.path}: truncated GGUF (read {len(data)} of {n} bytes at {self.pos})")
+            raise self._truncated()
+        self._fill(self.pos + n)
+        data = bytes(self.buf[self.pos:self.pos + n])
         self.pos += n
         return data
 
     def unpack(self, fmt: str):
-        return struct.unpack("<" + fmt, self.read(struct.calcsize(fmt)))[0]
+        s = _STRUCTS[fmt]
+        if self.pos + s.size > self.size:
+            raise self._truncated()
+        self._fill(self.pos + s.size)
+        value = s.unpack_from(self.buf, self.pos)[0]
+        self.pos += s.size
+        return value
+
+    def peek_u32(self) -> int | None:
+        """The next uint32 without moving (an array's element type); None at the end of the file."""
+        if self.pos + 4 > self.size:
+            return None
+        self._fill(self.pos + 4)
+        return _STRUCTS["I"].unpack_from(self.buf, self.pos)[0]
 
     def string(self) -> str:
         n = self.unpack("Q")
@@ -123,7 +153,21 @@ class _Cursor:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, depth: int = 0):
+    def skip_strings(self, count: int) -> None:
+        """Step over `count` strings without decoding them (a vocabulary: 100k+ of them)."""
+        buf, pos, size, u64 = self.buf, self.pos, self.size, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                if pos + 8 > size:
+                    raise self._truncated()
+                self._fill(pos + 8)
+            pos += 8 + u64(buf, pos)[0]
+            if pos > size:
+                raise self._truncated()
+        self.pos = pos
+
+    def value(self, vtype: int, depth: int = 0, *, skip: bool = False):
+        """The value of type `vtype` at the cursor; with `skip`, an array's length instead of its items."""
         if vtype in _SCALAR:
             return self.unpack(_SCALAR[vtype])
         if vtype == _STRING:
@@ -134,13 +178,20 @@ class _Cursor:
             etype = self.unpack("I")
             count = self.unpack("Q")
             if etype in _SCALAR:
-                fmt = _SCALAR[etype]
-                width = struct.calcsize(fmt)
+                width = _STRUCTS[_SCALAR[etype]].size
+                if skip:
+                    if count * width > self.size - self.pos:
+                        raise self._truncated()
+                    self.pos += count * width
+                    return _ArrayLen(count)
                 raw = self.read(count * width)  # bounded by the file size before reading
-                return list(struct.unpack(f"<{count}{fmt}", raw)) if count else []
+                return list(struct.unpack(f"<{count}{_SCALAR[etype]}", raw)) if count else []
             if etype == _STRING:
                 if count * 8 > self.size - self.pos:
                     raise GGUFError(f"{self.path}: truncated or corrupted GGUF (array of {count} strings)")
+                if skip:
+                    self.skip_strings(count)
+                    return _ArrayLen(count)
                 return [self.string() for _ in range(count)]
             raise GGUFError(f"{self.path}: corrupted GGUF (array of unknown type {etype})")
         raise GGUFError(f"{self.path}: corrupted GGUF (unknown value type {vtype})")
@@ -163,61 +214,58 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
         raise GGUFError(f"{path}: cannot open ({e.strerror})") from None
     with f:
         size = os.fstat(f.fileno()).st_size
-        cur = _Cursor(f, size, path)
         if size < 4 or f.read(4) != GGUF_MAGIC:
             raise GGUFError(f"{path}: not a GGUF file (wrong magic); expected a llama.cpp .gguf model")
-        cur.pos = 4
-        version = cur.unpack("I")
-        if version not in (2, 3):
-            raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
-        n_tensors = cur.unpack("Q")
-        n_kv = cur.unpack("Q")
-        # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
-        if n_kv * 12 + n_tensors * 24 > size:
-            raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
-                            f"cannot fit in {size} bytes)")
-        metadata: dict[str, object] = {}
-        value_types: dict[str, tuple[int, int | None]] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            vtype = cur.unpack("I")
-            if vtype == _ARRAY:
-                here = f.tell()
-                etype = struct.unpack("<I", f.read(4))[0] if here + 4 <= size else None
-                f.seek(here)
-                value_types[key] = (vtype, etype)
-            else:
-                value_types[key] = (vtype, None)
-            if skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."):
-                metadata[key] = _ArrayLen(len(cur.value(vtype)))
-            else:
-                metadata[key] = cur.value(vtype)
-        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
-        tensors: list[TensorInfo] = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.unpack("I")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
-            shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-            ttype = cur.unpack("I")
-            offset = cur.unpack("Q")
-            if any(d <= 0 for d in shape):
-                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has shape {shape})")
-            nbytes = tensor_nbytes(ttype, shape)
-            if offset % alignment:
-                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
-            tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
-        data_offset = -(-cur.pos // alignment) * alignment
-        data_size = size - data_offset
-        for t in tensors:
-            if t.offset + t.nbytes > data_size:
-                raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
-                                f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
-                                "download or convert it again")
-        return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
+        return _read_header(_Cursor(f, size, path), size, path, skip_arrays)
+
+
+def _read_header(cur: _Cursor, size: int, path: Path, skip_arrays: bool) -> GGUFFile:
+    cur.pos = 4
+    version = cur.unpack("I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
+    n_tensors = cur.unpack("Q")
+    n_kv = cur.unpack("Q")
+    # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
+    if n_kv * 12 + n_tensors * 24 > size:
+        raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
+                        f"cannot fit in {size} bytes)")
+    metadata: dict[str, object] = {}
+    value_types: dict[str, tuple[int, int | None]] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        vtype = cur.unpack("I")
+        if vtype == _ARRAY:
+            value_types[key] = (vtype, cur.peek_u32())
+        else:
+            value_types[key] = (vtype, None)
+        metadata[key] = cur.value(vtype, skip=skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
+    tensors: list[TensorInfo] = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("I")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
+        shape = tuple(cur.unpack("Q") for _ in range(n_dims))
+        ttype = cur.unpack("I")
+        offset = cur.unpack("Q")
+        if any(d <= 0 for d in shape):
+            raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has shape {shape})")
+        nbytes = tensor_nbytes(ttype, shape)
+        if offset % alignment:
+            raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
+        tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
+    data_offset = -(-cur.pos // alignment) * alignment
+    data_size = size - data_offset
+    for t in tensors:
+        if t.offset + t.nbytes > data_size:
+            raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
+                            f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
+                            "download or convert it again")
+    return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
 
 
 class _ArrayLen(int):

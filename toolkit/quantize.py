@@ -3,9 +3,9 @@
     result = quantize_gguf(Path("model-F16.gguf"), Path("model-Q4_K_M.gguf"), "q4_k_m")
     result.path, result.size, result.cached, result.quality["top1_agreement"]
 
-`llama_model_quantize` runs in a child process (`ctxq.quantize_worker`), so Ctrl-C stops it at
-once and an abort inside llama.cpp becomes a `ConversionError`. It writes to a hidden temporary
-name next to the destination; ctxq renames it only after llama.cpp has loaded it back, so an
+`llama_model_quantize` runs in a child process (`ctxq.quantize_worker`, watched by `Worker`), so
+Ctrl-C stops it at once and an abort inside llama.cpp becomes a `ConversionError`. It writes to a
+hidden temporary name next to the destination; ctxq renames it only after llama.cpp has loaded it back, so an
 interrupted or killed run never leaves a file under the destination name. A JSON record under
 `ctxq_home()/cache/quantize/` remembers each finished conversion, keyed by what determines its
 bytes: the source content (or the caller's `cache_key_extra`, e.g. a Hugging Face revision), the
@@ -14,14 +14,20 @@ type, the options, the imatrix and the ctxq and llama.cpp versions.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hashlib
 import importlib.metadata as md
+import importlib.util
 import json
 import logging
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,9 +36,9 @@ from typing import Callable
 from .errors import ConversionError, CtxqError
 from .gguf_file import GGUFFile, read_gguf
 from .models import ctxq_home
-from .quantize_worker import Worker
 
 log = logging.getLogger(__name__)
+llama_log = logging.getLogger("ctxq.llama_cpp")
 
 # llama.cpp's quantize tool list (tools/quantize/quantize.cpp, QUANT_OPTIONS), in its order, with
 # the llama_ftype numbers of include/llama.h. Q3_K, Q4_K and Q5_K are its aliases for the _M mixes;
@@ -276,7 +282,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConversionError(f"{dst}: the output would overwrite the source; choose another -o path")
     # The worker imports llama.cpp while this process prepares the job (cache, header, disk).
-    with Worker(lean=not check) as worker:
+    with Worker(lean=not check and imatrix is None) as worker:
         key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
                              imatrix=imatrix, output_tensor_type=output_tensor_type,
                              token_embedding_type=token_embedding_type,
@@ -348,3 +354,99 @@ def _check_imatrix(path: Path) -> None:
     if not any(t.name.endswith(".in_sum2") for t in g.tensors) or "imatrix.chunk_count" not in g.metadata:
         raise ConversionError(f"{path} is not a GGUF importance matrix (no *.in_sum2 tensors or "
                               "imatrix.* keys); make one with llama-imatrix")
+
+
+# --- the worker process ------------------------------------------------------------------------
+
+_TENSOR_RE = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
+
+
+def _failure(rc: int, result: dict, tail: collections.deque) -> str:
+    """One line saying why the worker failed, from llama.cpp's own error when it printed one."""
+    lines = [ln.strip() for ln in tail if ln.strip()]
+    for ln in reversed(lines):
+        m = re.search(r"failed to quantize: (.+)", ln)
+        if m:
+            return m.group(1).rstrip("!. ")
+    if rc < 0:
+        last = next((ln for ln in reversed(lines) if re.search(r"error|abort|assert", ln, re.I)), "")
+        return f"llama.cpp died with {signal.Signals(-rc).name}" + (f" ({last[:200]})" if last else "")
+    return result.get("error") or (lines[-1][:200] if lines else f"exit status {rc}")
+
+
+def _llama_lib_dir() -> str:
+    """llama-cpp-python's lib folder, found without importing the package."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise CtxqError("llama-cpp-python is not installed: run scripts/setup.sh")
+    return os.path.join(list(spec.submodule_search_locations)[0], "lib")
+
+
+class Worker:
+    """A started `ctxq.quantize_worker` process. Start it early: it loads llama.cpp while the caller
+    prepares the job. It runs in its own session, so a terminal's Ctrl-C reaches only the parent,
+    which kills it (`close`): interrupting never waits for a tensor to finish."""
+
+    def __init__(self, lean: bool = False):
+        """`lean`: no quality gate and no imatrix, so the worker needs only the standard library and
+        libllama (`python -I -S`: no site-packages, environment or user paths to read)."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="ctxq-quantize-")
+        lib = ["--lib", _llama_lib_dir()]
+        if lean:
+            argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("quantize_worker.py")), "--lean", *lib]
+        else:
+            argv = [sys.executable, "-m", "ctxq.quantize_worker", *lib]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stderr):
+            try:
+                pipe.close()
+            except OSError:  # a pipe to a dead process
+                pass
+        self._tmp.cleanup()
+
+    def run(self, job: dict, progress=None) -> dict:
+        """Send the job, follow the `[ i/ N]` tensor lines, return the result; ConversionError on failure."""
+        result_path = Path(self._tmp.name) / "result.json"
+        try:
+            self.proc.stdin.write(json.dumps({**job, "result": str(result_path)}).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died while starting; its stderr says why
+            pass
+        tail: collections.deque = collections.deque(maxlen=40)
+        line, last = b"", 0
+        while chunk := self.proc.stderr.read1(1 << 16):
+            line += chunk
+            *done, line = line.split(b"\n")
+            for ln in done:
+                text = ln.decode("utf-8", "replace")
+                llama_log.debug("%s", text)
+                tail.append(text)
+                if progress and last and "quant size" in text:  # quantized; loading or the gate follows
+                    progress(last, last, "")
+            for m in _TENSOR_RE.finditer(b"\n".join(done + [line])):
+                i, n = int(m.group(1)), int(m.group(2))
+                if progress and i > last:
+                    progress(i - 1, n, m.group(3).decode("utf-8", "replace"))
+                last = max(last, i)
+        rc = self.proc.wait()
+        if line:
+            tail.append(line.decode("utf-8", "replace"))
+        try:
+            result = json.loads(result_path.read_text())
+        except (OSError, ValueError):
+            result = {}
+        if rc != 0 or "error" in result:
+            raise ConversionError(_failure(rc, result, tail))
+        return result
