@@ -1,8 +1,10 @@
 """ctxq's quantize against a direct `llama_model_quantize` call: same input, same parameters.
 
-    python scripts/bench_quantize.py [--type Q4_K_M] [--repeat 3] [--src model-F16.gguf]
+    python scripts/bench_quantize.py [--type Q4_K_M] [--repeat 3] [--src model-F16.gguf | --size 1.7b]
 
-The input defaults to SmolLM2-135M-Instruct dequantized to F16 (`ctxq.testmodels`). Runs
+The input defaults to SmolLM2-135M-Instruct dequantized to F16 (`ctxq.testmodels`); `--size 1.7b`
+uses a SmolLM2-1.7B-shaped F16 model (SmolLM2's tokenizer, random weights, 3.4 GB, made once
+under ctxq's models folder), the size people quantize. Runs
 alternate (direct, ctxq, direct, ctxq, ...) so that load from other processes hits both alike.
 ctxq runs with force (no cache) and without the quality gate: its time is the whole call
 (child process, quantization, loading the result back, rename, cache record). Prints the median
@@ -39,16 +41,23 @@ def main() -> None:
     ap.add_argument("--type", default="Q4_K_M")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--src", type=Path, help="an unquantized GGUF (default: SmolLM2-135M-Instruct F16)")
+    ap.add_argument("--size", choices=["135m", "1.7b"], default="135m",
+                    help="without --src: SmolLM2-135M-Instruct, or a SmolLM2-1.7B-shaped model")
     args = ap.parse_args()
 
     from ctxq.backend import llama_cpp
     from ctxq.models import models_dir
     from ctxq.quantize import file_digest, parse_type, quantize_gguf
-    from ctxq.testmodels import dequantized_smollm2_gguf
+    from ctxq.testmodels import dequantized_smollm2_gguf, smollm2_shaped_gguf
 
     lc = llama_cpp()  # ctxq's log callback: llama.cpp's per-tensor lines go to logging, not the terminal
     lc.llama_backend_init()
-    src = args.src or dequantized_smollm2_gguf(models_dir() / "SmolLM2-135M-Instruct.F16.gguf")
+    if args.src:
+        src = args.src
+    elif args.size == "1.7b":
+        src = smollm2_shaped_gguf(models_dir() / "SmolLM2-1.7B-shaped.F16.gguf")
+    else:
+        src = dequantized_smollm2_gguf(models_dir() / "SmolLM2-135M-Instruct.F16.gguf")
     name, ftype = parse_type(args.type)
     with tempfile.TemporaryDirectory(prefix="bench-quantize-", dir=Path(src).parent) as tmp:
         os.environ["CTXQ_HOME"] = str(Path(tmp) / "home")  # records go to a throwaway cache

@@ -45,17 +45,7 @@ def dequantized_smollm2_gguf(dest: str | os.PathLike, dtype: str = "f16") -> Pat
     reader = gguf.GGUFReader(str(fetch_default_model()))
 
     def write(part: Path) -> None:
-        arch = reader.fields["general.architecture"].contents()
-        w = gguf.GGUFWriter(str(part), arch)
-        for key, field in reader.fields.items():
-            if key in _SKIP_KEYS:
-                continue
-            value = field.contents()
-            if key == "general.file_type":
-                value = ftype
-            vtype = gguf.GGUFValueType(field.types[0])
-            sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, value, vtype, sub)
+        w = _writer_like(reader, part, {"general.file_type": ftype})
         for t in reader.tensors:
             data = gguf.quants.dequantize(t.data, t.tensor_type)
             data = data.reshape([int(d) for d in reversed(t.shape)])  # numpy order: ne0 last
@@ -64,6 +54,54 @@ def dequantized_smollm2_gguf(dest: str | os.PathLike, dtype: str = "f16") -> Pat
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+
+    return _write_atomic(write, dest)
+
+
+def _writer_like(reader, part: Path, overrides: dict):
+    """A GGUFWriter at `part` with every metadata key of `reader`'s file, `overrides` replacing values."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(part), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key in _SKIP_KEYS:
+            continue
+        value = overrides.get(key, field.contents())
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, vtype, sub)
+    return w
+
+
+def smollm2_shaped_gguf(dest: str | os.PathLike, *, n_layer: int = 24, n_embd: int = 2048, n_ff: int = 8192,
+                        n_head: int = 32, n_head_kv: int = 32, seed: int = 0) -> Path:
+    """A bigger member of the SmolLM2 family as an F16 GGUF: SmolLM2-135M's metadata and real
+    49k-token tokenizer, the shape given (default SmolLM2-1.7B's config.json: 1.71B weights,
+    3.4 GB), random weights (std 0.02) and tied embeddings like the family. For benchmarks that
+    need a model of the size people quantize; its outputs mean nothing. Reuses `dest` when it exists."""
+    import gguf
+
+    from .models import fetch_default_model
+
+    dest = Path(dest)
+    if dest.is_file():
+        return dest
+    reader = gguf.GGUFReader(str(fetch_default_model()))
+    rng = np.random.default_rng(seed)
+    hparams = {"llama.block_count": n_layer, "llama.embedding_length": n_embd, "llama.feed_forward_length": n_ff,
+               "llama.attention.head_count": n_head, "llama.attention.head_count_kv": n_head_kv,
+               "llama.rope.dimension_count": n_embd // n_head, "general.file_type": 1,
+               "general.name": f"SmolLM2-shaped {n_layer}x{n_embd} (random weights)"}
+    assert set(hparams) - {"general.name", "general.file_type"} <= set(reader.fields), "not a llama-arch GGUF"
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    def write(part: Path) -> None:
+        w = _writer_like(reader, part, hparams)
+        kv = n_head_kv * (n_embd // n_head)
+        _write_llama_tensors(w, mat, n_vocab=n_vocab, n_embd=n_embd, n_ff=n_ff, n_layer=n_layer, kv=kv, tied=True)
 
     return _write_atomic(write, dest)
 
@@ -194,11 +232,14 @@ def tiny_chat_llama_gguf(dest: str | os.PathLike, *, n_layer: int = 2, n_embd: i
 from .smollm2_hf import rebuild_smollm2_hf, smollm2_hf_dir  # noqa: E402,F401
 
 
-def _write_llama_tensors(w, mat, *, n_vocab: int, n_embd: int, n_ff: int, n_layer: int, kv: int) -> None:
-    """A llama model's tensors from `mat(rows, cols)` (norms are ones), then the whole file."""
+def _write_llama_tensors(w, mat, *, n_vocab: int, n_embd: int, n_ff: int, n_layer: int, kv: int,
+                         tied: bool = False) -> None:
+    """A llama model's tensors from `mat(rows, cols)` (norms are ones), then the whole file.
+    `tied`: no output.weight (llama.cpp then uses token_embd for the output)."""
     w.add_tensor("token_embd.weight", mat(n_vocab, n_embd))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    w.add_tensor("output.weight", mat(n_vocab, n_embd))
+    if not tied:
+        w.add_tensor("output.weight", mat(n_vocab, n_embd))
     for il in range(n_layer):
         p = f"blk.{il}."
         w.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
