@@ -94,6 +94,26 @@ def test_truncated_gguf_is_one_line(smollm2, tmp_path, cut):
     assert "Traceback" not in r.stderr
 
 
+def test_skipping_the_vocabulary_reads_the_same_header(smollm2, tmp_path):
+    """`skip_arrays` steps over the tokenizer's strings unread: same tensors and keys, lengths for
+    the arrays, and a cut anywhere inside the vocabulary is still a GGUFError."""
+    full, skip = read_gguf(smollm2), read_gguf(smollm2, skip_arrays=True)
+    assert skip.tensors == full.tensors and skip.data_offset == full.data_offset
+    assert skip.value_types == full.value_types
+    for key, value in full.metadata.items():
+        if isinstance(value, list) and key.startswith("tokenizer."):
+            assert skip.metadata[key] == len(value) > 0, key
+        else:
+            assert skip.metadata[key] == value, key
+    assert skip.metadata["tokenizer.ggml.tokens"] == 49152
+    data = smollm2.read_bytes()[: full.data_offset]
+    rng = random.Random(7)
+    for cut in sorted(rng.sample(range(1000, full.data_offset - 1), 60)):
+        p = _bad(tmp_path / "cut.gguf", data[:cut])
+        with pytest.raises(GGUFError):
+            read_gguf(p, skip_arrays=True)
+
+
 def test_wrong_magic_random_bytes_and_debug(tmp_path):
     p = _bad(tmp_path / "magic.gguf", b"GGML" + bytes(100))
     r = run_ctxq("inspect", str(p))
