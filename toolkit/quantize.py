@@ -5,8 +5,8 @@
 
 `llama_model_quantize` runs in a child process (`ctxq.quantize_worker`, watched by `Worker`), so
 Ctrl-C stops it at once and an abort inside llama.cpp becomes a `ConversionError`. It writes to a
-hidden temporary name next to the destination; ctxq renames it only after llama.cpp has loaded it back, so an
-interrupted or killed run never leaves a file under the destination name. A JSON record under
+hidden temporary name next to the destination; ctxq renames it only after llama.cpp has loaded it
+back, so an interrupted or killed run never leaves a file under the destination name. A JSON record under
 `ctxq_home()/cache/quantize/` remembers each finished conversion, keyed by what determines its
 bytes: the source content (or the caller's `cache_key_extra`, e.g. a Hugging Face revision), the
 type, the options, the imatrix and the ctxq and llama.cpp versions.
@@ -281,7 +281,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
         _check_imatrix(Path(imatrix))
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConversionError(f"{dst}: the output would overwrite the source; choose another -o path")
-    # The worker imports llama.cpp while this process prepares the job (cache, header, disk).
+    # The worker loads llama.cpp while this process prepares the job (cache, header, disk).
     with Worker(lean=not check and imatrix is None) as worker:
         key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
                              imatrix=imatrix, output_tensor_type=output_tensor_type,
