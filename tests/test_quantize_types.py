@@ -8,7 +8,7 @@ import ctypes
 import pytest
 
 from ctxq import quantize as q
-from ctxq.backend import capture_log, llama_cpp
+from ctxq.backend import capture_log, lib_dir, llama_cpp
 from ctxq.errors import ConversionError, CtxqError
 from ctxq.testmodels import synthetic_imatrix_gguf, tiny_llama_gguf
 
@@ -66,7 +66,7 @@ def test_lean_worker_defaults_are_llama_cpps():
     """Defaults read through the worker's own binding equal those read through llama-cpp-python."""
     from ctxq import quantize_worker as w
 
-    lib = w.bind(str(q._llama_lib_dir()))
+    lib = w.bind(str(lib_dir()))
     lc = llama_cpp()
     fields = lambda s: {n: ctypes.string_at(ctypes.addressof(s) + getattr(type(s), n).offset,  # noqa: E731
                                             getattr(type(s), n).size) for n, *_ in s._fields_}

@@ -8,6 +8,7 @@ llama.cpp's own log is captured (never dumped on the user): every line goes to t
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import re
 import threading
@@ -116,8 +117,18 @@ def parse_allocations(lines: list[str]) -> Allocations:
 
 # --- build features and devices ---------------------------------------------------------------
 
+def lib_dir() -> Path:
+    """llama-cpp-python's lib folder (libllama, libggml*), found without importing the package."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise BuildError("llama-cpp-python is not installed: run scripts/setup.sh")
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
 def _lib_dir() -> Path:
-    return Path(llama_cpp().__file__).parent / "lib"
+    """`lib_dir()` after llama_cpp has loaded its libraries, so ctypes gets the same copies."""
+    llama_cpp()
+    return lib_dir()
 
 
 def _ggml():

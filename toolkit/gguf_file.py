@@ -216,56 +216,53 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
         size = os.fstat(f.fileno()).st_size
         if size < 4 or f.read(4) != GGUF_MAGIC:
             raise GGUFError(f"{path}: not a GGUF file (wrong magic); expected a llama.cpp .gguf model")
-        return _read_header(_Cursor(f, size, path), size, path, skip_arrays)
-
-
-def _read_header(cur: _Cursor, size: int, path: Path, skip_arrays: bool) -> GGUFFile:
-    cur.pos = 4
-    version = cur.unpack("I")
-    if version not in (2, 3):
-        raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
-    n_tensors = cur.unpack("Q")
-    n_kv = cur.unpack("Q")
-    # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
-    if n_kv * 12 + n_tensors * 24 > size:
-        raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
-                        f"cannot fit in {size} bytes)")
-    metadata: dict[str, object] = {}
-    value_types: dict[str, tuple[int, int | None]] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        vtype = cur.unpack("I")
-        if vtype == _ARRAY:
-            value_types[key] = (vtype, cur.peek_u32())
-        else:
-            value_types[key] = (vtype, None)
-        metadata[key] = cur.value(vtype, skip=skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."))
-    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
-    tensors: list[TensorInfo] = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.unpack("I")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
-        shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-        ttype = cur.unpack("I")
-        offset = cur.unpack("Q")
-        if any(d <= 0 for d in shape):
-            raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has shape {shape})")
-        nbytes = tensor_nbytes(ttype, shape)
-        if offset % alignment:
-            raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
-        tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
-    data_offset = -(-cur.pos // alignment) * alignment
-    data_size = size - data_offset
-    for t in tensors:
-        if t.offset + t.nbytes > data_size:
-            raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
-                            f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
-                            "download or convert it again")
-    return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
+        cur = _Cursor(f, size, path)
+        cur.pos = 4
+        version = cur.unpack("I")
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
+        n_tensors = cur.unpack("Q")
+        n_kv = cur.unpack("Q")
+        # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
+        if n_kv * 12 + n_tensors * 24 > size:
+            raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
+                            f"cannot fit in {size} bytes)")
+        metadata: dict[str, object] = {}
+        value_types: dict[str, tuple[int, int | None]] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            vtype = cur.unpack("I")
+            if vtype == _ARRAY:
+                value_types[key] = (vtype, cur.peek_u32())
+            else:
+                value_types[key] = (vtype, None)
+            metadata[key] = cur.value(vtype, skip=skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
+        tensors: list[TensorInfo] = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
+            shape = tuple(cur.unpack("Q") for _ in range(n_dims))
+            ttype = cur.unpack("I")
+            offset = cur.unpack("Q")
+            if any(d <= 0 for d in shape):
+                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has shape {shape})")
+            nbytes = tensor_nbytes(ttype, shape)
+            if offset % alignment:
+                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
+            tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
+        data_offset = -(-cur.pos // alignment) * alignment
+        data_size = size - data_offset
+        for t in tensors:
+            if t.offset + t.nbytes > data_size:
+                raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
+                                f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
+                                "download or convert it again")
+        return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
 
 
 class _ArrayLen(int):

@@ -18,7 +18,6 @@ import collections
 import fcntl
 import hashlib
 import importlib.metadata as md
-import importlib.util
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from .backend import lib_dir
 from .errors import ConversionError, CtxqError
 from .gguf_file import GGUFFile, read_gguf
 from .models import ctxq_home
@@ -374,14 +374,6 @@ def _failure(rc: int, result: dict, tail: collections.deque) -> str:
     return result.get("error") or (lines[-1][:200] if lines else f"exit status {rc}")
 
 
-def _llama_lib_dir() -> str:
-    """llama-cpp-python's lib folder, found without importing the package."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or not spec.submodule_search_locations:
-        raise CtxqError("llama-cpp-python is not installed: run scripts/setup.sh")
-    return os.path.join(list(spec.submodule_search_locations)[0], "lib")
-
-
 class Worker:
     """A started `ctxq.quantize_worker` process. Start it early: it loads llama.cpp while the caller
     prepares the job. It runs in its own session, so a terminal's Ctrl-C reaches only the parent,
@@ -391,7 +383,7 @@ class Worker:
         """`lean`: no quality gate and no imatrix, so the worker needs only the standard library and
         libllama (`python -I -S`: no site-packages, environment or user paths to read)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="ctxq-quantize-")
-        lib = ["--lib", _llama_lib_dir()]
+        lib = ["--lib", str(lib_dir())]
         if lean:
             argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("quantize_worker.py")), "--lean", *lib]
         else:
