@@ -96,7 +96,7 @@ def recognise_pre(tj: dict) -> str:
     name = KNOWN_PRE.get(sig)
     if name is None:
         parts = ", ".join(p[0] for p in sig) or "none"
-        raise ConversionError(f"unrecognised BPE pre-tokenizer ({parts}); pass --pre NAME with the llama.cpp "
+        raise ConversionError(f"unrecognised BPE pre-tokenizer ({parts}); pass pre=NAME with the llama.cpp "
                               f"pre-tokenizer that matches it (known here: {', '.join(sorted(set(KNOWN_PRE.values())))})")
     return name
 

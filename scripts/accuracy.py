@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ctxq.accuracy import TARGET_ABS, check_cell
+from ctxq.testing.accuracy import TARGET_ABS, check_cell
 from ctxq.rpc import start_workers
-from ctxq.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
 MiB = 1024**2
 DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc5": [16, 16, 16, 8, 8]}
@@ -42,7 +42,7 @@ def main() -> int:
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
     for name in a.models.split(","):
         model = str(write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
-        from ctxq.modelinfo import model_info
+        from ctxq.gguf.info import model_info
         info = model_info(model)
         for dev in a.devices.split(","):
             sizes = DEVICE_SETS[dev]

@@ -52,8 +52,8 @@ def main() -> None:
 
     from ctxq import rpc
     from ctxq.models import resolve_model
-    from ctxq.planner import plan
-    from ctxq.rpc_workers import generate_greedy
+    from ctxq.planning.planner import plan
+    from ctxq.rpc.workers import generate_greedy
 
     model = str(resolve_model(a.model))
     threads = a.threads or rpc.default_threads()

@@ -142,7 +142,7 @@ def llama_logits(gguf_path: Path, ids: list[int]) -> tuple[np.ndarray, list[int]
     """llama.cpp's logits for every position, and its own tokenization of TEXT."""
     from llama_cpp import Llama
 
-    from ctxq.backend import llama_cpp
+    from ctxq.llama.backend import llama_cpp
 
     llama_cpp()  # ctxq's log capture instead of llama.cpp's stderr
     llm = Llama(str(gguf_path), n_ctx=256, n_batch=256, logits_all=True, n_threads=2, verbose=False)
@@ -192,7 +192,7 @@ def test_family_matches_transformers(tiny, family, tmp_path):
 
 
 def test_gguf_metadata_of_odd_shapes(tiny, tmp_path):
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     r = convert(tiny["gemma3"], "f32", tmp_path / "g3.gguf")
     info = model_info(r.path)
@@ -281,7 +281,7 @@ def test_hub_id_resolves_through_the_hf_cache_offline(tiny, tmp_path):
 
 
 def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path, monkeypatch):
-    pytest.importorskip("ctxq.quantize", reason="quantized types are made by ctxq.quantize (issue 4)")
+    pytest.importorskip("ctxq.conversion.quantize", reason="quantized types are made by ctxq.conversion.quantize (issue 4)")
     monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))  # its cache records, not the user's
     out = tmp_path / "out" / "l.gguf"
     r = convert(tiny["llama"], "q4_k_m", out, check=False)
@@ -292,7 +292,7 @@ def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path, monkeypatch):
     assert again.cached and again.path == out
     copy = convert(tiny["llama"], "q4_k_m", tmp_path / "out" / "copy.gguf", check=False)
     assert copy.cached and copy.path.read_bytes() == out.read_bytes()
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     assert model_info(out).file_type == "Q4_K_M"
     # a GGUF as MODEL is quantized directly
@@ -341,7 +341,7 @@ def test_phi3_named_model_with_a_bpe_vocabulary_loads(tmp_path):
 def test_sharded_bf16_checkpoint(tiny, tmp_path):
     """A bf16 checkpoint in several shards (with model.safetensors.index.json): the default type is
     the source's own (bf16), and an f32 conversion matches transformers' float32 upcast."""
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     src = tiny["qwen3"]
     folder = tmp_path / "sharded"

@@ -9,10 +9,10 @@ import struct
 
 import pytest
 
-from ctxq import backend
+from ctxq.llama import backend
 from ctxq.errors import GGUFError
-from ctxq.gguf_file import read_gguf
-from ctxq.modelinfo import model_info
+from ctxq.gguf.reader import read_gguf
+from ctxq.gguf.info import model_info
 
 from .conftest import run_ctxq
 

@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("transformers", reason="random checkpoints need transformers (pip install ctxq[test])")
 
 from ctxq import convert  # noqa: E402
-from ctxq.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
-from ctxq.synthetic import GEOMETRIES, write_sparse_hf_checkpoint  # noqa: E402
-from ctxq.testmodels import rebuild_smollm2_hf  # noqa: E402
+from ctxq.planning.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
+from ctxq.testing.synthetic import GEOMETRIES, write_sparse_hf_checkpoint  # noqa: E402
+from ctxq.testing.models import rebuild_smollm2_hf  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
 from .test_convert import FAMILIES, make_tiny  # noqa: E402
@@ -66,7 +66,7 @@ def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
     r = run_ctxq("convert", str(hf), "auto", "--ctx", "65536", "--gpus", "4", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert "auto: F16" in r.stderr  # 270 MB of f16 weights and a 64k f16 cache fit in 4 GiB
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     assert model_info(out).file_type == "F16"
     r = run_ctxq("convert", str(hf), "auto", "-o", str(tmp_path / "x.gguf"))

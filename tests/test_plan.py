@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from ctxq.accuracy import check_cell
+from ctxq.testing.accuracy import check_cell
 from ctxq.errors import CtxqError, DoesNotFit, GGUFError
-from ctxq.gguf_file import read_gguf
-from ctxq.planner import llama_layer_counts, plan
+from ctxq.gguf.reader import read_gguf
+from ctxq.planning.planner import llama_layer_counts, plan
 from ctxq.rpc import start_workers
-from ctxq.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
 from .conftest import run_ctxq
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ctxq import quantize as q
+from ctxq.conversion import quantize as q
 from ctxq.errors import ConversionError
 from ctxq.models import models_dir
-from ctxq.testmodels import dequantized_smollm2_gguf, synthetic_imatrix_gguf, tiny_llama_gguf
+from ctxq.testing.models import dequantized_smollm2_gguf, synthetic_imatrix_gguf, tiny_llama_gguf
 
 # Measured on this model (docs/quantize.md): Q8_0 agrees on 95% of 291 positions with KL 0.004;
 # every disagreement is a near-tie (top-2 probabilities within 0.025), so thread-count rounding can
@@ -35,7 +35,7 @@ def f16(smollm2):
 @pytest.fixture(scope="module")
 def hf_dir(smollm2):
     """Where the rebuilt Hugging Face checkpoint lives, read before `home` changes CTXQ_HOME."""
-    from ctxq.smollm2_hf import smollm2_hf_dir
+    from ctxq.testing.smollm2_hf import smollm2_hf_dir
 
     return smollm2_hf_dir()
 
@@ -83,7 +83,7 @@ def test_hugging_face_route_matches_the_gguf_route(quantized, home, hf_dir, tmp_
     """The issue's path: SmolLM2 rebuilt as a Hugging Face checkpoint -> `ctxq.convert` (an f16
     GGUF, then this quantizer, then the f16 deleted) -> Q4_K_M gives the F16 GGUF route's numbers."""
     import ctxq
-    from ctxq.testmodels import rebuild_smollm2_hf
+    from ctxq.testing.models import rebuild_smollm2_hf
 
     out = tmp_path / "hf-Q4_K_M.gguf"
     r = ctxq.convert(rebuild_smollm2_hf(hf_dir), "q4_k_m", out)
@@ -169,7 +169,7 @@ import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
 from pathlib import Path
 from ctxq.errors import CtxqError
-from ctxq.quantize import quantize_gguf
+from ctxq.conversion.quantize import quantize_gguf
 try:
     quantize_gguf(Path(sys.argv[1]), Path(sys.argv[2]), "Q8_0", check=False, force=True)
 except CtxqError as e:

@@ -7,10 +7,10 @@ import ctypes
 
 import pytest
 
-from ctxq import quantize as q
-from ctxq.backend import capture_log, lib_dir, llama_cpp
+from ctxq.conversion import quantize as q
+from ctxq.llama.backend import capture_log, lib_dir, llama_cpp
 from ctxq.errors import ConversionError, CtxqError
-from ctxq.testmodels import synthetic_imatrix_gguf, tiny_llama_gguf
+from ctxq.testing.models import synthetic_imatrix_gguf, tiny_llama_gguf
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_type_names_are_llama_cpps():
 def test_lean_worker_structures_match_llama_cpp_python(ours, theirs):
     """The lean worker binds libllama itself: its structures must be llama-cpp-python's, field for
     field (name, offset, size), or the quantizer would read the wrong parameters."""
-    from ctxq import quantize_worker as w
+    from ctxq.conversion import quantize_worker as w
 
     a, b = getattr(w, ours), getattr(llama_cpp(), theirs)
     layout = lambda s: [(n, getattr(s, n).offset, getattr(s, n).size) for n, *_ in s._fields_]  # noqa: E731
@@ -64,7 +64,7 @@ def test_lean_worker_structures_match_llama_cpp_python(ours, theirs):
 
 def test_lean_worker_defaults_are_llama_cpps():
     """Defaults read through the worker's own binding equal those read through llama-cpp-python."""
-    from ctxq import quantize_worker as w
+    from ctxq.conversion import quantize_worker as w
 
     lib = w.bind(str(lib_dir()))
     lc = llama_cpp()
@@ -124,7 +124,7 @@ def test_walk_every_type(tiny, tmp_path):
 
 def test_imatrix_is_used_and_recorded(tiny, tmp_path):
     """With an imatrix the quantizer writes llama.cpp's provenance keys into the file, as its tool does."""
-    from ctxq.gguf_file import read_gguf
+    from ctxq.gguf.reader import read_gguf
 
     model, imatrix = tiny
     r = q.quantize_gguf(model, tmp_path / "t.gguf", "IQ4_XS", imatrix=imatrix, check=False)
@@ -146,7 +146,7 @@ def test_bad_options_are_one_line_errors(tiny, tmp_path):
 
 
 def test_pass_through_options_change_the_output(tiny, tmp_path):
-    from ctxq.gguf_file import read_gguf
+    from ctxq.gguf.reader import read_gguf
 
     model, _ = tiny
 

@@ -19,7 +19,7 @@ import pytest
 from ctxq import rpc
 from ctxq.errors import CtxqError
 from ctxq.rpc import RpcEndpoint, WorkerLost, WorkerUnreachable
-from ctxq.rpc_workers import generate_greedy, report
+from ctxq.rpc.workers import generate_greedy, report
 
 GiB = 1024**3
 MiB = 1024**2
@@ -61,7 +61,7 @@ def test_parse_rpc():
 
 
 def test_simulated_sizes_from_gpus_spec_or_profile():
-    from ctxq.rpc_workers import _sizes
+    from ctxq.rpc.workers import _sizes
 
     assert _sizes("16,16,16,8,8") == _sizes("3x16,2x8") == [16 * GiB] * 3 + [8 * GiB] * 2
     assert len(_sizes("3x16-2x8")) == 5  # the profile of the same box
@@ -122,7 +122,7 @@ def test_unreachable_rpc_fails_fast_before_loading(smollm2):
 # --- local workers ------------------------------------------------------------------------------
 
 def _register_twice(endpoints):
-    from ctxq import backend
+    from ctxq.llama import backend
 
     first = rpc.add_servers(endpoints)
     second = rpc.add_servers(endpoints)
@@ -153,7 +153,7 @@ def test_add_servers_names_devices_in_llama_order():
 def test_split_over_five_simulated_devices_matches_one_device(smollm2):
     """16:16:16:8:8 over five workers: same greedy tokens as one device; llama.cpp's layer
     assignment and per-device allocations are the plan's."""
-    from ctxq.planner import plan
+    from ctxq.planning.planner import plan
 
     n_ctx = 2048
     single = rpc.run_supervised(generate_greedy, str(smollm2), PROMPT, 24, n_ctx=n_ctx, n_threads=2)
@@ -190,7 +190,7 @@ def _generate_until_stopped(model, endpoints, **kw):
     import numpy as np
     from llama_cpp import Llama
 
-    from ctxq import backend
+    from ctxq.llama import backend
 
     lc = backend.llama_cpp()
     llm = Llama(model, verbose=False, **kw)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxq import runner
-from ctxq.testmodels import tiny_chat_llama_gguf
+from ctxq.runtime import runner
+from ctxq.testing.models import tiny_chat_llama_gguf
 
 from .conftest import run_ctxq
 

@@ -12,12 +12,12 @@ from .errors import CtxqError
 __all__ = ["load", "plan", "convert", "inspect", "Plan", "Device", "CtxqError"]
 
 _LAZY = {
-    "load": ("ctxq.runner", "load"),
-    "plan": ("ctxq.planner", "plan"),
-    "Plan": ("ctxq.planner", "Plan"),
-    "Device": ("ctxq.devices", "Device"),
-    "convert": ("ctxq.conversion", "convert"),
-    "inspect": ("ctxq.modelinfo", "model_info"),
+    "load": ("ctxq.runtime.runner", "load"),
+    "plan": ("ctxq.planning.planner", "plan"),
+    "Plan": ("ctxq.planning.planner", "Plan"),
+    "Device": ("ctxq.planning.devices", "Device"),
+    "convert": ("ctxq.conversion.convert", "convert"),
+    "inspect": ("ctxq.gguf.info", "model_info"),
 }
 
 

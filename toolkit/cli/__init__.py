@@ -13,6 +13,7 @@ import sys
 import click
 
 from ..errors import CtxqError
+from .errors import cli_message
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,13 +27,9 @@ def cli(verbose: bool):
 
 
 def _register() -> None:
-    from . import info  # noqa: F401  (each module adds its commands to `cli`)
-    for name in ("plan", "run", "serve", "convert", "worker"):
-        try:
-            __import__(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
+    # each module adds its commands to `cli`; a module that fails to import is an error, not a
+    # command that silently vanishes from --help
+    from . import convert, info, plan, run, serve, worker  # noqa: F401
 
 
 _register()
@@ -52,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     except CtxqError as e:
         if os.environ.get("CTXQ_DEBUG"):
             raise
-        click.echo(f"Error: {e}", err=True)
+        click.echo(f"Error: {cli_message(e)}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)

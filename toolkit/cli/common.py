@@ -6,8 +6,7 @@ import json
 
 import click
 
-GiB = 1024**3
-MiB = 1024**2
+from ..units import GiB, MiB
 
 
 def gib(n: int | float) -> str:

@@ -116,14 +116,14 @@ def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, fla
     Chooses the KV-cache type, flash attention and the layers per device so that the whole context
     fits, leftover layers on the CPU; never shrinks the context.
     """
-    from ..devices import Device
-    from ..planner import plan
+    from ..planning.devices import Device
+    from ..planning.planner import plan
 
     if model is not None and not Path(model).is_file() and (Path(model).is_dir() or "/" in model):
         return _plan_hf(model, n_ctx, gpus, profile, rpc, as_json, prefer)
     devices = None
     if simulate:
-        from ..devices import parse_gpus
+        from ..planning.devices import parse_gpus
 
         devices = [Device(name=f"RPC{i}[simulated]", kind="rpc", total=d.total, usable=d.usable, bandwidth=None)
                    for i, d in enumerate(parse_gpus(simulate))]
@@ -140,7 +140,7 @@ def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, fla
 
 
 def render_hf(r) -> str:
-    from ..hfplan import QUALITY_SOURCE
+    from ..planning.hfplan import QUALITY_SOURCE
 
     rows = []
     for c in r.candidates:
@@ -166,7 +166,7 @@ def render_hf(r) -> str:
 
 
 def _plan_hf(model, n_ctx, gpus, profile, rpc, as_json, prefer):
-    from ..hfplan import plan_hf
+    from ..planning.hfplan import plan_hf
 
     r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, prefer=prefer)
     if as_json:

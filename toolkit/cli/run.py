@@ -1,4 +1,4 @@
-"""`ctxq run` and `ctxq serve`: execute the plan (`ctxq.runner`, `ctxq.server`)."""
+"""`ctxq run`: execute the plan on one input (`ctxq.runtime.runner`)."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def _devices(simulate, rpc):
 
 
 def _plan(model, n_ctx, split, gpus, profile, rpc, kv, type_k, type_v, flash_attn, prefer, n_ubatch, n_batch):
-    from ..runner import make_plan
+    from ..runtime.runner import make_plan
 
     # The device order the plan chooses is applied through CUDA_VISIBLE_DEVICES in a fresh process
     # (_reexec); that process plans again for the GPUs in their new order, without reordering.
@@ -110,7 +110,7 @@ def run_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_
     is made for the devices present, the model loads as planned, the prompt is processed with a
     progress bar and the answer streams to stdout. Statistics go to stderr.
     """
-    from ..runner import ReorderNeeded, check_context, load_plan, generate, tokenize
+    from ..runtime.runner import ReorderNeeded, check_context, load_plan, generate, tokenize
 
     text = _read_input(prompt, file)
     if text is None and not dry_run:
@@ -146,7 +146,7 @@ def run_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_
             llm.close()
             if bar:
                 bar.close()
-    from ..runner import RunResult
+    from ..runtime.runner import RunResult
 
     r = RunResult(text=g["text"], tokens=g["tokens"], n_prompt=len(tokens), load_s=load_s, prefill_s=g["prefill_s"],
                   decode_s=g["decode_s"], ttft_s=g["ttft_s"], stop=g["stop"], plan=p, memory=memory)
@@ -185,42 +185,6 @@ class _ProgressBar:
         if not self.closed:
             self.closed = True
             self.bar.close()
-
-
-@cli.command("serve")
-@click.argument("model", required=False)
-@plan_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--api-key", default=None, envvar="CTXQ_API_KEY",
-              help="Require this bearer token on the API (also CTXQ_API_KEY).")
-@click.option("--alias", default=None, help="The model name the API reports (default: the file path).")
-def serve_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_v, flash_attn, prefer, n_ubatch,
-              n_batch, n_threads, seed, host, port, api_key, alias):
-    """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
-
-    Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health.
-    A request whose prompt does not fit in --ctx gets a 400 that says both numbers.
-    """
-    import uvicorn
-
-    from ..runner import ReorderNeeded
-    from ..server import create_app
-
-    with _devices(simulate, rpc) as rpc_eps:
-        p = _plan(model, n_ctx, split, gpus, profile, rpc_eps, kv, type_k, type_v, flash_attn, prefer,
-                  n_ubatch, n_batch)
-        try:
-            app, memory = create_app(p, api_key=api_key, rpc=rpc_eps, n_threads=n_threads, seed=seed, alias=alias)
-        except ReorderNeeded as e:
-            _reexec(e.value)
-            raise
-        click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
-        click.echo(_memory_table(memory), err=True)
-        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-            click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
-        click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def _one_line_on_worker_loss() -> None:

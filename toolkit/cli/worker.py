@@ -9,6 +9,7 @@ import sys
 import click
 
 from . import cli
+from ..units import default_threads
 from .common import gib
 
 
@@ -41,8 +42,9 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
 
     Other machines (or processes) use it with `--rpc HOST:PORT` on plan, run and serve.
     """
-    from .. import backend, rpc
-    from ..rpc_workers import catch_stop_signals, wait_for_signal
+    from ..llama import backend
+    from .. import rpc
+    from ..rpc.workers import catch_stop_signals, wait_for_signal
 
     backend.require_rpc()
     host = rpc.check_bind_host(host, allow_remote)
@@ -54,7 +56,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
     verbose = bool(ctx.find_root().params.get("verbose"))
     _quiet_c_stdout(verbose)
     stop = catch_stop_signals()  # before the endpoint is announced: a caller may signal at once
-    server = rpc.ServerThread(host, port, names, threads or rpc.default_threads(), cache_dir)
+    server = rpc.ServerThread(host, port, names, threads or default_threads(), cache_dir)
     endpoint = server.start()
     click.echo(f"ctxq worker listening on {endpoint} (llama.cpp RPC protocol {rpc.RPC_PROTO_MAJOR}.x, "
                f"{server.threads} threads)")

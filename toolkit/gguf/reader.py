@@ -16,7 +16,8 @@ from pathlib import Path
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .errors import GGUFError
+from ..errors import GGUFError
+from ..units import round_up
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT in ggml/include/gguf.h
@@ -255,7 +256,7 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
             if offset % alignment:
                 raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
             tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
-        data_offset = -(-cur.pos // alignment) * alignment
+        data_offset = round_up(cur.pos, alignment)
         data_size = size - data_offset
         for t in tensors:
             if t.offset + t.nbytes > data_size:

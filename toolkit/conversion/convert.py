@@ -2,7 +2,7 @@
 
 Float types (f32, f16, bf16) and q8_0 are written here, tensor by tensor from memory-mapped
 safetensors; any other llama.cpp type is made from a temporary f16/bf16 GGUF by
-`ctxq.quantize.quantize_gguf`. The output appears at its destination only complete and verified:
+`ctxq.conversion.quantize.quantize_gguf`. The output appears at its destination only complete and verified:
 it is written under a temporary name beside it, loaded by llama.cpp, then renamed.
 """
 
@@ -23,24 +23,26 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType as FT
 
-from . import backend
-from .converters import family_for
-from .converters.base import Family, TensorPlan, head_dim, permute_rope, text_config, write_common
-from .converters.checkpoint import Checkpoint
-from .converters.tokenizer import Vocab, load_vocab
-from .errors import ConversionError
-from .models import models_dir
+from ..llama import backend
+from ..converters import family_for
+from ..converters.base import Family, TensorPlan, head_dim, permute_rope, text_config, write_common
+from ..converters.checkpoint import Checkpoint
+from ..converters.tokenizer import Vocab, load_vocab
+from ..errors import ConversionError
+from ..gguf.reader import tensor_nbytes
+from ..models import models_dir
+from ..units import MiB
 
 log = logging.getLogger(__name__)
 
 # progress(done, total, what): what is "write:<tensor>" while bytes are written here, and
-# "quantize:<tensor>" while ctxq.quantize works tensor by tensor.
+# "quantize:<tensor>" while ctxq.conversion.quantize works tensor by tensor.
 Progress = Callable[[int, int, str], None]
 
 FLOAT_TYPES = {"f32": (T.F32, FT.ALL_F32), "f16": (T.F16, FT.MOSTLY_F16), "bf16": (T.BF16, FT.MOSTLY_BF16),
                "q8_0": (T.Q8_0, FT.MOSTLY_Q8_0)}
 _QK8_0 = gguf.GGML_QUANT_SIZES[T.Q8_0][0]  # 32 weights per Q8_0 block
-_DISK_MARGIN = 64 * 1024 * 1024  # header, alignment padding and the filesystem's own slack
+_DISK_MARGIN = 64 * MiB  # header, alignment padding and the filesystem's own slack
 
 
 @dataclass
@@ -54,7 +56,7 @@ class ConvertResult:
     source: str  # the folder that was read
     seconds: float
     cached: bool = False
-    quality: dict | None = None  # the quantization quality gate's numbers (ctxq.quality), when it ran
+    quality: dict | None = None  # the quantization quality gate's numbers (ctxq.conversion.quality), when it ran
     source_was_quantized: bool = False  # requantized from an already quantized GGUF
 
 
@@ -64,7 +66,7 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     """Convert `model` (HF folder, hub id, or a GGUF to quantize) to `type` at `output`.
 
     `type` defaults to the checkpoint's own float type; `output` to
-    `<ctxq models dir>/<name>-<TYPE>.gguf`. `quant_options` go to `ctxq.quantize.quantize_gguf`
+    `<ctxq models dir>/<name>-<TYPE>.gguf`. `quant_options` go to `ctxq.conversion.quantize.quantize_gguf`
     for types other than f32/f16/bf16/q8_0.
     """
     t0 = time.perf_counter()
@@ -111,7 +113,7 @@ def _dest(output, name: str, kind: str, force: bool) -> Path:
     """The output path, refused when it exists (unless force); its folder is created."""
     dest = _dest_path(output, name, kind)
     if dest.exists() and not force:
-        raise ConversionError(f"{dest} exists; pass --force to replace it or -o another path")
+        raise ConversionError(f"{dest} exists; pass force=True to replace it or another `output` path")
     dest.parent.mkdir(parents=True, exist_ok=True)
     return dest
 
@@ -134,7 +136,7 @@ def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str 
     free = shutil.disk_usage(dest.parent).free
     if free < total + _DISK_MARGIN:
         raise ConversionError(f"{dest.parent} has {free / 2**20:.1f} MiB free, the output needs about "
-                              f"{(total + _DISK_MARGIN) / 2**20:.1f} MiB; free space or pass -o on another disk")
+                              f"{(total + _DISK_MARGIN) / 2**20:.1f} MiB; free space or write the `output` on another disk")
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -213,8 +215,7 @@ def _out_type(name: str, shape: tuple[int, ...], kind: str) -> T:
 
 
 def _nbytes(p: TensorPlan) -> int:
-    block, size = gguf.GGML_QUANT_SIZES[p.type]
-    return int(np.prod(p.shape)) // block * size
+    return tensor_nbytes(p.type, tuple(reversed(p.shape)))  # TensorPlan shapes are in numpy order
 
 
 def _encode(x: np.ndarray, t: T) -> np.ndarray:
@@ -285,13 +286,13 @@ def verify_loads(path: Path) -> None:
     lc.llama_model_free(model)
 
 
-# --- other llama.cpp types: through ctxq.quantize ---------------------------------------------------
+# --- other llama.cpp types: through ctxq.conversion.quantize ---------------------------------------------------
 
 def _quantize_module():
     try:
         from . import quantize
     except ImportError as e:  # pragma: no cover - part of ctxq
-        raise ConversionError(f"quantized types need ctxq.quantize ({e})") from None
+        raise ConversionError(f"quantized types need ctxq.conversion.quantize ({e})") from None
     return quantize
 
 
@@ -308,7 +309,7 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
 
 
 def _arch_of(path) -> str:
-    from .gguf_file import read_gguf
+    from ..gguf.reader import read_gguf
 
     return read_gguf(path, skip_arrays=True).arch
 
@@ -318,7 +319,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
     q = _quantize_module()
     qname, _ = q.parse_type(kind)
     if q.needs_imatrix(qname) and not options.get("imatrix"):  # refuse before converting anything
-        raise ConversionError(f"{qname} needs an importance matrix: pass --imatrix FILE.gguf (llama-imatrix output)")
+        raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf (llama-imatrix output)")
     extra = {"hf_source": _source_digest(ckpt), "pre": pre, "converter": "ctxq.conversion/1"}
     key = q.make_cache_key(qname, cache_key_extra=extra, **{k: v for k, v in options.items() if k in (
         "imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")})
@@ -353,7 +354,7 @@ def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float) -> 
 
 
 def _source_digest(ckpt: Checkpoint) -> str:
-    """SHA-256 over the checkpoint files' digests (memoized per file by ctxq.quantize.file_digest)."""
+    """SHA-256 over the checkpoint files' digests (memoized per file by ctxq.conversion.quantize.file_digest)."""
     import hashlib
 
     from .quantize import file_digest

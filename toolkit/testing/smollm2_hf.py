@@ -5,7 +5,7 @@ Q/K row permutation that llama.cpp's converter applies for rotary embeddings is 
 vocabulary is rebuilt as a byte-level BPE `tokenizer.json` with the "split digits, then byte-level"
 pre-tokenizer that SmolLM2 uses. The result loads in `transformers` and computes what the GGUF computes
 (up to the dequantized weights, which are now the model), so converter tests have a real checkpoint.
-Re-exported by `ctxq.testmodels`.
+Re-exported by `ctxq.testing.models`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CtxqError
-from .models import ctxq_home, fetch_default_model
+from ..errors import CtxqError
+from ..models import ctxq_home, fetch_default_model
 
 log = logging.getLogger(__name__)
 

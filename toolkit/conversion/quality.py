@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..units import default_threads
+
 log = logging.getLogger(__name__)
 
 MIN_TOKENS = 128
@@ -40,19 +42,12 @@ REFERENCE_TEXT = (
 )
 
 
-def _threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def _tokens(path: str, n_ctx: int) -> list[int]:
     """The reference text's tokens under the reference model's vocabulary; for a model without a
     usable vocabulary (tokenizer "none"), a fixed pseudo-random token sequence instead."""
     from llama_cpp import Llama
 
-    from .gguf_file import read_gguf
+    from ..gguf.reader import read_gguf
 
     llm = Llama(path, n_ctx=n_ctx, vocab_only=True, verbose=False)
     # llama.cpp aborts (GGML_ASSERT) when asked to tokenize with a "none" vocabulary.
@@ -73,7 +68,7 @@ def _logits(path: str, tokens: list[int], n_ctx: int) -> np.ndarray:
     from llama_cpp import Llama
 
     llm = Llama(path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                n_threads=_threads(), n_gpu_layers=0, verbose=False)
+                n_threads=default_threads(), n_gpu_layers=0, verbose=False)
     try:
         llm.eval(tokens)
         return np.array(llm.scores[: len(tokens)], dtype=np.float64)

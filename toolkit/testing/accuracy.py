@@ -1,6 +1,6 @@
 """The planner against llama.cpp's real allocations: one cell = one model, devices, context, KV type.
 
-`check_cell()` plans with `ctxq.planner`, then loads the model for real in a child process (on the
+`check_cell()` plans with `ctxq.planning.planner`, then loads the model for real in a child process (on the
 CPU, or split over local ggml RPC workers standing for GPUs), reads llama.cpp's own log lines
 (model / KV / compute buffer sizes and `layer N assigned to device D`) and compares them per device.
 The margin the planner keeps free is not an allocation and is left out of the comparison.
@@ -11,11 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from . import backend
-from .devices import Device
-from .planner import Plan, plan
+from ..llama import backend
+from ..planning.devices import Device
+from ..planning.planner import Plan, plan
+from ..units import GiB, MiB
 
-MiB = 1024**2
 TARGET_REL, TARGET_ABS = 0.01, 32 * MiB  # every device within 1.0 % or 32 MiB (the planner issue)
 
 
@@ -61,7 +61,7 @@ class CellResult:
 
 def _measure_child(model: str, kwargs: dict) -> dict:
     """In the child: load for real, return llama.cpp's allocations as plain dicts."""
-    from .measure import measure
+    from ..llama.measure import measure
 
     m = measure(model, **kwargs)
     a = m.allocations
@@ -71,10 +71,10 @@ def _measure_child(model: str, kwargs: dict) -> dict:
 def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
                label: str = "", n_ubatch: int = 512) -> CellResult:
     """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios."""
-    from .rpc import run_supervised
+    from ..rpc import run_supervised
 
     if sizes_gib:
-        devices = [Device(name=f"RPC{i}", kind="rpc", total=int(s * 1024**3), usable=int(s * 1024**3))
+        devices = [Device(name=f"RPC{i}", kind="rpc", total=int(s * GiB), usable=int(s * GiB))
                    for i, s in enumerate(sizes_gib)]
         p: Plan = plan(model, n_ctx, devices=devices, kv=type_kv, split=":".join(f"{s:g}" for s in sizes_gib),
                        n_ubatch=n_ubatch)

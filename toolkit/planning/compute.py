@@ -19,16 +19,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import gguf
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .gguf_file import GGUFFile, read_gguf
-from .models import ctxq_home
+from ..gguf.reader import GGUFFile, read_gguf
+from ..gguf.writer import write_sparse_gguf
+from ..models import ctxq_home
 
 log = logging.getLogger(__name__)
 
@@ -82,59 +81,35 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
 def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], *,
                  layers: tuple[int, ...] | None = None, n_vocab: int | None = None,
                  swa: tuple[bool, ...] | None = None) -> Path:
-    """Write src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a
-    loadable GGUF whose data region is a sparse hole; atomically, to `out`."""
+    """src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a loadable
+    header-only GGUF at `out`; `layers` keeps those layers' entries of per-layer arrays."""
     arch = src.arch
     n_layer = int(src.arch_get("block_count"))
     n_vocab = n_vocab or _vocab_size(src)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".part")
-    os.close(fd)
-    w = gguf.GGUFWriter(tmp, arch)
-    for key, value in src.metadata.items():
-        if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
-            continue
-        if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
-            continue
-        vtype, etype = src.value_types[key]
-        if layers is not None and isinstance(value, list) and len(value) == n_layer:
-            value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
-        if key == f"{arch}.block_count" and layers is not None:
-            value = len(layers)
-        if key == f"{arch}.vocab_size":
-            value = n_vocab
-        w.add_key_value(key, value, gguf.GGUFValueType(vtype),
-                        sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
-    if swa is not None:
-        w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
-                        sub_type=gguf.GGUFValueType.BOOL)
-    if f"{arch}.vocab_size" not in src.metadata:
-        w.add_vocab_size(n_vocab)
-    w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
-    import numpy as np
 
-    total = 0
-    for name, shape, ttype in specs:
-        qt = GGMLQuantizationType(ttype)
-        block, size = GGML_QUANT_SIZES[qt]
-        rows = 1
-        for d in shape[1:]:
-            rows *= d
-        nbytes = shape[0] // block * size * rows
-        np_shape = tuple(reversed(shape))
-        if qt in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            w.add_tensor_info(name, np_shape, np.float32 if qt == GGMLQuantizationType.F32 else np.float16, nbytes)
-        else:
-            w.add_tensor_info(name, np_shape[:-1] + (shape[0] // block * size,), np.uint8, nbytes, raw_dtype=qt)
-        total += -(-nbytes // 32) * 32
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
-    data_start = -(-os.path.getsize(tmp) // 32) * 32
-    with open(tmp, "r+b") as f:
-        f.truncate(data_start + total)
-    os.replace(tmp, out)
-    return out
+    def metadata(w: gguf.GGUFWriter) -> None:
+        for key, value in src.metadata.items():
+            if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
+                continue
+            if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
+                continue
+            vtype, etype = src.value_types[key]
+            if layers is not None and isinstance(value, list) and len(value) == n_layer:
+                value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
+            if key == f"{arch}.block_count" and layers is not None:
+                value = len(layers)
+            if key == f"{arch}.vocab_size":
+                value = n_vocab
+            w.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                            sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
+        if swa is not None:
+            w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
+                            sub_type=gguf.GGUFValueType.BOOL)
+        if f"{arch}.vocab_size" not in src.metadata:
+            w.add_vocab_size(n_vocab)
+        w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
+
+    return write_sparse_gguf(out, arch, specs, metadata)
 
 
 def _vocab_size(g: GGUFFile) -> int:
@@ -147,7 +122,7 @@ def _vocab_size(g: GGUFFile) -> int:
 
 @lru_cache(maxsize=256)
 def _dry_run(path: str, n_ctx: int, n_ubatch: int, n_batch: int, type_k: str, type_v: str, flash_attn: bool) -> int:
-    from .measure import measure
+    from ..llama.measure import measure
 
     m = measure(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
                 flash_attn=flash_attn, dry_run=True)

@@ -18,24 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import backend
-from .errors import CtxqError, DoesNotFit
-from .planner import Plan
+from ..llama import backend
+from ..errors import ContextTooLong, CtxqError, DoesNotFit, ReorderNeeded
+from ..planning.planner import Plan
+from ..units import default_threads
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
-
-
-class ContextTooLong(CtxqError):
-    """The input and the tokens to generate do not fit in the context."""
-
-    def __init__(self, n_prompt: int, n_predict: int, n_ctx: int):
-        need = n_prompt + n_predict
-        super().__init__(f"the input is {n_prompt:,} tokens and {n_predict:,} more are to be generated "
-                         f"({need:,} in all), but the context holds {n_ctx:,}: use --ctx {need} or more, "
-                         "or a shorter input")
-        self.n_prompt, self.n_predict, self.n_ctx = n_prompt, n_predict, n_ctx
 
 
 @dataclass
@@ -101,17 +91,11 @@ def make_plan(model=None, n_ctx: int = DEFAULT_CTX, *, split: str | None = "auto
               rpc=None, kv: str = "auto", type_k=None, type_v=None, flash_attn=None, prefer: str = "quality",
               n_ubatch: int = 512, n_batch: int = 2048, reorder: bool = True) -> Plan:
     """`planner.plan` with `split="auto"` meaning: let the planner choose."""
-    from .planner import plan
+    from ..planning.planner import plan
 
     return plan(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, kv=kv, type_k=type_k, type_v=type_v,
                 flash_attn=flash_attn, split=None if split in (None, "auto") else split, prefer=prefer,
                 n_ubatch=n_ubatch, n_batch=n_batch, reorder=reorder)
-
-
-def default_threads() -> int:
-    """Every CPU this process may use. llama-cpp-python's default halves cpu_count() for decoding,
-    which leaves one of two cores idle here; llama.cpp's own CLI uses the physical cores."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def llama_params(p: Plan, *, n_threads: int | None = None, seed: int | None = None) -> dict:
@@ -131,15 +115,6 @@ def cuda_visible_devices(order: list[int], current: str | None = None) -> str:
     return ",".join(visible[i] for i in order)
 
 
-class ReorderNeeded(CtxqError):
-    """The plan orders the GPUs differently from llama.cpp, and this process can no longer apply that."""
-
-    def __init__(self, value: str):
-        super().__init__(f"the plan puts the GPUs in another order; set CUDA_VISIBLE_DEVICES={value} before "
-                         "starting Python (ctxq run does this itself), or plan with reorder=False")
-        self.value = value
-
-
 def _check_devices(p: Plan) -> None:
     """Refuse to run a plan for devices llama.cpp does not have (a what-if plan from --gpus)."""
     if not p.gpus:
@@ -148,12 +123,12 @@ def _check_devices(p: Plan) -> None:
     if len(present) < len(p.gpus):
         raise CtxqError(f"the plan places layers on {len(p.gpus)} devices but llama.cpp sees {len(present)} "
                         f"({', '.join(d.name for d in present) or 'only the CPU'}); "
-                        "`ctxq plan` shows what-if plans, --simulate runs on local RPC workers")
+                        "`ctxq plan` shows what-if plans, `simulate` runs on local RPC workers")
 
 
 def _apply_order(p: Plan, rpc) -> None:
     """Register RPC workers in the plan's order and check the GPU order can be honoured."""
-    from .rpc import add_servers, parse_rpc
+    from ..rpc import add_servers, parse_rpc
 
     eps = parse_rpc(rpc) if rpc else []
     order = p.device_order
@@ -260,7 +235,7 @@ def chat_prompt(model_or_llm, text: str | list[dict], system: str | None = None)
     m = model_or_llm._model if hasattr(model_or_llm, "_model") else model_or_llm
     template = m.metadata().get("tokenizer.chat_template")
     if not template:
-        raise CtxqError("this model has no chat template (tokenizer.chat_template); run without --chat")
+        raise CtxqError("this model has no chat template (tokenizer.chat_template); use chat=False")
     eos, bos = m.token_eos(), m.token_bos()
     fmt = Jinja2ChatFormatter(template=template, eos_token=m.token_get_text(eos) if eos != -1 else "",
                               bos_token=m.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
@@ -275,7 +250,7 @@ def tokenize(model, text: str, *, chat: bool = False, system: str | None = None)
     tokens parsed), from a vocabulary-only load that allocates no weights."""
     from llama_cpp import _internals
 
-    from .models import resolve_model
+    from ..models import resolve_model
 
     lc = backend.llama_cpp()
     path = resolve_model(model)
@@ -298,7 +273,7 @@ def tokenize(model, text: str, *, chat: bool = False, system: str | None = None)
 
 def check_context(n_prompt: int, n_predict: int, n_ctx: int) -> None:
     if n_prompt == 0:
-        raise CtxqError("the input is empty; give -p TEXT, -f FILE or text on stdin")
+        raise CtxqError("the input is empty; give the text to read (prompt=TEXT)", option="prompt")
     if n_prompt + n_predict > n_ctx:
         raise ContextTooLong(n_prompt, n_predict, n_ctx)
 
@@ -363,12 +338,12 @@ def run(model=None, prompt: str | None = None, *, tokens: list[int] | None = Non
     """Tokenize and check the input, plan, load, prefill and generate; the result holds the text,
     timings and per-device memory. `plan_options` go to `make_plan` (split, gpus, profile, kv, ...).
     `on_plan(plan, n_prompt)` is called before the model loads."""
-    from .models import resolve_model
+    from ..models import resolve_model
 
     path = resolve_model(model if plan is None else plan.model)
     if tokens is None:
         if prompt is None:
-            raise CtxqError("give a prompt: -p TEXT, -f FILE or text on stdin")
+            raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
         tokens = tokenize(path, prompt, chat=chat, system=system)
     n_ctx = plan.n_ctx if plan is not None else n_ctx
     check_context(len(tokens), n_predict, n_ctx)

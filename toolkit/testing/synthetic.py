@@ -13,7 +13,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gguf
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGMLQuantizationType as T
+
+from ..gguf.writer import write_sparse_gguf
 
 
 @dataclass(frozen=True)
@@ -103,55 +105,26 @@ def tensor_specs(g: Geometry, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int,
 
 def write_synthetic_gguf(path: str | os.PathLike, g: Geometry, mix: str = "Q4_K_M") -> Path:
     """Write a loadable GGUF of geometry g whose data region is a sparse hole."""
-    path = Path(path)
-    arch = g.arch
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(g.name)
-    w.add_file_type(15 if mix == "Q4_K_M" else 1)  # LLAMA_FTYPE_MOSTLY_Q4_K_M / F16
-    w.add_context_length(g.n_ctx_train)
-    w.add_embedding_length(g.n_embd)
-    w.add_block_count(g.n_layer)
-    w.add_feed_forward_length(g.n_ff)
-    w.add_head_count(g.n_head)
-    w.add_head_count_kv(g.n_head_kv)
-    w.add_key_length(g.head_dim)
-    w.add_value_length(g.head_dim)
-    w.add_rope_dimension_count(g.head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(g.n_vocab)
-    if g.n_swa:
-        w.add_sliding_window(g.n_swa)
-    w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
-    specs = tensor_specs(g, mix)
-    for name, shape, t in specs:
-        block, size = GGML_QUANT_SIZES[t]
-        nbytes = shape[0] // block * size * (shape[1] if len(shape) > 1 else 1)
-        # GGUFWriter takes numpy-order shapes (reversed ggml order); quantized ones in bytes per row.
-        np_shape = tuple(reversed(shape))
-        if t in (T.F32, T.F16):
-            w.add_tensor_info(name, np_shape, _np_dtype(t), nbytes)
-        else:
-            w.add_tensor_info(name, np_shape[:-1] + (shape[0] // block * size,), _np_dtype(t), nbytes, raw_dtype=t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
-    align = 32
-    data_start = -(-path.stat().st_size // align) * align
-    total = 0
-    for name, shape, t in specs:
-        block, size = GGML_QUANT_SIZES[t]
-        nbytes = shape[0] // block * size * (shape[1] if len(shape) > 1 else 1)
-        total += -(-nbytes // align) * align
-    with open(path, "r+b") as f:
-        f.truncate(data_start + total)  # a sparse hole: no disk blocks for the "weights"
-    return path
 
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_name(g.name)
+        w.add_file_type(15 if mix == "Q4_K_M" else 1)  # LLAMA_FTYPE_MOSTLY_Q4_K_M / F16
+        w.add_context_length(g.n_ctx_train)
+        w.add_embedding_length(g.n_embd)
+        w.add_block_count(g.n_layer)
+        w.add_feed_forward_length(g.n_ff)
+        w.add_head_count(g.n_head)
+        w.add_head_count_kv(g.n_head_kv)
+        w.add_key_length(g.head_dim)
+        w.add_value_length(g.head_dim)
+        w.add_rope_dimension_count(g.head_dim)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(g.n_vocab)
+        if g.n_swa:
+            w.add_sliding_window(g.n_swa)
+        w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
 
-def _np_dtype(t: T):
-    import numpy as np
-
-    return {T.F32: np.float32, T.F16: np.float16}.get(t, np.uint8)
+    return write_sparse_gguf(path, g.arch, tensor_specs(g, mix), metadata)
 
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}

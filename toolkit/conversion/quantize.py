@@ -3,7 +3,7 @@
     result = quantize_gguf(Path("model-F16.gguf"), Path("model-Q4_K_M.gguf"), "q4_k_m")
     result.path, result.size, result.cached, result.quality["top1_agreement"]
 
-`llama_model_quantize` runs in a child process (`ctxq.quantize_worker`, watched by `Worker`), so
+`llama_model_quantize` runs in a child process (`ctxq.conversion.quantize_worker`, watched by `Worker`), so
 Ctrl-C stops it at once and an abort inside llama.cpp becomes a `ConversionError`. It writes to a
 hidden temporary name next to the destination; ctxq renames it only after llama.cpp has loaded it
 back, so an interrupted or killed run never leaves a file under the destination name. A JSON record under
@@ -32,10 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from .backend import lib_dir
-from .errors import ConversionError, CtxqError
-from .gguf_file import GGUFFile, read_gguf
-from .models import ctxq_home
+from ..llama.backend import lib_dir
+from ..errors import ConversionError, CtxqError
+from ..gguf.reader import GGUFFile, read_gguf
+from ..models import ctxq_home
+from ..units import GiB
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("ctxq.llama_cpp")
@@ -275,12 +276,12 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     if not src.is_file():
         raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model to `ctxq convert`)")
     if name in NEEDS_IMATRIX and imatrix is None:
-        raise ConversionError(f"{name} needs an importance matrix: pass --imatrix FILE (a GGUF imatrix "
+        raise ConversionError(f"{name} needs an importance matrix: pass imatrix=FILE (a GGUF imatrix "
                               f"from llama-imatrix), or choose a type without one, e.g. Q4_K_M or IQ4_XS")
     if imatrix is not None:
         _check_imatrix(Path(imatrix))
     if dst.exists() and dst.resolve() == src.resolve():
-        raise ConversionError(f"{dst}: the output would overwrite the source; choose another -o path")
+        raise ConversionError(f"{dst}: the output would overwrite the source; choose another `output` path")
     # The worker loads llama.cpp while this process prepares the job (cache, header, disk).
     with Worker(lean=not check and imatrix is None) as worker:
         key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
@@ -292,7 +293,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
             return _cached(worker, rec, key, src, name, check, t0)
         if dst.exists() and not force:
             raise ConversionError(f"{dst} exists and is not this conversion's cached result; "
-                                  "pass --force to overwrite it or -o to choose another path")
+                                  "pass force=True to overwrite it or choose another `output` path")
         g = read_gguf(src, skip_arrays=True)  # GGUFError for a file that is not a GGUF model
         was_quantized = _is_quantized(g)
         if was_quantized:
@@ -301,9 +302,8 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
         dst.parent.mkdir(parents=True, exist_ok=True)
         need, free = estimate_size(g, name), shutil.disk_usage(dst.parent).free
         if need > free:
-            gib = 1024**3
-            raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about {need / gib:.2f} "
-                                  f"GiB, {free / gib:.2f} GiB free; free space or pass -o elsewhere")
+            raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about {need / GiB:.2f} "
+                                  f"GiB, {free / GiB:.2f} GiB free; free space or write the `output` elsewhere")
         part = dst.with_name(f".{dst.name}.part")
         fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -375,7 +375,7 @@ def _failure(rc: int, result: dict, tail: collections.deque) -> str:
 
 
 class Worker:
-    """A started `ctxq.quantize_worker` process. Start it early: it loads llama.cpp while the caller
+    """A started `ctxq.conversion.quantize_worker` process. Start it early: it loads llama.cpp while the caller
     prepares the job. It runs in its own session, so a terminal's Ctrl-C reaches only the parent,
     which kills it (`close`): interrupting never waits for a tensor to finish."""
 
@@ -387,7 +387,7 @@ class Worker:
         if lean:
             argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("quantize_worker.py")), "--lean", *lib]
         else:
-            argv = [sys.executable, "-m", "ctxq.quantize_worker", *lib]
+            argv = [sys.executable, "-m", "ctxq.conversion.quantize_worker", *lib]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 

@@ -18,13 +18,14 @@ import json
 import logging
 from pathlib import Path
 
-from .planner import Plan
+from ..planning.planner import Plan
 from .runner import chat_prompt, load_plan
+from ..units import MiB
 
 log = logging.getLogger(__name__)
 
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
-MAX_BODY = 64 * 1024 * 1024  # bytes: a full 128k-token prompt is well under this
+MAX_BODY = 64 * MiB  # bytes: a full 128k-token prompt is well under this
 
 
 def _prompt_tokens(llm, body: dict, path: str) -> int | None:

@@ -17,8 +17,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import backend
-from .errors import CtxqError
+from ..llama import backend
+from ..errors import CtxqError, InvalidOption
+from ..units import default_threads
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,10 @@ def check_bind_host(host: str, allow_remote: bool = False) -> str:
     try:
         addr = ipaddress.IPv4Address(host)
     except ValueError:
-        raise CtxqError(f"--host {host!r}: give an IPv4 address such as 127.0.0.1 "
+        raise InvalidOption(f"`host` {host!r}: give an IPv4 address such as 127.0.0.1 "
                         "(llama.cpp's RPC server binds IPv4 only)") from None
     if not addr.is_loopback and not allow_remote:
-        raise CtxqError(f"--host {host}: llama.cpp's RPC protocol has no authentication, so a worker binds "
+        raise InvalidOption(f"`host` {host}: llama.cpp's RPC protocol has no authentication, so a worker binds "
                         "only loopback; add --allow-remote to expose it on a trusted network")
     return host
 
@@ -67,16 +68,12 @@ def worker_devices(devices: list[str] | None = None) -> list[str]:
         out = []
         for name in devices:
             if name.lower() not in known:
-                raise CtxqError(f"--device {name!r}: no such ggml device; choose from "
+                raise InvalidOption(f"`device` {name!r}: no such ggml device; choose from "
                                 f"{', '.join(d.name for d in avail)}")
             out.append(known[name.lower()])
         return out
     gpus = [d.name for d in avail if d.type not in ("cpu", "accel")]
     return gpus or [d.name for d in avail if d.type == "cpu"][:1]
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def serve_forever(host: str, port: int, devices: list[str] | None = None, threads: int | None = None,
@@ -95,7 +92,7 @@ def serve_forever(host: str, port: int, devices: list[str] | None = None, thread
     rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache_dir.encode() if cache_dir else None,
                                       threads or default_threads(), len(names), devs)
     # start_server returns only when it could not set up (e.g. the port is taken).
-    raise CtxqError(f"the RPC worker could not listen on {endpoint} (port in use?); choose another --port")
+    raise CtxqError(f"the RPC worker could not listen on {endpoint} (port in use?); choose another `port`")
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -106,7 +103,7 @@ def _check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise CtxqError(f"the RPC worker could not listen on {host}:{port} ({e.strerror}); "
-                            "choose another --port") from None
+                            "choose another `port`") from None
 
 
 def listening_port(pid: int, host: str) -> int | None:

@@ -7,10 +7,10 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
+from gguf.constants import GGMLQuantizationType, LlamaFileType
 
-from .errors import GGUFError
-from .gguf_file import GGUFFile, read_gguf
+from ..errors import GGUFError
+from .reader import GGUFFile, read_gguf, tensor_nbytes
 
 # Sliding-window rules per architecture, as each llama_model_<arch>::load_hparams sets them
 # (src/models/<arch>.cpp): (default window or None when the key must be present, pattern).
@@ -25,11 +25,8 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 def kv_bytes(type_name: str, n_elements: int) -> int:
-    """Bytes of one KV row of n_elements (ggml_row_size)."""
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name.upper()]]
-    if n_elements % block:
-        raise GGUFError(f"KV row of {n_elements} is not a multiple of {type_name}'s block of {block}")
-    return n_elements // block * size
+    """Bytes of one KV row of n_elements (ggml_row_size); GGUFError if the type's blocks do not divide it."""
+    return tensor_nbytes(int(GGMLQuantizationType[type_name.upper()]), (n_elements,))
 
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")

@@ -1,4 +1,4 @@
-"""The child process that runs llama.cpp's quantizer. The parent's side is `ctxq.quantize.Worker`.
+"""The child process that runs llama.cpp's quantizer. The parent's side is `ctxq.conversion.quantize.Worker`.
 
 llama.cpp can abort the whole process (GGML_ABORT) and `llama_model_quantize` cannot be interrupted
 from Python, so ctxq runs it here and the parent only watches. The worker
@@ -7,7 +7,7 @@ from Python, so ctxq runs it here and the parent only watches. The worker
    reads the `[ i/ N]` tensor lines for progress);
 2. has llama.cpp load `out` (`verify`): metadata, vocabulary, every tensor's shape, type and file
    bounds, without reading the weights (a dry run, `no_alloc`);
-3. optionally runs the quality gate (`ctxq.quality.compare`) against `reference`;
+3. optionally runs the quality gate (`ctxq.conversion.quality.compare`) against `reference`;
 4. writes a JSON result to `result` (never to stdout, where C code may print).
 
 It exits 0 on success, 2 with {"error": ...} in the result when llama.cpp refused the job, and
@@ -18,7 +18,7 @@ imatrix) runs lean: `python -I -S quantize_worker.py --lean --lib DIR` imports o
 library modules below and binds the few llama.cpp functions it calls itself with ctypes (45 ms to
 a ready worker against 220 ms through llama-cpp-python's bindings). The structures mirror
 include/llama.h; tests/test_quantize.py checks them field by field against llama-cpp-python's.
-Jobs with a quality gate or an imatrix run as `python -m ctxq.quantize_worker` with everything.
+Jobs with a quality gate or an imatrix run as `python -m ctxq.conversion.quantize_worker` with everything.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def verify(lib, path: str, free: bool = True) -> int:
 
 def run(lib, job: dict) -> dict:
     if job.get("check_only"):  # a cached file that has not been through the quality gate yet
-        from ctxq.quality import compare
+        from ctxq.conversion.quality import compare
 
         return {"quality": compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"))}
     params, keep = build_params(lib, job)
@@ -202,7 +202,7 @@ def run(lib, job: dict) -> dict:
         return {"error": "llama_model_quantize failed", "rc": int(rc)}
     result = {"quantize_seconds": seconds}
     if job.get("reference"):  # the quality gate loads the result: that is the load check too
-        from ctxq.quality import compare
+        from ctxq.conversion.quality import compare
 
         result["quality"] = compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"))
     else:

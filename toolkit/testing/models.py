@@ -36,7 +36,7 @@ def dequantized_smollm2_gguf(dest: str | os.PathLike, dtype: str = "f16") -> Pat
     """
     import gguf
 
-    from .models import fetch_default_model
+    from ..models import fetch_default_model
 
     dest = Path(dest)
     if dest.is_file():
@@ -81,7 +81,7 @@ def smollm2_shaped_gguf(dest: str | os.PathLike, *, n_layer: int = 24, n_embd: i
     need a model of the size people quantize; its outputs mean nothing. Reuses `dest` when it exists."""
     import gguf
 
-    from .models import fetch_default_model
+    from ..models import fetch_default_model
 
     dest = Path(dest)
     if dest.is_file():
@@ -151,7 +151,7 @@ def synthetic_imatrix_gguf(model: str | os.PathLike, dest: str | os.PathLike, se
     activation statistics: enough to exercise the types that need one, not to improve quality."""
     import gguf
 
-    from .gguf_file import read_gguf
+    from ..gguf.reader import read_gguf
 
     g = read_gguf(model, skip_arrays=True)
     rng = np.random.default_rng(seed)
@@ -188,7 +188,7 @@ def tiny_chat_llama_gguf(dest: str | os.PathLike, *, n_layer: int = 2, n_embd: i
     """
     import gguf
 
-    from .models import fetch_default_model
+    from ..models import fetch_default_model
 
     dest = Path(dest)
     if dest.is_file():

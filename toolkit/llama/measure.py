@@ -13,7 +13,8 @@ import logging
 from dataclasses import dataclass
 
 from . import backend
-from .errors import CtxqError
+from ..errors import CtxqError
+from ..units import last_error_line
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +58,13 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
     with backend.capture_log() as lines:
         model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
         if not model:
-            raise CtxqError(f"llama.cpp could not load {model_path}: {_last_error(lines)}")
+            raise CtxqError(f"llama.cpp could not load {model_path}: {last_error_line(lines)}")
         try:
             ctx = lc.llama_init_from_model(model, cp)
             if not ctx:
-                raise CtxqError(f"llama.cpp could not create the context: {_last_error(lines)}")
+                raise CtxqError(f"llama.cpp could not create the context: {last_error_line(lines)}")
             lc.llama_free(ctx)
         finally:
             lc.llama_model_free(model)
     del split_arr
     return Measurement(backend.parse_allocations(lines), lines)
-
-
-def _last_error(lines: list[str]) -> str:
-    for line in reversed(lines):
-        if "error" in line.lower() or "failed" in line.lower():
-            return line.strip()
-    return "see CTXQ_DEBUG=1 output"

@@ -12,11 +12,11 @@ API (used by `plan`, `run`, `serve`, `ctxq.load` and the planner's accuracy scri
 - `add_servers(endpoints)` -> ggml device names (`RPC0`, `RPC1`, ... in registration order, which is
   llama.cpp's order: RPC devices come before local GPUs). Idempotent per endpoint.
 - `serve_forever(host, port, devices=None, threads=None, cache_dir=None)`: be a worker (blocks;
-  `ctxq.rpc_server`, with `ServerThread` for a process that must still react to signals).
+  `ctxq.rpc.server`, with `ServerThread` for a process that must still react to signals).
 - `on_ggml_abort(fn)` / `describe_abort(message)`: a one-line error instead of a core dump when a
   worker goes away under a model loaded in this very process (`ctxq.load`, `ctxq run`).
 - `start_workers(n_or_sizes, threads=None, host="127.0.0.1")`: local worker processes
-  (context manager `Workers`, see `ctxq.rpc_workers`), `run_supervised(fn, ...)`: run `fn` in a
+  (context manager `Workers`, see `ctxq.rpc.workers`), `run_supervised(fn, ...)`: run `fn` in a
   child process that a dead worker cannot take down with it, `generate_greedy(...)`: load, prefill,
   decode greedily and report what llama.cpp allocated (for tests, benchmarks, accuracy checks).
 
@@ -46,14 +46,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import backend
-from .errors import CtxqError
-from .rpc_server import (ServerThread, _libs, check_bind_host, default_threads, listening_port,  # noqa: F401
-                         serve_forever, worker_devices)
+from ..errors import CtxqError, InvalidOption, WorkerLost, WorkerUnreachable
+from ..llama import backend
+from .server import _libs
+from ..units import GiB
 
 log = logging.getLogger(__name__)
 
-GiB = 1024**3
 DEFAULT_PORT = 50052  # llama.cpp's rpc-server default (tools/rpc/rpc-server.cpp)
 
 # Wire protocol, ggml-rpc.cpp / ggml-rpc.h: request = cmd (u8) | size (u64) | payload;
@@ -63,28 +62,6 @@ _CMD_GET_DEVICE_MEMORY = 11
 _CMD_HELLO = 14
 _CMD_DEVICE_COUNT = 15
 _CAPS_SIZE = 24
-
-
-class WorkerUnreachable(CtxqError):
-    """An RPC worker did not answer (refused, timed out, busy, or not a ggml RPC server)."""
-
-    def __init__(self, endpoint: str, why: str):
-        super().__init__(f"RPC worker {endpoint} {why}")
-        self.endpoint, self.why = endpoint, why
-
-    def __reduce__(self):  # crosses process boundaries (run_supervised)
-        return type(self), (self.endpoint, self.why)
-
-
-class WorkerLost(CtxqError):
-    """An RPC worker went away while a model was using it."""
-
-    def __init__(self, endpoint: str | None, message: str):
-        super().__init__(message)
-        self.endpoint = endpoint
-
-    def __reduce__(self):
-        return type(self), (self.endpoint, str(self))
 
 
 @dataclass(frozen=True)
@@ -122,15 +99,16 @@ def parse_rpc(spec: str | RpcEndpoint | list | tuple) -> list[RpcEndpoint]:
         m = _EP_RE.match(p)
         port = int(m.group(2)) if m else 0
         if not m or not 0 < port < 65536 or (m.group(3) and float(m.group(3)) <= 0):
-            raise CtxqError(f"--rpc {p!r}: write HOST:PORT or HOST:PORT=GiB, e.g. 127.0.0.1:50052=16")
+            raise InvalidOption(f"`rpc` {p!r}: write HOST:PORT or HOST:PORT=GiB, e.g. 127.0.0.1:50052=16",
+                                option="rpc", value=p)
         declared = int(float(m.group(3)) * GiB) if m.group(3) else None
         out.append(RpcEndpoint(m.group(1), port, declared))
     if not out:
-        raise CtxqError("--rpc: give one or more HOST:PORT[=GiB] endpoints, e.g. 127.0.0.1:50052=16")
+        raise InvalidOption("`rpc`: give one or more HOST:PORT[=GiB] endpoints, e.g. 127.0.0.1:50052=16", option="rpc")
     seen = [e.endpoint for e in out]
     dup = {e for e in seen if seen.count(e) > 1}
     if dup:
-        raise CtxqError(f"--rpc: {', '.join(sorted(dup))} given twice; list each worker once")
+        raise InvalidOption(f"`rpc`: {', '.join(sorted(dup))} given twice; list each worker once", option="rpc")
     return out
 
 
@@ -187,9 +165,9 @@ def probe_devices(endpoint: str | RpcEndpoint, timeout: float = 3.0) -> list[tup
         raise
     except ConnectionRefusedError:
         raise WorkerUnreachable(ep.endpoint, f"refused the connection: start one there with "
-                                f"`ctxq worker --port {ep.port}` or fix --rpc") from None
+                                f"`ctxq worker --port {ep.port}` or fix `rpc`") from None
     except socket.gaierror as e:
-        raise WorkerUnreachable(ep.endpoint, f"has a host name that does not resolve ({e.strerror}); fix --rpc") from None
+        raise WorkerUnreachable(ep.endpoint, f"has a host name that does not resolve ({e.strerror}); fix `rpc`") from None
     except (TimeoutError, socket.timeout):
         raise WorkerUnreachable(ep.endpoint, f"did not answer within {timeout:g} s (host down or "
                                 "firewalled, or the worker is busy serving another client)") from None
@@ -294,28 +272,5 @@ def describe_abort(message: str, timeout: float = 1.0) -> str:
     if dead or silent:
         how = "went away" if dead else "stopped answering"
         return (f"RPC worker {', '.join(dead or silent)} {how} during the run (llama.cpp: {what}); "
-                "restart it and run again, or leave it out of --rpc")
+                "restart it and run again, or leave it out of `rpc`")
     return f"llama.cpp stopped the process: {what}"
-
-
-def __getattr__(name: str):
-    # The process-level parts live in rpc_workers (module size); they are part of this API.
-    if name in ("start_workers", "Workers", "run_supervised", "report", "generate_greedy", "Generation"):
-        from . import rpc_workers
-
-        return getattr(rpc_workers, name)
-    raise AttributeError(f"module 'ctxq.rpc' has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    import os
-    import sys
-
-    from .rpc_workers import worker_main
-
-    code = worker_main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The server thread is blocked in C (accept) and cannot be joined: leave without interpreter
-    # shutdown racing it.
-    os._exit(code)

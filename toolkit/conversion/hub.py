@@ -10,7 +10,7 @@ import logging
 import re
 from pathlib import Path
 
-from .errors import ConversionError
+from ..errors import ConversionError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ From the checkpoint's config.json and safetensors headers alone (no weights are 
 2. `predict()` runs llama.cpp's own quantizer on it with `dry_run` (`llama_model_quantize` computes
    each tensor's target type by its recipe and logs it without touching data) and reads the
    per-tensor types and sizes from its log: the prediction is llama.cpp's, not a copy of its rules.
-3. The predicted file is written header-only too, and `ctxq.planner.plan()` plans it at the
+3. The predicted file is written header-only too, and `ctxq.planning.planner.plan()` plans it at the
    required context on the given devices.
 """
 
@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
-import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from . import backend
-from .errors import CtxqError, DoesNotFit
-from .models import ctxq_home
+from ..errors import CtxqError, DoesNotFit
+from ..gguf.writer import sparse_size, write_sparse_gguf
+from ..llama import backend
+from ..models import ctxq_home
+from ..units import last_error_line
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ QUALITY = {
     "IQ4_XS": "4.25 bpw (no ppl figure published)",
 }
 QUALITY_SOURCE = "llama.cpp tools/quantize/quantize.cpp (QUANT_OPTIONS), llama-cpp-python 0.3.36"
-_ALIGN = 32  # GGUF_DEFAULT_ALIGNMENT
 # llama_model_quantize adds general.quantization_version (u32) to the header: key length (8) +
 # 28 characters + type (4) + value (4).
 _QVERSION_KV = 8 + len("general.quantization_version") + 4 + 4
@@ -53,7 +53,7 @@ class Candidate:
     type: str
     size: int  # predicted bytes of the GGUF file
     fits: bool
-    plan: object | None  # ctxq.planner.Plan
+    plan: object | None  # ctxq.planning.planner.Plan
     why_not: str = ""
     quality: str = ""
     needs_imatrix: bool = False
@@ -79,11 +79,11 @@ def _cache_dir() -> Path:
 
 def header_gguf(folder: str | os.PathLike, kind: str | None = None) -> Path:
     """The f16/bf16 GGUF `ctxq convert` would write for this checkpoint, with no tensor data."""
-    from .conversion import _nbytes, plan_tensors
-    from .converters import family_for
-    from .converters.base import text_config, write_common
-    from .converters.checkpoint import Checkpoint
-    from .converters.tokenizer import load_vocab
+    from ..conversion.convert import plan_tensors
+    from ..converters import family_for
+    from ..converters.base import text_config, write_common
+    from ..converters.checkpoint import Checkpoint
+    from ..converters.tokenizer import load_vocab
 
     ckpt = Checkpoint(Path(folder))
     kind = kind or ("bf16" if ckpt.source_float_type() == "bf16" else "f16")
@@ -97,36 +97,26 @@ def header_gguf(folder: str | os.PathLike, kind: str | None = None) -> Path:
     out = _cache_dir() / f"{sig}-{kind}.gguf"
     if out.exists():
         return out
-    tmp = out.with_suffix(".part")
-    w = gguf.GGUFWriter(str(tmp), family.arch_name)
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(ckpt.folder.name)
-    w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[kind])
-    write_common(cfg, w)
-    w.add_vocab_size(len(vocab.tokens))
-    if family.extra_hparams:
-        family.extra_hparams(cfg, w)
-    vocab.write(w)
-    total = 0
-    for p in plans:
-        n = _nbytes(p)
-        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), n, raw_dtype=p.type)
-        total += -(-n // _ALIGN) * _ALIGN
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    w.close()
-    start = -(-tmp.stat().st_size // _ALIGN) * _ALIGN
-    with open(tmp, "r+b") as f:
-        f.truncate(start + total)  # a sparse hole where the weights would be
-    os.replace(tmp, out)
-    return out
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        w.add_type(gguf.GGUFType.MODEL)
+        w.add_name(ckpt.folder.name)
+        w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}[kind])
+        write_common(cfg, w)
+        w.add_vocab_size(len(vocab.tokens))
+        if family.extra_hparams:
+            family.extra_hparams(cfg, w)
+        vocab.write(w)
+
+    # TensorPlan shapes are in numpy order; the writer takes ggml's
+    return write_sparse_gguf(out, family.arch_name, [(p.name, tuple(reversed(p.shape)), p.type) for p in plans],
+                             metadata)
 
 
 def predict(src: Path, qtype: str) -> tuple[list[tuple[str, tuple, int]], bool]:
     """Each tensor's (name, ggml shape, ggml type) after quantizing src to qtype, by llama.cpp's
     quantizer in dry-run mode; and whether that type needs an importance matrix."""
-    from .quantize import parse_type
+    from ..conversion.quantize import parse_type
 
     name, ftype = parse_type(qtype)
     lc = backend.llama_cpp()
@@ -137,8 +127,8 @@ def predict(src: Path, qtype: str) -> tuple[list[tuple[str, tuple, int]], bool]:
     with backend.capture_log() as lines:
         rc = lc.llama_model_quantize(str(src).encode(), os.devnull.encode(), ctypes.byref(params))
     if rc != 0:
-        raise CtxqError(f"llama.cpp's quantizer refused a dry run to {name} ({_last(lines)})")
-    from .gguf_file import read_gguf
+        raise CtxqError(f"llama.cpp's quantizer refused a dry run to {name} ({last_error_line(lines)})")
+    from ..gguf.reader import read_gguf
 
     shapes = {t.name: t.shape for t in read_gguf(src, skip_arrays=True).tensors}
     out = []
@@ -154,31 +144,19 @@ def predict(src: Path, qtype: str) -> tuple[list[tuple[str, tuple, int]], bool]:
     return out, needs
 
 
-def _last(lines: list[str]) -> str:
-    return next((ln.strip() for ln in reversed(lines) if "error" in ln.lower() or "failed" in ln.lower()),
-                "see CTXQ_DEBUG=1 output")
-
-
 def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:
     """A header-only GGUF with the predicted types (for the planner), its predicted real file size,
     and whether the type needs an imatrix."""
+    from ..gguf.reader import read_gguf
     from .compute import write_sparse
-    from .gguf_file import read_gguf
 
     tensors, needs = predict(src, qtype)
     g = read_gguf(src)
-    data = sum(-(-_nbytes(shape, t) // _ALIGN) * _ALIGN for _, shape, t in tensors)
-    size = -(-(g.data_offset + _QVERSION_KV) // _ALIGN) * _ALIGN + data
+    size = sparse_size(g.data_offset + _QVERSION_KV, tensors)
     out = src.with_name(src.stem + f"-{qtype.upper()}.gguf")
     if not out.exists():
         write_sparse(g, out, tensors)
     return out, size, needs
-
-
-def _nbytes(shape, t) -> int:
-    block, size = gguf.GGML_QUANT_SIZES[T(t)]
-    rows = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-    return shape[0] // block * size * rows
 
 
 def plan_hf(model: str | os.PathLike, n_ctx: int, *, types=CANDIDATES, **plan_kwargs) -> HFPlan:
@@ -214,9 +192,9 @@ def _resolve(model) -> Path:
     p = Path(str(model)).expanduser()
     if p.is_dir():
         return p
-    from .hub import download, looks_like_repo_id
+    from ..conversion.hub import download, looks_like_repo_id
 
     if looks_like_repo_id(str(model)):
-        # config, tokenizer files and the safetensors headers are enough; ctxq.hub fetches them
+        # config, tokenizer files and the safetensors headers are enough; ctxq.conversion.hub fetches them
         return download(str(model), None)
     raise CtxqError(f"{model}: not a Hugging Face model folder or hub id")

@@ -35,10 +35,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import backend
-from .errors import CtxqError
-from .rpc import RpcEndpoint, WorkerLost, WorkerUnreachable, parse_rpc, probe, probe_devices
-from .rpc_server import ServerThread, check_bind_host, default_threads, listening_port, worker_devices
+from ..llama import backend
+from ..errors import CtxqError, InvalidOption
+from .client import RpcEndpoint, WorkerLost, WorkerUnreachable, parse_rpc, probe, probe_devices
+from ..units import default_threads
+from .server import ServerThread, check_bind_host, listening_port, worker_devices
+from ..units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +62,13 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
 def _sizes(n_or_sizes) -> list[int | None]:
     """int -> that many workers of undeclared size; str -> GiB list ("16,16,16,8,8", "3x16,2x8")
     or a profile name; a sequence -> bytes (ints) or `devices.Device` objects."""
-    from . import devices
+    from ..planning import devices
 
     if isinstance(n_or_sizes, bool) or n_or_sizes is None:
         raise CtxqError("start_workers: give a number of workers or their sizes")
     if isinstance(n_or_sizes, int):
         if n_or_sizes < 1:
-            raise CtxqError("--simulate: give at least one device")
+            raise InvalidOption("`simulate`: give at least one device", option="simulate")
         return [None] * n_or_sizes
     if isinstance(n_or_sizes, str):
         spec = n_or_sizes.strip()
@@ -103,7 +105,7 @@ class Workers:
 
     @property
     def rpc_spec(self) -> str:
-        return ",".join(e.endpoint + (f"={e.declared / 1024**3:g}" if e.declared else "") for e in self.rpc)
+        return ",".join(e.endpoint + (f"={e.declared / GiB:g}" if e.declared else "") for e in self.rpc)
 
     def start(self) -> "Workers":
         atexit.register(self.stop)
@@ -280,7 +282,7 @@ def _child(conn, stderr_path, rpc, fn, args, kwargs):
     _report_conn = conn
     try:
         if rpc:
-            from .rpc import add_servers
+            from .client import add_servers
 
             add_servers(rpc)
         result = ("ok", fn(*args, **kwargs))
@@ -375,10 +377,10 @@ def _diagnose(proc, eps: list[str], workers: Workers | None, errpath: str, hung:
         if ended:  # a local worker: say how its process ended (a crash, a kill, the OOM killer's SIGKILL)
             why = f" ({'; '.join(ended)}{'; llama.cpp: ' + ggml if ggml and not hung else ''})"
         return WorkerLost(dead[0], f"RPC worker {', '.join(dead)} went away during the run{why}; "
-                          "restart it and run again, or leave it out of --rpc")
+                          "restart it and run again, or leave it out of `rpc`")
     if silent:
         return WorkerLost(silent[0], f"RPC worker {', '.join(silent)} stopped answering during the run{why}; "
-                          "check that host and its worker, or leave it out of --rpc")
+                          "check that host and its worker, or leave it out of `rpc`")
     if hung:
         return WorkerLost(None, f"the run {hung}; stopped it (every worker answers now; "
                           "raise the time limit if the work is simply slow)")

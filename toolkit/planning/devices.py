@@ -16,11 +16,11 @@ from pathlib import Path
 
 import psutil
 
-from .errors import CtxqError
+from ..errors import CtxqError, InvalidOption
+from ..units import GiB
 
 log = logging.getLogger(__name__)
 
-GiB = 1024**3
 
 # Decode bandwidth assumed for a described GPU without a stated one (bytes/s): a mid-range
 # consumer card (RTX 4060 Ti: 288 GB/s); only used for the labelled tokens/s estimate.
@@ -62,12 +62,14 @@ def parse_gpus(spec: str | list[float] | tuple[float, ...]) -> list[Device]:
         for part in filter(None, (p.strip() for p in spec.split(","))):
             m = _GPUS_RE.match(part.lower().removesuffix("gib").removesuffix("gb").strip())
             if not m:
-                raise CtxqError(f"--gpus {spec!r}: {part!r} is not a size in GiB; write e.g. 16,16,16,8,8 or 3x16,2x8")
+                raise InvalidOption(f"`gpus` {spec!r}: {part!r} is not a size in GiB; write e.g. 16,16,16,8,8 or 3x16,2x8",
+                                    option="gpus", value=spec)
             sizes += [float(m.group(2))] * int(m.group(1) or 1)
     else:
         sizes = [float(s) for s in spec]
     if not sizes or any(s <= 0 for s in sizes):
-        raise CtxqError(f"--gpus {spec!r}: give one or more positive sizes in GiB, e.g. 16,16,16,8,8")
+        raise InvalidOption(f"`gpus` {spec!r}: give one or more positive sizes in GiB, e.g. 16,16,16,8,8",
+                            option="gpus", value=spec)
     return [Device(name=f"GPU{i}", kind="gpu", total=int(s * GiB), usable=int(s * GiB),
                    bandwidth=DEFAULT_GPU_BANDWIDTH) for i, s in enumerate(sizes)]
 
@@ -137,7 +139,7 @@ def detect_gpus() -> list[Device]:
     Free memory comes from ggml (the CUDA backend asks the driver); `CUDA_VISIBLE_DEVICES`
     is honoured because the CUDA runtime applies it.
     """
-    from . import backend
+    from ..llama import backend
 
     out = []
     cuda_i = 0

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import BuildError
+from ..errors import BuildError
+from ..units import MiB
 
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("ctxq.llama_cpp")
@@ -79,7 +80,6 @@ def capture_log():
 
 # --- what llama.cpp allocated, from its log --------------------------------------------------
 
-_MIB = 1024 * 1024
 _BUF_RE = re.compile(r"^(load_tensors|llama_kv_cache|llama_kv_cache_iswa|sched_reserve|llama_context|"
                      r"graph_reserve)\s*:\s+(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
 _LAYER_RE = re.compile(r"load_tensors: layer\s+(\d+) assigned to device (\S+?),")
@@ -107,7 +107,7 @@ def parse_allocations(lines: list[str]) -> Allocations:
         m = _BUF_RE.search(line)
         if m:
             d = kinds[m.group(3)]
-            d[m.group(2)] = d.get(m.group(2), 0) + round(float(m.group(4)) * _MIB)
+            d[m.group(2)] = d.get(m.group(2), 0) + round(float(m.group(4)) * MiB)
             continue
         m = _LAYER_RE.search(line)
         if m:

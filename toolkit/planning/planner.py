@@ -29,13 +29,13 @@ import numpy as np
 
 from . import compute as compute_mod
 from .devices import Device, cpu_device
-from .errors import CtxqError, DoesNotFit
-from .modelinfo import ModelInfo, kv_bytes, model_info
+from ..errors import CtxqError, DoesNotFit, InvalidOption
+from ..gguf.info import ModelInfo, kv_bytes, model_info
+from ..units import GiB, MiB, round_up
 
 log = logging.getLogger(__name__)
 
-MiB = 1024**2
-GiB = 1024**3
+KV_PAD = 256  # llama_context pads the KV cache to 256 cells (llama_kv_cache::get_padding)
 KV_ORDER = ("f16", "q8_0", "q4_0")
 # Headroom kept free on every GPU. Not measured in this repo (no CUDA device here, see issue 8):
 # the CUDA context, cuBLAS workspaces and allocator slack take 300-600 MiB per card in llama.cpp
@@ -155,9 +155,9 @@ class _Costs:
 
 def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
     """Cells of layer il's KV cache (llama_context pads n_ctx to 256; SWA layers hold a window)."""
-    size = -(-n_ctx // 256) * 256
+    size = round_up(n_ctx, KV_PAD)
     if info.swa_layers[il] and info.n_swa:
-        return min(size, -(-(info.n_swa + n_ubatch) // 256) * 256)
+        return min(size, round_up(info.n_swa + n_ubatch, KV_PAD))
     return size
 
 
@@ -169,7 +169,7 @@ def _costs(info: ModelInfo, src, n_ctx: int, n_ubatch: int, n_batch: int, type_k
     out_w = info.output_bytes + (info.token_embd_bytes if info.output_tied else 0)
     peaks = compute_mod.compute_peaks(src, info.swa_layers, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch,
                                       type_k=type_k, type_v=type_v, flash_attn=flash_attn)
-    n_kv = -(-n_ctx // 256) * 256
+    n_kv = round_up(n_ctx, KV_PAD)
     # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
     # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
     # iSWA models carry a second one over the window's cells) and the residual stream (f32 [n_embd, n_ubatch]).
@@ -363,12 +363,12 @@ def plan(model: str | os.PathLike | None, n_ctx: int, *, gpus=None, profile: str
     Raises DoesNotFit naming the smallest change that would fit.
     """
     from .devices import detect_gpus, load_profile, parse_gpus
-    from .models import resolve_model
+    from ..models import resolve_model
 
     if n_ctx <= 0:
-        raise CtxqError(f"--ctx must be positive, got {n_ctx}")
+        raise InvalidOption(f"n_ctx must be positive, got {n_ctx}", option="n_ctx", value=n_ctx)
     if prefer not in ("quality", "speed"):
-        raise CtxqError(f"--prefer must be quality or speed, not {prefer!r}")
+        raise InvalidOption(f"`prefer` must be quality or speed, not {prefer!r}", option="prefer", value=prefer)
     path = resolve_model(model)
     src = compute_mod.load_source(path)
     info = model_info(src)
@@ -384,7 +384,7 @@ def plan(model: str | os.PathLike | None, n_ctx: int, *, gpus=None, profile: str
         else:
             devices = []
         if rpc:
-            from .rpc import parse_rpc, probe
+            from ..rpc import parse_rpc, probe
 
             rpc_devs = []
             for i, ep in enumerate(parse_rpc(rpc)):
@@ -397,7 +397,7 @@ def plan(model: str | os.PathLike | None, n_ctx: int, *, gpus=None, profile: str
     cpu = cpu_device(cpu_memory, cpu_bw)
 
     if kv not in ("auto", *KV_ORDER):
-        raise CtxqError(f"--kv must be auto, f16, q8_0 or q4_0, not {kv!r}")
+        raise InvalidOption(f"`kv` must be auto, f16, q8_0 or q4_0, not {kv!r}", option="kv", value=kv)
     if type_k or type_v or kv != "auto":
         fixed = kv if kv != "auto" else "f16"
         candidates = [(type_k or fixed, type_v or fixed)]
@@ -411,7 +411,8 @@ def plan(model: str | os.PathLike | None, n_ctx: int, *, gpus=None, profile: str
 
     def fa_for(tv):  # a quantized V cache needs flash attention (llama_init_from_model refuses it)
         if flash_attn is False and tv != "f16":
-            raise CtxqError(f"-ctv {tv} needs flash attention; drop -fa off or use -ctv f16")
+            raise InvalidOption(f"type_v={tv} needs flash attention; drop flash_attn=False or use type_v=f16",
+                                option="type_v", value=tv)
         return True if flash_attn is None else flash_attn
 
     if split is not None:
@@ -468,26 +469,28 @@ def _does_not_fit(info, devices, cpu, results, n_ctx) -> DoesNotFit:
     if results and host_need > cpu.usable:
         short = host_need - cpu.usable
         tried_q4 = any(r[2] == "q4_0" for r in results)
-        kv_hint = "" if tried_q4 else "use -ctk q4_0 -ctv q4_0, "
+        kv_hint = "" if tried_q4 else "use type_k=q4_0 type_v=q4_0, "
         return DoesNotFit(f"{n_ctx} tokens do not fit: the CPU needs {host_need / GiB:.1f} GiB for the layers "
                           f"the GPUs cannot hold, {cpu.usable / GiB:.1f} GiB is available",
                           f"add {short / GiB:.1f} GiB of GPU memory, {kv_hint}or use a smaller quantization "
                           "of the model")
     return DoesNotFit(f"{n_ctx} tokens do not fit on these devices",
-                      "use a smaller quantization, a smaller --ctx, or more GPU memory")
+                      "use a smaller quantization, a smaller n_ctx, or more GPU memory")
 
 
 def _evaluate_split(c, path, info, devices, cpu, split, n_ctx, n_batch, n_ubatch, tk, tv, fa) -> Plan:
     """The plan for a split the user gave: ratios as llama.cpp takes them, or layer counts."""
     if not devices:
-        raise CtxqError("--split needs devices: give --gpus, --profile or --rpc")
+        raise InvalidOption("a `split` needs devices: give `gpus`, `profile` or `rpc`", option="split", value=split)
     parts = split if isinstance(split, (list, tuple)) else str(split).replace(":", ",").split(",")
     try:
         vals = [float(x) for x in parts]
     except ValueError:
-        raise CtxqError(f"--split {split!r}: give ratios like 16:16:16:8:8 or layer counts like 19,19,19,10,14") from None
+        raise InvalidOption(f"`split` {split!r}: give ratios like 16:16:16:8:8 or layer counts like 19,19,19,10,14",
+                            option="split", value=split) from None
     if len(vals) != len(devices):
-        raise CtxqError(f"--split has {len(vals)} values for {len(devices)} devices")
+        raise InvalidOption(f"`split` has {len(vals)} values for {len(devices)} devices", option="split", value=split,
+                            limit=len(devices))
     n = info.n_layer
     counts = llama_layer_counts(vals, n + 1, n + 1)
     gplans = _layout(c, devices, counts)
