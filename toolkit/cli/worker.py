@@ -8,8 +8,9 @@ import sys
 
 import click
 
-from . import cli
+from ..rpc.server import DEFAULT_PORT
 from ..units import default_threads
+from . import cli
 from .common import gib
 
 
@@ -27,7 +28,7 @@ def _quiet_c_stdout(verbose: bool) -> None:
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (IPv4). Anything but loopback needs --allow-remote.")
-@click.option("-p", "--port", type=click.IntRange(0, 65535), default=50052, show_default=True,
+@click.option("-p", "--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="Port to listen on (llama.cpp's rpc-server default); 0 picks a free one.")
 @click.option("-d", "--device", "devices", multiple=True,
               help="ggml device to serve (repeatable), e.g. CUDA0 or CPU. Default: every GPU, else the CPU.")
@@ -44,7 +45,6 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
     """
     from ..llama import backend
     from .. import rpc
-    from ..rpc.workers import catch_stop_signals, wait_for_signal
 
     backend.require_rpc()
     host = rpc.check_bind_host(host, allow_remote)
@@ -55,7 +55,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
     info = {d.name: d for d in backend.ggml_devices()}
     verbose = bool(ctx.find_root().params.get("verbose"))
     _quiet_c_stdout(verbose)
-    stop = catch_stop_signals()  # before the endpoint is announced: a caller may signal at once
+    stop = rpc.catch_stop_signals()  # before the endpoint is announced: a caller may signal at once
     server = rpc.ServerThread(host, port, names, threads or default_threads(), cache_dir)
     endpoint = server.start()
     click.echo(f"ctxq worker listening on {endpoint} (llama.cpp RPC protocol {rpc.RPC_PROTO_MAJOR}.x, "
@@ -64,7 +64,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
         d = info[n]
         click.echo(f"  {n:<8} {d.description}  {gib(d.free)} free of {gib(d.total)}")
     click.echo(f"use it with --rpc {endpoint}; Ctrl-C stops it")
-    sig = wait_for_signal(server, stop)
+    sig = rpc.wait_for_signal(server, stop)
     click.echo(f"ctxq worker on {endpoint} stopped ({'SIGINT' if sig == 2 else 'SIGTERM'})")
     sys.stdout.flush()
     sys.stderr.flush()

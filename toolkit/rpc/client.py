@@ -17,8 +17,9 @@ API (used by `plan`, `run`, `serve`, `ctxq.load` and the planner's accuracy scri
   worker goes away under a model loaded in this very process (`ctxq.load`, `ctxq run`).
 - `start_workers(n_or_sizes, threads=None, host="127.0.0.1")`: local worker processes
   (context manager `Workers`, see `ctxq.rpc.workers`), `run_supervised(fn, ...)`: run `fn` in a
-  child process that a dead worker cannot take down with it, `generate_greedy(...)`: load, prefill,
-  decode greedily and report what llama.cpp allocated (for tests, benchmarks, accuracy checks).
+  child process that a dead worker cannot take down with it (`ctxq.rpc.supervise`),
+  `generate_greedy(...)`: load, prefill, decode greedily and report what llama.cpp allocated
+  (`ctxq.rpc.generate`; for tests, benchmarks, accuracy checks).
 
 Two facts from `ggml/src/ggml-rpc/ggml-rpc.cpp` (llama-cpp-python 0.3.36) shape this module:
 
@@ -48,12 +49,10 @@ from dataclasses import dataclass
 
 from ..errors import CtxqError, InvalidOption, WorkerLost, WorkerUnreachable
 from ..llama import backend
-from .server import _libs
 from ..units import GiB
+from .server import DEFAULT_PORT, _libs
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PORT = 50052  # llama.cpp's rpc-server default (tools/rpc/rpc-server.cpp)
 
 # Wire protocol, ggml-rpc.cpp / ggml-rpc.h: request = cmd (u8) | size (u64) | payload;
 # response = size (u64) | payload. HELLO carries RPC_CONN_CAPS_SIZE (24, transport.h) caps bytes.
@@ -99,16 +98,18 @@ def parse_rpc(spec: str | RpcEndpoint | list | tuple) -> list[RpcEndpoint]:
         m = _EP_RE.match(p)
         port = int(m.group(2)) if m else 0
         if not m or not 0 < port < 65536 or (m.group(3) and float(m.group(3)) <= 0):
-            raise InvalidOption(f"`rpc` {p!r}: write HOST:PORT or HOST:PORT=GiB, e.g. 127.0.0.1:50052=16",
+            raise InvalidOption(f"`rpc` {p!r}: write HOST:PORT or HOST:PORT=GiB, e.g. 127.0.0.1:{DEFAULT_PORT}=16",
                                 option="rpc", value=p)
         declared = int(float(m.group(3)) * GiB) if m.group(3) else None
         out.append(RpcEndpoint(m.group(1), port, declared))
     if not out:
-        raise InvalidOption("`rpc`: give one or more HOST:PORT[=GiB] endpoints, e.g. 127.0.0.1:50052=16", option="rpc")
+        raise InvalidOption(f"`rpc`: give one or more HOST:PORT[=GiB] endpoints, e.g. 127.0.0.1:{DEFAULT_PORT}=16",
+                            option="rpc")
     seen = [e.endpoint for e in out]
     dup = {e for e in seen if seen.count(e) > 1}
     if dup:
-        raise InvalidOption(f"`rpc`: {', '.join(sorted(dup))} given twice; list each worker once", option="rpc")
+        raise InvalidOption(f"`rpc`: {', '.join(sorted(dup))} given twice; list each worker once",
+                            option="rpc", value=sorted(dup))
     return out
 
 
@@ -251,9 +252,14 @@ def on_ggml_abort(fn) -> None:
     base.ggml_set_abort_callback(ctypes.cast(_abort_callback, ctypes.c_void_p))
 
 
+def ggml_words(line: str) -> str:
+    """ggml's message without the "file:line: " that GGML_ABORT puts before it."""
+    return line.split(": ", 1)[-1].strip()
+
+
 def describe_abort(message: str, timeout: float = 1.0) -> str:
     """One line for a ggml abort: which registered worker went away (probed), in ggml's words."""
-    what = message.split(": ", 1)[-1].strip()  # drop ggml's "file:line: "
+    what = ggml_words(message)
     from concurrent.futures import ThreadPoolExecutor
 
     def check(ep: str) -> str | None:

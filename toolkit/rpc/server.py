@@ -3,7 +3,8 @@
 `serve_forever()` calls llama.cpp's own server, `ggml_backend_rpc_start_server(endpoint, cache_dir,
 n_threads, n_devices, devices)` (ggml/include/ggml-rpc.h), which blocks in C for good; `ServerThread`
 runs it on a daemon thread so that the process still reacts to signals, and finds the port the
-kernel chose when asked for port 0.
+kernel chose when asked for port 0; `catch_stop_signals` and `wait_for_signal` let the main thread
+wait for Ctrl-C or SIGTERM meanwhile (`ctxq worker`, `python -m ctxq.rpc`).
 """
 
 from __future__ import annotations
@@ -12,16 +13,19 @@ import ctypes
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from ..llama import backend
 from ..errors import CtxqError, InvalidOption
+from ..llama import backend
 from ..units import default_threads
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50052  # llama.cpp's rpc-server default (tools/rpc/rpc-server.cpp)
 
 
 def _libs():
@@ -52,10 +56,11 @@ def check_bind_host(host: str, allow_remote: bool = False) -> str:
         addr = ipaddress.IPv4Address(host)
     except ValueError:
         raise InvalidOption(f"`host` {host!r}: give an IPv4 address such as 127.0.0.1 "
-                        "(llama.cpp's RPC server binds IPv4 only)") from None
+                            "(llama.cpp's RPC server binds IPv4 only)", option="host", value=host) from None
     if not addr.is_loopback and not allow_remote:
         raise InvalidOption(f"`host` {host}: llama.cpp's RPC protocol has no authentication, so a worker binds "
-                        "only loopback; add --allow-remote to expose it on a trusted network")
+                            "only loopback; pass allow_remote=True to expose it on a trusted network",
+                            option="host", value=host)
     return host
 
 
@@ -69,7 +74,7 @@ def worker_devices(devices: list[str] | None = None) -> list[str]:
         for name in devices:
             if name.lower() not in known:
                 raise InvalidOption(f"`device` {name!r}: no such ggml device; choose from "
-                                f"{', '.join(d.name for d in avail)}")
+                                    f"{', '.join(d.name for d in avail)}", option="device", value=name)
             out.append(known[name.lower()])
         return out
     gpus = [d.name for d in avail if d.type not in ("cpu", "accel")]
@@ -92,7 +97,8 @@ def serve_forever(host: str, port: int, devices: list[str] | None = None, thread
     rpc.ggml_backend_rpc_start_server(endpoint.encode(), cache_dir.encode() if cache_dir else None,
                                       threads or default_threads(), len(names), devs)
     # start_server returns only when it could not set up (e.g. the port is taken).
-    raise CtxqError(f"the RPC worker could not listen on {endpoint} (port in use?); choose another `port`")
+    raise InvalidOption(f"the RPC worker could not listen on {endpoint} (port in use?); choose another `port`",
+                        option="port", value=port)
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -102,8 +108,8 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise CtxqError(f"the RPC worker could not listen on {host}:{port} ({e.strerror}); "
-                            "choose another `port`") from None
+            raise InvalidOption(f"the RPC worker could not listen on {host}:{port} ({e.strerror}); "
+                                "choose another `port`", option="port", value=port) from None
 
 
 def listening_port(pid: int, host: str) -> int | None:
@@ -158,3 +164,28 @@ class ServerThread:
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+def catch_stop_signals() -> list[int]:
+    """Record SIGINT/SIGTERM from now on (into the returned list) instead of dying of them."""
+    got: list[int] = []
+
+    def on_signal(signum, frame):
+        got.append(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+    return got
+
+
+def wait_for_signal(server: ServerThread, got: list[int] | None = None) -> int:
+    """Block until SIGINT/SIGTERM (returns the signal) or the server thread ends (raises).
+
+    Pass the list from `catch_stop_signals()` called before the endpoint was announced, so that a
+    signal sent as soon as the announcement is read is not lost to the default action."""
+    got = catch_stop_signals() if got is None else got
+    while not got:
+        server.thread.join(0.2)
+        if not server.thread.is_alive():
+            raise server.error or CtxqError("the RPC worker stopped")
+    return got[0]

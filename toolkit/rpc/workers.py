@@ -1,4 +1,4 @@
-"""Processes around llama.cpp RPC: local workers, supervised runs, and a greedy generation probe.
+"""Local RPC worker processes: `start_workers` in the parent, `worker_main` in each child.
 
 Part of the `ctxq.rpc` API (import these names from there):
 
@@ -8,15 +8,6 @@ Part of the `ctxq.rpc` API (import these names from there):
   exit, and, through `PR_SET_PDEATHSIG`, when this process dies without cleaning up (SIGKILL).
   The kernel signals a worker when the *thread* that started it ends: start workers from a
   thread that outlives them (the main thread, normally).
-- `run_supervised(fn, *args, rpc=(), workers=None, timeout=None, stall_timeout=None,
-  on_message=None, **kwargs)`: calls `fn(*args, **kwargs)` in a fresh child process that first
-  registers the `rpc` endpoints, and returns its result. llama.cpp aborts a process whose worker
-  drops the connection; here the child dies instead, and the caller gets `WorkerLost` naming the
-  worker within a few seconds (`timeout` and `stall_timeout` catch workers that vanish without
-  closing the connection, which llama.cpp would wait for forever).
-  Inside `fn`, `report(obj)` sends `obj` to `on_message(obj)` in the parent (streaming, progress).
-- `generate_greedy(model, prompt, n_predict, **llama_kwargs)` -> `Generation`: tokens, timings and
-  what llama.cpp allocated where (from its log).
 """
 
 from __future__ import annotations
@@ -24,7 +15,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -32,15 +22,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..llama import backend
 from ..errors import CtxqError, InvalidOption
-from .client import RpcEndpoint, WorkerLost, WorkerUnreachable, parse_rpc, probe, probe_devices
-from ..units import default_threads
-from .server import ServerThread, check_bind_host, listening_port, worker_devices
-from ..units import GiB
+from ..llama import backend
+from ..units import GiB, default_threads
+from .client import RpcEndpoint, probe
+from .server import ServerThread, check_bind_host, listening_port, wait_for_signal, worker_devices
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +36,7 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL; a worker exits at once (its main thread only waits)
 
 
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask the kernel to signal this process when its parent ends (Linux); a no-op elsewhere."""
     if sys.platform.startswith("linux"):
         try:
@@ -56,8 +44,6 @@ def _die_with_parent(sig: int = signal.SIGTERM) -> None:
         except (OSError, AttributeError):  # pragma: no cover - exotic libc
             log.debug("prctl(PR_SET_PDEATHSIG) unavailable")
 
-
-# --- local workers ----------------------------------------------------------------------------
 
 def _sizes(n_or_sizes) -> list[int | None]:
     """int -> that many workers of undeclared size; str -> GiB list ("16,16,16,8,8", "3x16,2x8")
@@ -68,7 +54,7 @@ def _sizes(n_or_sizes) -> list[int | None]:
         raise CtxqError("start_workers: give a number of workers or their sizes")
     if isinstance(n_or_sizes, int):
         if n_or_sizes < 1:
-            raise InvalidOption("`simulate`: give at least one device", option="simulate")
+            raise InvalidOption("`simulate`: give at least one device", option="simulate", value=n_or_sizes)
         return [None] * n_or_sizes
     if isinstance(n_or_sizes, str):
         spec = n_or_sizes.strip()
@@ -223,7 +209,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     parent = os.environ.get("CTXQ_WORKER_PARENT")
     if parent:
-        _die_with_parent()
+        die_with_parent()
         if os.getppid() != int(parent):  # the parent died before prctl took effect
             return 1
     try:
@@ -235,205 +221,3 @@ def worker_main(argv: list[str] | None = None) -> int:
         print(f"Error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def catch_stop_signals() -> list[int]:
-    """Record SIGINT/SIGTERM from now on (into the returned list) instead of dying of them."""
-    got: list[int] = []
-
-    def on_signal(signum, frame):
-        got.append(signum)
-
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, on_signal)
-    return got
-
-
-def wait_for_signal(server: ServerThread, got: list[int] | None = None) -> int:
-    """Block until SIGINT/SIGTERM (returns the signal) or the server thread ends (raises).
-
-    Pass the list from `catch_stop_signals()` called before the endpoint was announced, so that a
-    signal sent as soon as the announcement is read is not lost to the default action."""
-    got = catch_stop_signals() if got is None else got
-    while not got:
-        server.thread.join(0.2)
-        if not server.thread.is_alive():
-            raise server.error or CtxqError("the RPC worker stopped")
-    return got[0]
-
-
-# --- supervised runs --------------------------------------------------------------------------
-
-_report_conn = None
-
-
-def report(obj) -> None:
-    """Inside `run_supervised`'s child: send `obj` to the parent's `on_message`; elsewhere a no-op."""
-    if _report_conn is not None:
-        _report_conn.send(("msg", obj))
-
-
-def _child(conn, stderr_path, rpc, fn, args, kwargs):
-    global _report_conn
-    _die_with_parent(signal.SIGKILL)
-    os.environ["GGML_NO_BACKTRACE"] = "1"  # ggml_abort would otherwise try gdb on itself
-    fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 2)  # ggml's abort message, for the parent's one-line error
-    _report_conn = conn
-    try:
-        if rpc:
-            from .client import add_servers
-
-            add_servers(rpc)
-        result = ("ok", fn(*args, **kwargs))
-    except BaseException as e:  # handed to the parent, which re-raises it
-        result = ("err", e if isinstance(e, CtxqError) else CtxqError(f"{type(e).__name__}: {e}"))
-    try:
-        conn.send(result)
-    except Exception as e:  # an unpicklable result
-        conn.send(("err", CtxqError(f"run_supervised: cannot return {type(result[1]).__name__} ({e})")))
-
-
-def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: float | None = None,
-                   stall_timeout: float | None = None, on_message=None, **kwargs):
-    """`fn(*args, **kwargs)` in a child process that registers `rpc` first; its result or error.
-
-    `fn` must be importable (a module-level function) and its arguments and result picklable.
-    `timeout` bounds the whole call, `stall_timeout` the time between two `report()`s from the
-    first one on (for a streaming `fn`): both catch a worker that vanished without closing its connection, which
-    llama.cpp would wait for forever. A dead local worker (`workers`) is noticed within ~5 s.
-    """
-    eps = [e.endpoint for e in parse_rpc(rpc)] if rpc else []
-    ctx = multiprocessing.get_context("spawn")  # fork would copy llama.cpp's threads and state
-    recv, send = ctx.Pipe(duplex=False)
-    errfile = tempfile.NamedTemporaryFile(prefix="ctxq-run-", suffix=".log", delete=False)
-    errfile.close()
-    proc = ctx.Process(target=_child, args=(send, errfile.name, eps, fn, args, kwargs), daemon=True)
-    start = time.monotonic()
-    proc.start()
-    send.close()
-    lost_at = None
-    last_msg = None  # the stall watchdog starts with the first report (loading can take long)
-    try:
-        while True:
-            if recv.poll(0.1):
-                try:
-                    kind, obj = recv.recv()
-                except EOFError:  # the child died; it can send no more
-                    proc.join(5)
-                    raise _diagnose(proc, eps, workers, errfile.name) from None
-                except Exception as e:  # e.g. an exception type that does not unpickle
-                    raise CtxqError(f"run_supervised: the child's answer did not arrive intact ({e})") from None
-                if kind == "msg":
-                    last_msg = time.monotonic()
-                    if on_message:
-                        on_message(obj)
-                    continue
-                if kind == "err":
-                    raise obj
-                return obj
-            if proc.exitcode is not None and not recv.poll(0):
-                raise _diagnose(proc, eps, workers, errfile.name)
-            if workers and workers.dead() and lost_at is None:
-                lost_at = time.monotonic()  # the child aborts by itself once it notices; give it a moment
-            if lost_at is not None and time.monotonic() - lost_at > 5.0:
-                raise _diagnose(proc, eps, workers, errfile.name)
-            now = time.monotonic()
-            if timeout is not None and now - start > timeout:
-                raise _diagnose(proc, eps, workers, errfile.name, hung=f"took longer than {timeout:g} s")
-            if stall_timeout is not None and last_msg is not None and now - last_msg > stall_timeout:
-                raise _diagnose(proc, eps, workers, errfile.name, hung=f"made no progress for {stall_timeout:g} s")
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
-        recv.close()
-        os.unlink(errfile.name)
-
-
-def _diagnose(proc, eps: list[str], workers: Workers | None, errpath: str, hung: str | None = None) -> CtxqError:
-    """One line for a child that died (or hung) without a result: which worker went away, in ggml's words."""
-    try:
-        lines = [l.strip() for l in Path(errpath).read_text(errors="replace").splitlines() if l.strip()]
-    except OSError:
-        lines = []
-    ggml = next((l.split(": ", 1)[-1] for l in reversed(lines) if "GGML" in l or "RPC" in l), None)
-    if proc.is_alive():  # it holds the workers' only connection slot; free them for the probes
-        proc.kill()
-        proc.join()
-    log.debug("supervised child ended with %s; its stderr: %s", proc.exitcode, lines[-20:])
-    dead = workers.dead() if workers else []
-    silent = []
-    for ep in eps:
-        if ep in dead:
-            continue
-        try:
-            probe_devices(ep, timeout=1.0)
-        except WorkerUnreachable as e:
-            (silent if e.why.startswith("did not answer") else dead).append(ep)
-    why = f" (the run {hung})" if hung else f" (llama.cpp: {ggml})" if ggml else ""
-    if dead:
-        ended = [f"{ep} {workers.how_ended(ep)}" for ep in dead if workers and ep in workers.endpoints]
-        if ended:  # a local worker: say how its process ended (a crash, a kill, the OOM killer's SIGKILL)
-            why = f" ({'; '.join(ended)}{'; llama.cpp: ' + ggml if ggml and not hung else ''})"
-        return WorkerLost(dead[0], f"RPC worker {', '.join(dead)} went away during the run{why}; "
-                          "restart it and run again, or leave it out of `rpc`")
-    if silent:
-        return WorkerLost(silent[0], f"RPC worker {', '.join(silent)} stopped answering during the run{why}; "
-                          "check that host and its worker, or leave it out of `rpc`")
-    if hung:
-        return WorkerLost(None, f"the run {hung}; stopped it (every worker answers now; "
-                          "raise the time limit if the work is simply slow)")
-    code = proc.exitcode
-    how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-    return WorkerLost(None, f"the model process ended with {how}{why}; set CTXQ_DEBUG=1 and -v for llama.cpp's log")
-
-
-# --- a greedy generation that reports what llama.cpp did ----------------------------------------
-
-@dataclass
-class Generation:
-    tokens: list[int]  # generated token ids (greedy: argmax of the logits)
-    n_prompt: int  # prompt tokens evaluated
-    prefill_s: float
-    decode_s: float
-    devices: list[str]  # ggml devices of the model, in llama.cpp's order
-    allocations: backend.Allocations = field(default_factory=backend.Allocations)
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.n_prompt / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return len(self.tokens) / self.decode_s if self.decode_s else 0.0
-
-
-def generate_greedy(model: str, prompt: str | list[int], n_predict: int = 16, **llama_kwargs) -> Generation:
-    """Load `model` with `Llama(**llama_kwargs)`, evaluate `prompt`, then take the argmax `n_predict`
-    times; timings separate prefill from decode. Register RPC workers first (`run_supervised(rpc=)`)."""
-    import numpy as np
-
-    lc = backend.llama_cpp()
-    from llama_cpp import Llama
-
-    llama_kwargs.setdefault("verbose", False)
-    with backend.capture_log() as lines:
-        llm = Llama(str(model), **llama_kwargs)
-    try:
-        toks = llm.tokenize(prompt.encode()) if isinstance(prompt, str) else list(prompt)
-        n_vocab = llm.n_vocab()
-        t0 = time.perf_counter()
-        llm.eval(toks)
-        lc.llama_synchronize(llm.ctx)  # decoding is asynchronous on RPC devices: wait for the result
-        t1 = time.perf_counter()
-        out: list[int] = []
-        for _ in range(n_predict):
-            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
-            out.append(int(np.argmax(logits)))
-            llm.eval([out[-1]])  # every decode step costs one evaluation, the last one too
-        t2 = time.perf_counter()
-    finally:
-        llm.close()
-    devices = [l.split("using device ", 1)[1].split(" ")[0] for l in lines if "using device " in l]
-    return Generation(out, len(toks), t1 - t0, t2 - t1, devices, backend.parse_allocations(lines))
