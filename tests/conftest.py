@@ -30,6 +30,7 @@ def run_ctxq(*args: str, env: dict | None = None, input: str | None = None, time
     """Run the real `ctxq` console script in a child process (exit code, stdout, stderr)."""
     exe = Path(sys.executable).with_name("ctxq")
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("CTXQ_DEBUG", None) if env is None or "CTXQ_DEBUG" not in env else None
+    if "CTXQ_DEBUG" not in (env or {}):  # a developer's CTXQ_DEBUG=1 would turn one-line errors into tracebacks
+        full_env.pop("CTXQ_DEBUG", None)
     return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full_env,
                           input=input, timeout=timeout)

@@ -121,7 +121,7 @@ def lib_dir() -> Path:
     """llama-cpp-python's lib folder (libllama, libggml*), found without importing the package."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
-        raise BuildError("llama-cpp-python is not installed: run scripts/setup.sh")
+        raise BuildError("llama-cpp-python is not installed: run `make setup`")
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import logging
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 
 import psutil
 
+from ..units import default_threads
 from . import backend
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def doctor() -> Report:
         nvidia_gpus=gpus,
         nvml_error=nvml_error,
         cpu={"model": _cpu_model(), "physical_cores": psutil.cpu_count(logical=False),
-             "logical_cores": psutil.cpu_count(logical=True), "usable_cores": len(os.sched_getaffinity(0))},
+             "logical_cores": psutil.cpu_count(logical=True), "usable_cores": default_threads()},
         ram_total=vm.total,
         ram_available=vm.available,
     )
