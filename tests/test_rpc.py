@@ -339,8 +339,8 @@ def test_workers_do_not_outlive_their_parent(sig):
         while time.monotonic() < deadline and any(_alive(p) for p in pids):
             time.sleep(0.05)
         assert not any(_alive(p) for p in pids), f"workers {pids} outlived a {sig.name}'d parent"
-        if sig != signal.SIGKILL:
-            assert "Traceback" not in parent.stderr.read() or sig == signal.SIGINT
+        if sig == signal.SIGTERM:  # start_workers turns it into SystemExit: an orderly end, no traceback
+            assert "Traceback" not in parent.stderr.read()
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 
 import click
 
-from ..rpc.server import DEFAULT_PORT
+from ..rpc import DEFAULT_PORT
 from ..units import default_threads
 from . import cli
 from .common import gib
@@ -65,7 +66,7 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
         click.echo(f"  {n:<8} {d.description}  {gib(d.free)} free of {gib(d.total)}")
     click.echo(f"use it with --rpc {endpoint}; Ctrl-C stops it")
     sig = rpc.wait_for_signal(server, stop)
-    click.echo(f"ctxq worker on {endpoint} stopped ({'SIGINT' if sig == 2 else 'SIGTERM'})")
+    click.echo(f"ctxq worker on {endpoint} stopped ({signal.Signals(sig).name})")
     sys.stdout.flush()
     sys.stderr.flush()
     # The server thread is blocked in C (accept) and cannot be joined; end the process here so
