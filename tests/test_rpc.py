@@ -162,7 +162,6 @@ def test_add_servers_names_devices_in_llama_order():
     assert any(d[2] == "cpu" for d in devs)
 
 
-@pytest.mark.slow
 def test_split_over_five_simulated_devices_matches_one_device(smollm2):
     """16:16:16:8:8 over five workers: same greedy tokens as one device; llama.cpp's layer
     assignment and per-device allocations are the plan's."""
@@ -249,7 +248,7 @@ def test_worker_killed_during_run_is_one_line_and_leaves_nothing(smollm2):
     assert _descendants() == before
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # waits out a 3 s stall_timeout after loading: 5 s
 def test_hung_worker_is_named_after_the_stall_timeout(smollm2):
     """A worker that stops answering without closing its connection (SIGSTOP: a frozen host)."""
     before = _descendants()
