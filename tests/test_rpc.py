@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -24,6 +23,8 @@ from ctxq.rpc import RpcEndpoint, WorkerLost, WorkerUnreachable, generate_greedy
 # llama.cpp logs (model + KV + compute; the plan's margin is headroom, not an allocation).
 from ctxq.testing.accuracy import TARGET_ABS, TARGET_REL
 from ctxq.units import GiB, MiB
+
+from .conftest import workers_of
 
 PROMPT = "The three primary colours are"
 
@@ -108,6 +109,14 @@ def test_probe_rejects_a_server_that_is_not_a_worker():
         threading.Thread(target=answer_http, daemon=True).start()
         with pytest.raises(WorkerUnreachable, match="not answering as a ggml RPC worker"):
             rpc.probe(f"127.0.0.1:{srv.getsockname()[1]}", timeout=3.0)
+
+
+def test_remote_bind_needs_allow_remote():
+    with pytest.raises(InvalidOption, match="no authentication.*pass allow_remote=True") as e:
+        rpc.check_bind_host("0.0.0.0")
+    assert (e.value.option, e.value.value) == ("host", "0.0.0.0")
+    assert rpc.check_bind_host("0.0.0.0", allow_remote=True) == "0.0.0.0"
+    assert rpc.check_bind_host("localhost") == "127.0.0.1"
 
 
 def test_unreachable_rpc_fails_fast_before_loading(smollm2):
@@ -316,9 +325,9 @@ def test_worker_killed_under_an_in_process_model_is_one_line(smollm2):
     assert err.count("\n") == 1  # no backtrace, no "Aborted (core dumped)"
     assert took < 10
     deadline = time.monotonic() + 5  # os._exit skips the cleanup; the kernel's PDEATHSIG does it
-    while _workers_of(proc.pid) and time.monotonic() < deadline:
+    while workers_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _workers_of(proc.pid) == []
+    assert workers_of(proc.pid) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
@@ -350,113 +359,3 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-# --- ctxq worker --------------------------------------------------------------------------------
-
-def _ctxq() -> str:
-    return str(Path(sys.executable).with_name("ctxq"))
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_ctxq_worker_serves_and_stops_cleanly(sig):
-    proc = subprocess.Popen([_ctxq(), "worker", "--port", "0", "--threads", "1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        first = proc.stdout.readline()
-        assert first.startswith("ctxq worker listening on 127.0.0.1:"), first + proc.stderr.read()
-        endpoint = first.split()[4]
-        free, total = rpc.probe(endpoint)
-        assert total >= psutil.virtual_memory().total * 0.9  # the CPU device: the host's RAM
-        t = time.monotonic()
-        proc.send_signal(sig)
-        proc.wait(timeout=10)
-        # read through the same text wrappers as readline() above: communicate() reads the raw pipe and
-        # would miss lines that readline() already buffered (the device list arrives with the first line)
-        out, err = proc.stdout.read(), proc.stderr.read()
-        assert time.monotonic() - t < 3
-        assert proc.returncode == 0, err
-        assert f"ctxq worker on {endpoint} stopped ({sig.name})" in out
-        assert "CPU" in out and "Accepted client" not in out  # llama.cpp's chatter stays off stdout
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def test_remote_bind_needs_allow_remote():
-    with pytest.raises(InvalidOption, match="no authentication.*pass allow_remote=True") as e:
-        rpc.check_bind_host("0.0.0.0")
-    assert (e.value.option, e.value.value) == ("host", "0.0.0.0")
-    assert rpc.check_bind_host("0.0.0.0", allow_remote=True) == "0.0.0.0"
-    assert rpc.check_bind_host("localhost") == "127.0.0.1"
-
-
-def test_ctxq_worker_refuses_remote_bind_without_flag():
-    from .conftest import run_ctxq
-
-    r = run_ctxq("worker", "--host", "0.0.0.0", timeout=60)
-    assert r.returncode == 1
-    assert r.stderr.startswith("Error: --host 0.0.0.0: ") and r.stderr.count("\n") == 1, r.stderr
-    assert "no authentication" in r.stderr and "Traceback" not in r.stderr
-    # cli/errors.py's FLAGS table spells allow_remote=True as --allow-remote once it has the keyword
-    assert "--allow-remote" in r.stderr or "allow_remote=True" in r.stderr
-
-
-def test_ctxq_worker_default_port_is_llama_cpps():
-    from .conftest import run_ctxq
-
-    r = run_ctxq("worker", "--help", timeout=60)
-    assert r.returncode == 0 and f"default: {rpc.DEFAULT_PORT}" in r.stdout, r.stdout
-    assert rpc.DEFAULT_PORT == 50052  # tools/rpc/rpc-server.cpp
-
-
-def test_ctxq_worker_port_in_use_is_one_line():
-    from .conftest import run_ctxq
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen(1)
-        r = run_ctxq("worker", "--port", str(s.getsockname()[1]), timeout=60)
-    assert r.returncode == 1, r.stdout
-    assert r.stderr.startswith("Error: the RPC worker could not listen on 127.0.0.1:")
-    assert r.stderr.count("\n") == 1
-
-
-# --- --simulate through the CLI -------------------------------------------------------------------
-
-def _workers_of(pid: int) -> list[int]:
-    """Live worker processes started by process `pid` (they carry its pid in their environment)."""
-    out = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if "ctxq.rpc" in " ".join(p.info["cmdline"] or []) and \
-                    p.environ().get("CTXQ_WORKER_PARENT") == str(pid) and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except psutil.Error:
-            pass
-    return out
-
-
-def test_ctxq_run_simulate_ctrl_c_leaves_no_workers(smollm2):
-    proc = subprocess.Popen([_ctxq(), "run", "-c", "4096", "--simulate", "16,16", "-ts", "1:1", "-n", "3000",
-                             "--temp", "0", "-p", "Tell a long story"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proc.stdout.read(8), proc.stderr.read()  # generating, so both workers serve layers
-        assert len(_workers_of(proc.pid)) == 2
-        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
-        proc.communicate(timeout=20)
-        assert proc.returncode == 130
-        assert _workers_of(proc.pid) == []
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def test_ctxq_run_simulate_error_after_start_leaves_no_workers(smollm2):
-    # The workers start, then the plan fails: a q4_0 V cache needs flash attention.
-    proc = subprocess.Popen([_ctxq(), "run", "-c", "2048", "--simulate", "16,16", "-ctv", "q4_0", "-fa", "off",
-                             "-p", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and err.startswith("Error: ") and err.count("\n") == 1, err
-    assert _workers_of(proc.pid) == []
