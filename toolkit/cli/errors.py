@@ -13,11 +13,11 @@ FLAGS = {
     "n_ctx": "--ctx", "n_batch": "-b", "n_ubatch": "-ub", "type_k": "-ctk", "type_v": "-ctv",
     "flash_attn": "-fa", "split": "-ts", "tensor_split": "-ts", "gpus": "--gpus", "profile": "--profile",
     "rpc": "--rpc", "simulate": "--simulate", "kv": "--kv", "prefer": "--prefer", "cpu_memory": "--cpu-memory",
-    "reserve": "--reserve", "n_predict": "-n", "n_threads": "-t", "force": "--force", "output": "-o",
+    "n_predict": "-n", "n_threads": "-t", "force": "--force", "output": "-o",
     "imatrix": "--imatrix", "pre": "--pre", "host": "--host", "port": "--port", "device": "--device",
-    "prompt": "-p", "file": "-f", "chat": "--chat", "reorder": "--reorder",
+    "prompt": "-p", "file": "-f", "chat": "--chat", "allow_remote": "--allow-remote",
 }
-_SWITCHES = {"force", "chat"}  # flags without a value: force=True is just --force
+_SWITCHES = {"force", "chat", "allow_remote"}  # flags without a value: force=True is just --force
 _ON_OFF = {"flash_attn"}  # booleans that the command line spells on/off
 
 _ASSIGN = re.compile(r"\b(%s)=('?)([^\s,;:')]+)\2" % "|".join(map(re.escape, FLAGS)))
