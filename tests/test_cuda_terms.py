@@ -140,3 +140,31 @@ def test_terms_add_up_and_other_backends(info):
     v = _terms(info["llama3-70b"], "q8_0", "q8_0", 0, backend="metal")
     assert (v.compute, v.pool, v.reserve) == (0, 0, 1024 * MiB)
     assert _terms(info["llama3-70b"], "q8_0", "q8_0", 0, backend="rpc").total == 0
+
+
+def test_cuda_logs_script_rows(tmp_path):
+    """scripts/cuda_logs.py on three public logs: a reproduced one, the -ot ffn=CPU one, and a fork."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(cuda.__file__).resolve().parents[2]
+    data = root.parent / "shared" / "data" / "cuda-logs-public.jsonl"
+    if not data.is_file():
+        pytest.skip(f"{data} (the public logs) is not next to this checkout")
+    logs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    pick = [e for e in logs if "issues/11200" in e["source"] or "Panchovix" in e["source"]
+            or "pull/370" in e["source"]]
+    f = tmp_path / "logs.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in pick))
+    script = root / "scripts" / "cuda_logs.py"
+    out = subprocess.run([sys.executable, str(script), "--logs", str(f)], capture_output=True, text=True,
+                         timeout=300).stdout
+    rows = [r for r in out.splitlines() if r.startswith("| ") and not r.startswith("| #")]
+    assert len(rows) == 3
+    # llama.cpp#11200: KV per device printed 2788 / 1564 MiB, predicted exactly; q8_0 with FA: 128 MiB copies
+    assert "2788/2788, 1564/1564" in out and "fa 128" in out
+    # the -ot ffn=CPU log: only CUDA0 grows, by one expert tensor (1540-2940 MiB), printed +2497
+    assert "+2497" in out and "offload 1540-2940" in out
+    assert "left out: fork ik_llama.cpp" in out
