@@ -113,7 +113,8 @@ def test_q8_0_compute_exceeds_f16_by_the_copies_on_every_gpu(info):
     """The issue's acceptance figure: 2 * 65536 * 1024 * 2 bytes more compute with q8_0 on every GPU."""
     want = 2 * 65536 * 1024 * 2
     for d in range(5):
-        extra = _terms(info["llama3-70b"], "q8_0", "q8_0", d).compute - _terms(info["llama3-70b"], "f16", "f16", d).compute
+        i70 = info["llama3-70b"]
+        extra = _terms(i70, "q8_0", "q8_0", d).compute - _terms(i70, "f16", "f16", d).compute
         assert abs(extra - want) <= 0.15 * want, (d, extra)
 
 
