@@ -19,7 +19,7 @@ from ctxq.units import GiB, MiB
 def info(tmp_path_factory):
     d = tmp_path_factory.mktemp("cuda_geometries")
     return {k: model_info(write_synthetic_gguf(d / f"{k}.gguf", GEOMETRIES[k]))
-            for k in ("llama3-70b", "llama3-8b", "gemma2-9b")}
+            for k in ("llama3-70b", "llama3-8b", "gemma2-9b", "tiny")}
 
 
 def test_fa_copies_quantized_kv(info):
@@ -60,6 +60,16 @@ def test_offload_weight_copies(info):
     # below GGML_OP_OFFLOAD_MIN_BATCH (32) nothing is offloaded; nothing on the CPU, nothing copied
     assert cuda.offload_weight_copies(info["llama3-70b"], [0, 1], True, 65536, 31) == 0
     assert cuda.offload_weight_copies(info["llama3-70b"], [], False, 65536, 512) == 0
+
+
+def test_offload_of_a_tied_output_and_row_padding(info):
+    # Gemma-2 ties its output to token_embd: on the CPU, the output matmul copies token_embd in.
+    # 3584 x 256000 Q4_K = 917,504,000 values / 256 * 144 B = 516,096,000 (3584 = 7 * 512: no padding)
+    assert cuda.offload_weight_copies(info["gemma2-9b"], [], True, 8192, 512) == 516_096_000
+    # tiny: 256-wide Q4_K rows are padded to 512 values in a CUDA buffer, one row's worth more:
+    # 256 x 256 Q4_K = 36,864 B + row_size(Q4_K, 256) = 144 -> 37,008
+    attn_q = next(t for t in cuda.weight_tensors(info["tiny"], [0], False) if t.name == "blk.0.attn_q.weight")
+    assert (attn_q.nbytes, cuda.cuda_nbytes(attn_q)) == (36_864, 37_008)
 
 
 def test_offload_kv_copies(info):
