@@ -90,7 +90,7 @@ def test_dry_run_prints_the_plan_and_input_size(smollm2, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--split", "16:16"], "--split needs devices"),
+    (["--split", "16:16"], "-ts needs devices: give --gpus, --profile or --rpc"),
     (["--gpus", "8,8"], "llama.cpp sees 0"),
     (["-c", "4096", "-p", ""], "the input is empty"),
     (["-f", "/nonexistent/input.txt"], "cannot read /nonexistent/input.txt"),
