@@ -47,7 +47,7 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             start = hi - take - 1
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
-            dp = device_cost(c, layers, has_out, 2, devs[d])
+            dp = device_cost(c, layers, has_out, 2, devs[d])  # as in a split; _layout costs the final one exactly
             if dp.total > budget:
                 break
             take += 1
