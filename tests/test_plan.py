@@ -100,9 +100,9 @@ def test_quantized_v_needs_flash_attention(smollm2):
 
 
 def test_options_object_and_keywords_are_one_thing(smollm2):
-    opts = PlanOptions(kv="q8_0", n_ubatch=256)
+    opts = PlanOptions(kv="q8_0", n_ubatch=256, cpu_memory=8 * GiB)  # fixed: available memory moves
     a = plan(smollm2, 2048, devices=[], options=opts)
-    b = plan(smollm2, n_ctx=2048, devices=[], kv="q8_0", n_ubatch=256)
+    b = plan(smollm2, n_ctx=2048, devices=[], kv="q8_0", n_ubatch=256, cpu_memory=8 * GiB)
     assert a.to_dict() == b.to_dict() and (a.n_ctx, a.type_k, a.n_ubatch, a.n_batch) == (2048, "q8_0", 256, 2048)
     assert plan(smollm2, devices=[]).n_ctx == 4096  # llama.cpp's default context when none is given
     with pytest.raises(TypeError):

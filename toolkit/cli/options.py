@@ -23,7 +23,8 @@ def device_options(f):
     """--gpus / --profile / --rpc (also used by `ctxq convert auto`)."""
     f = click.option("--rpc", default=None, metavar="HOST:PORT[=GiB],…",
                      help="ggml RPC workers; they come first in llama.cpp's device order.")(f)
-    f = click.option("--profile", default=None, help="A hardware profile in profiles/ (e.g. 3x16-2x8) or a .toml file.")(f)
+    f = click.option("--profile", default=None,
+                     help="A hardware profile in profiles/ (e.g. 3x16-2x8) or a .toml file.")(f)
     f = click.option("--gpus", default=None, metavar="GiB,…",
                      help="Describe GPUs instead of detecting them: 16,16,16,8,8 or 3x16,2x8.")(f)
     return f
@@ -32,13 +33,15 @@ def device_options(f):
 def _plan_flags(for_plan: bool) -> list:
     """The options in the order --help lists them."""
     if for_plan:
-        ctx = click.option("-c", "--ctx", "n_ctx", type=int, required=True, help="The context the input needs, in tokens.")
+        ctx = click.option("-c", "--ctx", "n_ctx", type=int, required=True,
+                           help="The context the input needs, in tokens.")
         split_help = "Evaluate this split: ratios 16:16:16:8:8 or layer counts 19,19,19,10,14."
         simulate_help = "Plan for local RPC workers standing for GPUs of these sizes (no GPU margin)."
     else:
         ctx = click.option("-c", "--ctx", "n_ctx", type=int, default=None,
                            help=f"Context in tokens; never shrunk to fit.  [default: {DEFAULT_N_CTX}]")
-        split_help = "auto (plan for the devices), ratios 16:16:16:8:8, or layer counts 19,19,19,10,14.  [default: auto]"
+        split_help = ("auto (plan for the devices), ratios 16:16:16:8:8, or layer counts 19,19,19,10,14.  "
+                      "[default: auto]")
         simulate_help = "Run on local RPC worker processes standing for GPUs of these sizes."
     flags = [
         ctx,
@@ -55,8 +58,10 @@ def _plan_flags(for_plan: bool) -> list:
         click.option("--prefer", type=click.Choice(["quality", "speed"]), default=None,
                      help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.  "
                           f"[default: {DEFAULT_PREFER}]"),
-        click.option("-ub", "--ubatch", "n_ubatch", type=int, default=None, help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
-        click.option("-b", "--batch", "n_batch", type=int, default=None, help=f"Tokens per decode call of the prefill.  [default: {DEFAULT_N_BATCH}]"),
+        click.option("-ub", "--ubatch", "n_ubatch", type=int, default=None,
+                     help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
+        click.option("-b", "--batch", "n_batch", type=int, default=None,
+                     help=f"Tokens per decode call of the prefill.  [default: {DEFAULT_N_BATCH}]"),
     ]
     if for_plan:
         flags.append(click.option("--cpu-memory", "cpu_memory", type=float, default=None,

@@ -10,7 +10,6 @@ goes to llama.cpp as integer layer counts, which it reproduces exactly.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 
 import numpy as np
@@ -25,8 +24,6 @@ from ..gguf.info import ModelInfo, model_info
 from ..units import GiB
 
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
-
-log = logging.getLogger(__name__)
 
 
 # --- the search ---------------------------------------------------------------------------------
