@@ -85,7 +85,7 @@ def in_process(args, text: str, rounds: int) -> None:
             if side == "ctxq":
                 g = runner.generate(llm, toks, n_predict=args.n, temp=0, on_progress=lambda _: None,
                                     on_text=lambda _: None)
-                c = (len(toks) / g["prefill_s"], (len(g["tokens"]) - 1) / g["decode_s"])
+                c = (g.prefill_tps, g.decode_tps)
             else:
                 llm.reset()
                 t0 = time.perf_counter()

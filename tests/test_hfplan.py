@@ -59,6 +59,22 @@ def test_70b_config_recommends_a_type_that_fits(smollm2, tmp_path):
     assert all(c["quality"] for c in d["candidates"])
 
 
+def test_every_candidate_is_planned_with_the_given_options(tmp_path):
+    """-ctk/-ctv, -fa, -b/-ub and --simulate reach each candidate's plan, on devices resolved once."""
+    hf = write_sparse_hf_checkpoint(tmp_path / "hf8b", GEOMETRIES["llama3-8b"], rebuild_smollm2_hf())
+    r = plan_hf(hf, 16384, types=("Q8_0", "Q4_K_M"), simulate="8,8", type_k="q8_0", type_v="q4_0",
+                n_batch=1024, n_ubatch=256)
+    for c in r.candidates:
+        assert c.fits, c.why_not
+        p = c.plan
+        assert (p.type_k, p.type_v, p.flash_attn, p.n_batch, p.n_ubatch) == ("q8_0", "q4_0", True, 1024, 256)
+        assert [g.device.name for g in p.gpus] == ["RPC0[simulated]", "RPC1[simulated]"]
+    out = run_ctxq("plan", str(hf), "--ctx", "16384", "--simulate", "8,8", "-ctk", "q8_0", "-fa", "off", "--json")
+    assert out.returncode == 0, out.stderr
+    plans = [c["plan"] for c in json.loads(out.stdout)["candidates"] if c["plan"]]
+    assert plans and all((p["type_k"], p["type_v"], p["flash_attn"]) == ("q8_0", "f16", False) for p in plans)
+
+
 @pytest.mark.slow
 def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
     hf = rebuild_smollm2_hf()

@@ -5,12 +5,13 @@ graph's shapes in ways no short formula captures (in-place reuse, fused ops, per
 So ctxq asks llama.cpp: it writes a *derived* model, the same architecture keys and the same tensors
 for one layer of each kind (full attention, sliding window) with the data region left as a sparse
 hole, and makes a dry-run context (`no_alloc`) on the CPU backend. That takes milliseconds and
-gives the exact peak of one layer's graph, with and without the output head:
+gives the exact peak of one device's graph (`ComputePeaks`):
 
-- `layer[kind]`: a device holding layers of that kind but not the output (vocabulary cut to 256);
-- `output`: the device holding the output layer (the real vocabulary).
+- `layer_full`: a device holding layers but not the output head (vocabulary cut to 256; full and
+  sliding-window layers measured together in one derived model);
+- `output`: the device holding the output head (the real vocabulary).
 
-Devices past the first also hold copies of the graph inputs; `planner` adds those.
+In a split graph devices also hold copies of the graph inputs; `memory.device_cost` adds those.
 Results are cached in memory per (model, parameters).
 """
 

@@ -18,6 +18,7 @@ import psutil
 
 from ..errors import CtxqError, InvalidOption
 from ..units import GiB
+from .options import PlanOptions
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,7 @@ class Device:
     total: int  # bytes
     usable: int  # bytes
     bandwidth: float | None = None  # bytes/s, for the decode estimate
-    present: bool = False  # True when llama.cpp can use it in this process
     endpoint: str | None = None  # host:port for RPC devices
-    index: int | None = None  # CUDA device index for present GPUs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,7 +129,7 @@ def cpu_device(memory: int | None = None, bandwidth: float | None = None) -> Dev
     """Host RAM: available memory now (psutil) unless given."""
     vm = psutil.virtual_memory()
     return Device(name="CPU", kind="cpu", total=memory or vm.total, usable=memory or vm.available,
-                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH, present=True)
+                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH)
 
 
 def detect_gpus() -> list[Device]:
@@ -142,7 +141,6 @@ def detect_gpus() -> list[Device]:
     from ..llama import backend
 
     out = []
-    cuda_i = 0
     for d in backend.ggml_devices():
         if d.type in ("gpu", "igpu") or d.name.startswith("RPC"):
             rpc = d.name.startswith("RPC")
@@ -151,9 +149,48 @@ def detect_gpus() -> list[Device]:
                 m = re.search(r"\[(.+?)\]", d.name)
                 endpoint = m.group(1) if m else None
             out.append(Device(name=d.name, kind="rpc" if rpc else "gpu", total=d.total, usable=d.free,
-                              bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH,
-                              present=True, endpoint=endpoint, index=None if rpc else cuda_i))
-            cuda_i += 0 if rpc else 1
+                              bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH, endpoint=endpoint))
     log.debug("detected devices: %s (CUDA_VISIBLE_DEVICES=%s)", [d.name for d in out],
               os.environ.get("CUDA_VISIBLE_DEVICES"))
     return out
+
+
+def rpc_devices(rpc) -> list[Device]:
+    """ggml RPC workers as devices, in the given order: a declared size (HOST:PORT=GiB) is taken as
+    given, an undeclared one is asked of the worker."""
+    from ..rpc import parse_rpc, probe
+
+    out = []
+    for i, ep in enumerate(parse_rpc(rpc)):
+        free, total = (ep.declared, ep.declared) if ep.declared else probe(ep.endpoint)
+        out.append(Device(name=f"RPC{i}[{ep.endpoint}]", kind="rpc", total=total, usable=free, bandwidth=None,
+                          endpoint=ep.endpoint))
+    return out
+
+
+def simulated_devices(spec) -> list[Device]:
+    """RPC devices of the given GiB sizes (as `gpus` writes them) that no worker stands behind yet."""
+    return [Device(name=f"RPC{i}[simulated]", kind="rpc", total=d.total, usable=d.usable, bandwidth=None)
+            for i, d in enumerate(parse_gpus(spec))]
+
+
+def resolve_devices(opts: PlanOptions) -> tuple[list[Device], Device]:
+    """(devices in llama.cpp's order, the host) for a plan, once: `simulate`, else `gpus`, else the
+    `profile`'s devices, with `rpc` workers first (llama.cpp puts RPC devices first); none of these
+    given: the devices llama.cpp sees. Host memory: `cpu_memory`, else the profile's, else available now."""
+    cpu_memory, cpu_bw = opts.cpu_memory, None
+    devices: list[Device] = []
+    if opts.simulate is not None:
+        devices = simulated_devices(opts.simulate)
+    elif opts.gpus is not None:
+        devices = parse_gpus(opts.gpus)
+    elif opts.profile is not None:
+        devices, cpu_cfg = load_profile(opts.profile)
+        cpu_bw = float(cpu_cfg["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in cpu_cfg else None
+        if cpu_memory is None and "memory_gib" in cpu_cfg:
+            cpu_memory = int(float(cpu_cfg["memory_gib"]) * GiB)
+    if opts.rpc:
+        devices = rpc_devices(opts.rpc) + devices
+    elif opts.simulate is None and opts.gpus is None and opts.profile is None:
+        devices = detect_gpus()
+    return devices, cpu_device(cpu_memory, cpu_bw)

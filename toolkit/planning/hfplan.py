@@ -7,7 +7,7 @@ From the checkpoint's config.json and safetensors headers alone (no weights are 
 2. `predict()` runs llama.cpp's own quantizer on it with `dry_run` (`llama_model_quantize` computes
    each tensor's target type by its recipe and logs it without touching data) and reads the
    per-tensor types and sizes from its log: the prediction is llama.cpp's, not a copy of its rules.
-3. The predicted file is written header-only too, and `ctxq.planning.planner.plan()` plans it at the
+3. The predicted file is written header-only too, and `ctxq.planning.planner.plan_for()` plans it at the
    required context on the given devices.
 """
 
@@ -24,7 +24,11 @@ from pathlib import Path
 import gguf
 from gguf import GGMLQuantizationType as T
 
-from ..errors import CtxqError, DoesNotFit
+from .devices import resolve_devices
+from .options import PlanOptions
+from .plan import Plan
+from .planner import plan_for
+from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..gguf.writer import sparse_size, write_sparse_gguf
 from ..llama import backend
 from ..models import ctxq_home
@@ -53,7 +57,7 @@ class Candidate:
     type: str
     size: int  # predicted bytes of the GGUF file
     fits: bool
-    plan: object | None  # ctxq.planning.planner.Plan
+    plan: Plan | None
     why_not: str = ""
     quality: str = ""
     needs_imatrix: bool = False
@@ -159,13 +163,19 @@ def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:
     return out, size, needs
 
 
-def plan_hf(model: str | os.PathLike, n_ctx: int, *, types=CANDIDATES, **plan_kwargs) -> HFPlan:
-    """For each candidate type: the predicted size and the plan at n_ctx; one recommended."""
-    from .planner import plan
-
+def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=CANDIDATES,
+            options: PlanOptions | None = None, **settings) -> HFPlan:
+    """For each candidate type: the predicted size and the plan at n_ctx; one recommended.
+    `settings` (or `options`) are the `PlanOptions` each candidate is planned with, on devices
+    resolved once; a `split` is refused (it is evaluated for one file, not a choice of types)."""
+    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
+    if opts.split is not None:
+        raise InvalidOption("a `split` is evaluated for one GGUF file, not for a choice of types; "
+                            "plan the converted file with it", option="split", value=opts.split)
+    devices, cpu = resolve_devices(opts)
     folder = _resolve(model)
     src = header_gguf(folder)
-    result = HFPlan(str(model), n_ctx)
+    result = HFPlan(str(model), opts.n_ctx)
     for qt in types:
         if qt.upper() in ("F16", "BF16"):
             path, size, needs = src, src.stat().st_size, False  # the sparse file has the full size
@@ -173,7 +183,7 @@ def plan_hf(model: str | os.PathLike, n_ctx: int, *, types=CANDIDATES, **plan_kw
             path, size, needs = predicted_gguf(src, qt)
         c = Candidate(qt.upper(), size, False, None, quality=QUALITY.get(qt.upper(), ""), needs_imatrix=needs)
         try:
-            c.plan = plan(path, n_ctx, **plan_kwargs)
+            c.plan = plan_for(path, devices, cpu, opts)
             c.fits = True
         except DoesNotFit as e:
             c.why_not = str(e)

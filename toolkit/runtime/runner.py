@@ -1,101 +1,66 @@
-"""Execute a plan: `ctxq.load()` returns a ready `llama_cpp.Llama`, `run()` prefills and generates.
+"""Execute a plan: `ctxq.load()` returns a ready `llama_cpp.Llama`; `run()` = `prepare()` + `execute()`.
 
 The plan a user sees (`ctxq plan`) is the object loaded here: `Llama(model, **plan.llama_kwargs())`.
-Long inputs are the point, so `run()` tokenizes the input *before* anything loads (a vocabulary-only
-model takes milliseconds) and refuses an input that does not fit with both numbers; the context is
-never shrunk. The prompt is evaluated in `n_batch` chunks so a progress callback can report, then
-tokens are sampled and streamed through a text callback. The library prints nothing: llama.cpp's log
-goes to the `ctxq.llama_cpp` logger and what it allocated is read from that log.
+`prepare()` tokenizes and checks the input before anything loads, then plans (all a dry run needs);
+`execute()` loads the plan, prefills with a progress callback and generates with a text callback,
+returning one `RunResult`. The library prints nothing: llama.cpp's log goes to the
+`ctxq.llama_cpp` logger and what it allocated is read from that log.
 """
 
 from __future__ import annotations
 
-import codecs
+import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+from ..errors import CtxqError, DoesNotFit, InvalidOption, ReorderNeeded
 from ..llama import backend
-from ..errors import ContextTooLong, CtxqError, DoesNotFit, ReorderNeeded
-from ..planning.planner import Plan
+from ..planning.options import PlanOptions
+from ..planning.plan import Plan
 from ..units import default_threads
+from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, generate,  # noqa: F401
+                       tokenize)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
+# The device-order handshake: `ctxq run` restarts itself with CUDA_VISIBLE_DEVICES in the plan's GPU
+# order and this variable set to the same value; that process plans for the GPUs as they now are.
+ORDER_APPLIED = "CTXQ_DEVICE_ORDER_APPLIED"
 
 
-@dataclass
-class Progress:
-    """Prompt processing so far: tokens done of total, seconds since prefill began."""
-
-    done: int
-    total: int
-    elapsed_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.done / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-
-@dataclass
-class DeviceMemory:
-    """Bytes on one device: what the plan expected (without its safety margin) and what llama.cpp
-    reported allocating (model + KV + compute + output buffers, from its log)."""
-
-    name: str
-    planned: int
-    reported: int
-
-
-@dataclass
-class RunResult:
-    text: str
-    tokens: list[int]  # generated token ids
-    n_prompt: int
-    load_s: float
-    prefill_s: float  # evaluating the prompt
-    decode_s: float  # from the first generated token to the last
-    ttft_s: float  # prefill start to the first generated token
-    stop: str  # "eos" (an end-of-generation token) or "length" (n_predict reached)
-    plan: Plan
-    memory: list[DeviceMemory] = field(default_factory=list)
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def prefill_tps(self) -> float:
-        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        """Generated tokens per second; the first token comes from the prefill's logits, so
-        n_generated - 1 evaluations happen in decode_s (llama.cpp's n_eval counts the same way)."""
-        return (self.n_generated - 1) / self.decode_s if self.n_generated > 1 and self.decode_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "n_prompt": self.n_prompt, "n_generated": self.n_generated, "stop": self.stop,
-                "load_s": self.load_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-                "ttft_s": self.ttft_s, "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
-                "memory": [vars(m) for m in self.memory], "plan": self.plan.to_dict()}
+def reorder_env(value: str) -> dict[str, str]:
+    """The environment that applies a plan's GPU order (`ReorderNeeded.value`) to a new process."""
+    return {"CUDA_VISIBLE_DEVICES": value, ORDER_APPLIED: value}
 
 
 # --- planning and loading ---------------------------------------------------------------------
 
-def make_plan(model=None, n_ctx: int = DEFAULT_CTX, *, split: str | None = "auto", gpus=None, profile=None,
-              rpc=None, kv: str = "auto", type_k=None, type_v=None, flash_attn=None, prefer: str = "quality",
-              n_ubatch: int = 512, n_batch: int = 2048, reorder: bool = True) -> Plan:
-    """`planner.plan` with `split="auto"` meaning: let the planner choose."""
+def make_plan(model=None, n_ctx: int | None = None, *, options: PlanOptions | None = None, **settings) -> Plan:
+    """`planner.plan` for a run: in a process that a reordering restarted, the GPUs are already in
+    the plan's order, so the plan keeps them as they are."""
     from ..planning.planner import plan
 
-    return plan(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, kv=kv, type_k=type_k, type_v=type_v,
-                flash_attn=flash_attn, split=None if split in (None, "auto") else split, prefer=prefer,
-                n_ubatch=n_ubatch, n_batch=n_batch, reorder=reorder)
+    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings)
+    if opts.reorder is None and os.environ.get(ORDER_APPLIED) is not None:
+        opts = replace(opts, reorder=False)
+    return plan(model, options=opts)
+
+
+@contextlib.contextmanager
+def local_workers(options: PlanOptions) -> Iterator[PlanOptions]:
+    """`options` with `simulate` replaced by local RPC workers of those sizes (`rpc`), for the block."""
+    if options.simulate is None:
+        yield options
+        return
+    options.resolved()  # refuses a simulate given with other devices before anything starts
+    from ..rpc import start_workers
+
+    with start_workers(options.simulate) as workers:
+        yield replace(options, simulate=None, rpc=workers.rpc)
 
 
 def llama_params(p: Plan, *, n_threads: int | None = None, seed: int | None = None) -> dict:
@@ -116,7 +81,7 @@ def cuda_visible_devices(order: list[int], current: str | None = None) -> str:
 
 
 def _check_devices(p: Plan) -> None:
-    """Refuse to run a plan for devices llama.cpp does not have (a what-if plan from --gpus)."""
+    """Refuse to run a plan for devices llama.cpp does not have (a what-if plan from `gpus`)."""
     if not p.gpus:
         return
     present = [d for d in backend.ggml_devices() if d.type not in ("cpu", "accel")]
@@ -141,9 +106,8 @@ def _apply_order(p: Plan, rpc) -> None:
     if eps:
         add_servers(eps)
     if order and order != sorted(order):
-        current = os.environ.get("CUDA_VISIBLE_DEVICES")
-        value = cuda_visible_devices(order, current)
-        if os.environ.get("CTXQ_DEVICE_ORDER_APPLIED") != value:
+        value = cuda_visible_devices(order, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if os.environ.get(ORDER_APPLIED) != value:
             raise ReorderNeeded(value)
 
 
@@ -153,8 +117,23 @@ def prepare_devices(p: Plan, rpc=None) -> None:
     _check_devices(p)
 
 
+def _refuse_replanning(p: Plan, llama_kwargs: dict) -> None:
+    """Memory was sized for the plan's values: a keyword that would change one after the fact is refused."""
+    planned = p.llama_kwargs()
+    for key, value in llama_kwargs.items():
+        if key not in planned:
+            continue
+        if key in PlanOptions.names():
+            raise InvalidOption(f"{key} is set by the plan ({getattr(p, key)!r}, memory was sized for it); "
+                                f"plan with {key}={value!r} instead", option=key, value=value)
+        raise InvalidOption(f"`{key}` is set by the plan (memory was sized for it); change the plan's "
+                            "settings instead", option=key, value=value)
+
+
 def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | None = None, **llama_kwargs):
-    """`(Llama, memory, seconds)` for a plan: load it as planned and compare memory with llama.cpp's log."""
+    """`(Llama, memory, seconds)` for a plan: load it as planned and compare memory with llama.cpp's log.
+    `llama_kwargs` go to `Llama` (e.g. embedding=True); the planned ones (n_ctx, type_k, ...) are refused."""
+    _refuse_replanning(p, llama_kwargs)
     prepare_devices(p, rpc)
     lc = backend.llama_cpp()
     kw = llama_params(p, n_threads=n_threads, seed=seed)
@@ -166,7 +145,7 @@ def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | No
         except ValueError as e:  # llama-cpp-python's words for a failed model or context
             tail = [l.strip() for l in lines if l.strip()][-1:]
             raise CtxqError(f"llama.cpp could not load {Path(p.model).name} as planned ({e}"
-                            f"{': ' + tail[0] if tail else ''}); run with -v for its log") from None
+                            f"{': ' + tail[0] if tail else ''}); its log is on the ctxq.llama_cpp logger") from None
     load_s = time.perf_counter() - t0
     if llm.n_ctx() < p.n_ctx:  # llama.cpp must never hold less than the plan promised
         llm.close()
@@ -192,170 +171,106 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
     return out
 
 
-def load(model=None, n_ctx: int = DEFAULT_CTX, split: str | None = "auto", gpus=None, *, profile=None, rpc=None,
-         kv: str = "auto", type_k=None, type_v=None, flash_attn=None, prefer: str = "quality",
-         n_threads: int | None = None, seed: int | None = None, plan: Plan | None = None, **llama_kwargs):
+def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: Plan | None = None,
+         options: PlanOptions | None = None, n_threads: int | None = None, seed: int | None = None, **kwargs):
     """A ready `llama_cpp.Llama` for `model` (default: the embedded SmolLM2) holding `n_ctx` tokens,
     configured from the plan for the devices present (or `gpus`/`profile`/`rpc`).
 
-    The plan is `llm.ctxq_plan`, planned-vs-reported memory `llm.ctxq_memory`. Extra keyword arguments
-    go to `Llama` unchanged. Raises `DoesNotFit` when the context fits nowhere. A plan that reorders
-    the GPUs needs CUDA_VISIBLE_DEVICES set before CUDA starts; in a process where it has started,
-    load() falls back to the best plan for the present order (and says so in the log).
+    Keywords that are `PlanOptions` fields (kv, type_k, flash_attn, n_batch, profile, rpc, ...) make
+    the plan; the rest go to `Llama` unchanged. The plan is `llm.ctxq_plan`, planned-vs-reported
+    memory `llm.ctxq_memory`. Raises `DoesNotFit` when the context fits nowhere. A plan that
+    reorders the GPUs needs CUDA_VISIBLE_DEVICES set before CUDA starts; in a process where it has
+    started, load() falls back to the best plan for the present order (and says so in the log).
     """
-    opts = dict(split=split, gpus=gpus, profile=profile, rpc=rpc, kv=kv, type_k=type_k, type_v=type_v,
-                flash_attn=flash_attn, prefer=prefer)
+    opts = PlanOptions.take(kwargs, options).updated(n_ctx=n_ctx, split=split, gpus=gpus)
+    if opts.simulate is not None:
+        raise InvalidOption("`simulate` starts workers for one run; start them with ctxq.rpc.start_workers() "
+                            "and pass rpc=workers.rpc", option="simulate", value=opts.simulate)
     given = plan is not None
     if plan is None:
-        plan = make_plan(model, n_ctx, **opts)
+        plan = make_plan(model, options=opts)
     try:
-        llm, memory, _ = load_plan(plan, rpc=rpc, n_threads=n_threads, seed=seed, **llama_kwargs)
+        llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
     except ReorderNeeded as e:
         # CUDA is initialised in this process (planning asked it for its devices), so the better order
         # cannot be applied here; the plan for llama.cpp's own order is next best, if it fits.
         if given:
             raise
         try:
-            plan = make_plan(model, n_ctx, reorder=False, **opts)
+            plan = make_plan(model, options=replace(opts, reorder=False))
         except DoesNotFit:
             raise e from None
         log.warning("%s; using the plan for the present order instead", e)
-        llm, memory, _ = load_plan(plan, rpc=rpc, n_threads=n_threads, seed=seed, **llama_kwargs)
+        llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
     llm.ctxq_plan, llm.ctxq_memory = plan, memory
     return llm
 
 
-# --- input: tokens before anything loads -------------------------------------------------------
+# --- a run: prepare, then execute ---------------------------------------------------------------
 
-def chat_prompt(model_or_llm, text: str | list[dict], system: str | None = None) -> tuple[str, bool]:
-    """`text` as one user turn (or a list of OpenAI-style messages) in the GGUF's chat template:
-    (prompt, whether the prompt holds BOS itself)."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+@dataclass
+class Prepared:
+    """What `execute()` runs: the plan and the input's tokens, checked against its context.
+    `tokens` is None when no input was given (a dry run of the plan alone)."""
 
-    m = model_or_llm._model if hasattr(model_or_llm, "_model") else model_or_llm
-    template = m.metadata().get("tokenizer.chat_template")
-    if not template:
-        raise CtxqError("this model has no chat template (tokenizer.chat_template); use chat=False")
-    eos, bos = m.token_eos(), m.token_bos()
-    fmt = Jinja2ChatFormatter(template=template, eos_token=m.token_get_text(eos) if eos != -1 else "",
-                              bos_token=m.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
-    messages = text if isinstance(text, list) else \
-        ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    r = fmt(messages=messages)
-    return r.prompt, bool(r.added_special)
+    plan: Plan
+    tokens: list[int] | None
+    n_predict: int
+    rpc: object = None  # the RPC workers the plan uses, registered at load
 
 
-def tokenize(model, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
-    """Tokens of `text` (as llama-cpp-python's completion does: BOS if the vocabulary wants it, special
-    tokens parsed), from a vocabulary-only load that allocates no weights."""
-    from llama_cpp import _internals
-
+def prepare(model=None, prompt: str | list[dict] | None = None, *, tokens: list[int] | None = None,
+            chat: bool = False, system: str | None = None, n_predict: int = 256, plan: Plan | None = None,
+            options: PlanOptions | None = None, **settings) -> Prepared:
+    """Tokenize `prompt` (or take `tokens`), check it fits with `n_predict` more, then plan (or take
+    `plan`): nothing loads. `settings` are `PlanOptions` fields (n_ctx, kv, gpus, ...)."""
     from ..models import resolve_model
 
-    lc = backend.llama_cpp()
-    path = resolve_model(model)
-    params = lc.llama_model_default_params()
-    params.vocab_only = True
-    with backend.capture_log():
-        try:
-            m = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
-        except ValueError:
-            raise CtxqError(f"llama.cpp cannot read the vocabulary of {path}; check it with `ctxq inspect`") from None
-    try:
-        add_bos = True
-        if chat:
-            text, has_bos = chat_prompt(m, text, system)
-            add_bos = not has_bos
-        return m.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
-    finally:
-        m.close()
-
-
-def check_context(n_prompt: int, n_predict: int, n_ctx: int) -> None:
-    if n_prompt == 0:
-        raise CtxqError("the input is empty; give the text to read (prompt=TEXT)", option="prompt")
-    if n_prompt + n_predict > n_ctx:
-        raise ContextTooLong(n_prompt, n_predict, n_ctx)
-
-
-# --- prefill and generation ---------------------------------------------------------------------
-
-def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8, top_k: int = 40,
-             top_p: float = 0.95, min_p: float = 0.05,
-             on_progress: Callable[[Progress], None] | None = None,
-             on_text: Callable[[str], None] | None = None) -> dict:
-    """Evaluate `tokens` in n_batch chunks (reporting progress), then sample up to `n_predict` tokens.
-    temp 0 is greedy. Returns texts and timings (seconds)."""
-    lc = backend.llama_cpp()
-    total = len(tokens)
-    llm.reset()
-    t0 = time.perf_counter()
-    if on_progress:
-        on_progress(Progress(0, total, 0.0))
-    for i in range(0, total, llm.n_batch):  # Llama.eval would cut the same n_batch chunks itself
-        llm.eval(tokens[i:i + llm.n_batch])
-        if on_progress:
-            on_progress(Progress(min(i + llm.n_batch, total), total, time.perf_counter() - t0))
-    t1 = time.perf_counter()
-    out: list[int] = []
-    parts: list[str] = []
-    dec = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may span tokens
-    t_first = t_last = t1
-    stop = "length"
-    vocab = llm._model.vocab
-    if n_predict > 0:
-        # The whole prompt is cached, so generate() samples from the prefill's logits at once.
-        for tok in llm.generate(tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=1.0):
-            t_last = time.perf_counter()
-            if not out:
-                t_first = t_last
-            if lc.llama_vocab_is_eog(vocab, tok):
-                stop = "eos"
-                break
-            out.append(tok)
-            piece = dec.decode(llm.detokenize([tok]))
-            if piece:
-                parts.append(piece)
-                if on_text:
-                    on_text(piece)
-            if len(out) >= n_predict:
-                break
-    tail = dec.decode(b"", final=True)
-    if tail:
-        parts.append(tail)
-        if on_text:
-            on_text(tail)
-    return {"tokens": out, "text": "".join(parts), "prefill_s": t1 - t0, "ttft_s": t_first - t0,
-            "decode_s": t_last - t_first, "stop": stop}
-
-
-def run(model=None, prompt: str | None = None, *, tokens: list[int] | None = None, n_ctx: int = DEFAULT_CTX,
-        chat: bool = False, system: str | None = None, n_predict: int = 256, temp: float = 0.8,
-        seed: int | None = None, n_threads: int | None = None, plan: Plan | None = None, rpc=None,
-        on_plan: Callable[[Plan, int], None] | None = None,
-        on_progress: Callable[[Progress], None] | None = None, on_text: Callable[[str], None] | None = None,
-        **plan_options) -> RunResult:
-    """Tokenize and check the input, plan, load, prefill and generate; the result holds the text,
-    timings and per-device memory. `plan_options` go to `make_plan` (split, gpus, profile, kv, ...).
-    `on_plan(plan, n_prompt)` is called before the model loads."""
-    from ..models import resolve_model
-
+    opts = (options or PlanOptions()).updated(**settings)
     path = resolve_model(model if plan is None else plan.model)
-    if tokens is None:
-        if prompt is None:
-            raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
+    if tokens is None and prompt is not None:
         tokens = tokenize(path, prompt, chat=chat, system=system)
-    n_ctx = plan.n_ctx if plan is not None else n_ctx
-    check_context(len(tokens), n_predict, n_ctx)
+    if tokens is not None:
+        check_context(len(tokens), n_predict, plan.n_ctx if plan is not None else opts.resolved().n_ctx)
     if plan is None:
-        plan = make_plan(path, n_ctx, rpc=rpc, **plan_options)
-    if on_plan:
-        on_plan(plan, len(tokens))
-    llm, memory, load_s = load_plan(plan, rpc=rpc, n_threads=n_threads, seed=seed)
+        plan = make_plan(path, options=opts)
+    return Prepared(plan, tokens, n_predict, opts.rpc)
+
+
+def execute(prepared: Prepared, *, temp: float = 0.8, seed: int | None = None, n_threads: int | None = None,
+            on_loaded: Callable[[Plan, float], None] | None = None,
+            on_progress: Callable[[Progress], None] | None = None,
+            on_text: Callable[[str], None] | None = None) -> RunResult:
+    """Load the prepared plan, prefill (reporting `on_progress`) and generate (streaming `on_text`).
+    `on_loaded(plan, seconds)` is called once the model has loaded."""
+    if prepared.tokens is None:
+        raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
+    llm, memory, load_s = load_plan(prepared.plan, rpc=prepared.rpc, n_threads=n_threads, seed=seed)
     try:
-        g = generate(llm, tokens, n_predict=n_predict, temp=temp, on_progress=on_progress, on_text=on_text)
+        if on_loaded:
+            on_loaded(prepared.plan, load_s)
+        r = generate(llm, prepared.tokens, n_predict=prepared.n_predict, temp=temp, on_progress=on_progress,
+                     on_text=on_text)
     finally:
         llm.close()
-    return RunResult(text=g["text"], tokens=g["tokens"], n_prompt=len(tokens), load_s=load_s,
-                     prefill_s=g["prefill_s"], decode_s=g["decode_s"], ttft_s=g["ttft_s"], stop=g["stop"],
-                     plan=plan, memory=memory)
+    return replace(r, load_s=load_s, plan=prepared.plan, memory=memory)
+
+
+def run(model=None, prompt: str | list[dict] | None = None, *, tokens: list[int] | None = None, chat: bool = False,
+        system: str | None = None, n_predict: int = 256, temp: float = 0.8, seed: int | None = None,
+        n_threads: int | None = None, plan: Plan | None = None, options: PlanOptions | None = None,
+        on_plan: Callable[[Plan, int], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
+        on_text: Callable[[str], None] | None = None, **settings) -> RunResult:
+    """Tokenize and check the input, plan, load, prefill and generate; the result holds the text,
+    timings and per-device memory. `settings` are `PlanOptions` fields (n_ctx, split, gpus, kv, ...);
+    `simulate` runs on local RPC workers for the call. `on_plan(plan, n_prompt)` is called before
+    the model loads."""
+    if tokens is None and prompt is None:
+        raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
+    with local_workers((options or PlanOptions()).updated(**settings)) as opts:
+        prepared = prepare(model, prompt, tokens=tokens, chat=chat, system=system, n_predict=n_predict, plan=plan,
+                           options=opts)
+        if on_plan:
+            on_plan(prepared.plan, len(prepared.tokens))
+        return execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_progress=on_progress,
+                       on_text=on_text)

@@ -85,7 +85,7 @@ class ContextGuard:
             n = None  # malformed bodies get llama-cpp-python's own 422
         if n is not None and n >= self.n_ctx:
             return await _error(send, 400, f"this request's prompt is {n} tokens but the context holds "
-                                f"{self.n_ctx}; shorten it or restart ctxq serve with a larger --ctx",
+                                f"{self.n_ctx}; shorten it, or restart the server with a larger n_ctx",
                                 "context_length_exceeded", extra={"prompt_tokens": n, "n_ctx": self.n_ctx})
         sent = False
 
