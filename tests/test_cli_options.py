@@ -98,7 +98,8 @@ def test_plan_of_a_hf_model_refuses_what_makes_no_sense_there(tmp_path, capsys, 
 def _plan() -> Plan:
     gpu = [Device(f"GPU{i}", "gpu", 16 * GiB, 16 * GiB, 288e9) for i in range(2)]
     host = DevicePlan(Device("CPU", "cpu", 64 * GiB, 60 * GiB, 30e9), [], weights=GiB, compute=GiB // 4, margin=GiB)
-    gpus = [DevicePlan(gpu[0], list(range(0, 16)), weights=6 * GiB, kv=2 * GiB, compute=GiB // 2, margin=GiB // 2),
+    gpus = [DevicePlan(gpu[0], list(range(0, 16)), weights=6 * GiB, kv=2 * GiB, compute=GiB // 2, margin=GiB // 2,
+                       cuda_copies=GiB // 4, cuda_pool=GiB // 4),
             DevicePlan(gpu[1], list(range(16, 33)), weights=7 * GiB, kv=2 * GiB, compute=GiB, margin=GiB // 2)]
     return Plan(model="/models/m.gguf", n_ctx=65536, n_batch=2048, n_ubatch=512, type_k="q8_0", type_v="q8_0",
                 flash_attn=True, n_gpu_layers=33, tensor_split=[16, 17], gpus=gpus, host=host, n_layer=32,
@@ -111,8 +112,10 @@ def test_plan_renders_the_table(monkeypatch):
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     assert lines[0] == "model m.gguf: 32 layers, context 65,536 tokens, KV q8_0/q8_0, flash attention on"
-    assert lines[1].split() == ["device", "layers", "weights", "KV", "compute", "margin", "total", "capacity", "use"]
-    assert lines[3].split() == ["GPU0", "16", "(0-15)", "6.00", "2.00", "0.50", "0.50", "9.00", "16.00", "56%"]
+    assert lines[1].split() == ["device", "layers", "weights", "KV", "compute", "CUDA", "reserve", "total", "capacity",
+                                "free", "use"]
+    assert lines[3].split() == ["GPU0", "16", "(0-15)", "6.00", "2.00", "0.50", "0.50", "0.50", "9.50", "16.00", "6.50",
+                                "59%"]
     assert lines[4].split()[:3] == ["GPU1", "16", "(16-31+out)"] and lines[5].split()[:2] == ["CPU", "0"]
     assert "llama.cpp flags: -c 65536 -b 2048 -ub 512 -ngl 33 -sm layer -ts 16,17 -ctk q8_0 -ctv q8_0 -fa on" in r.output
     assert "why: all layers on the GPUs" in r.output and "~12.5 tokens/s" in r.output

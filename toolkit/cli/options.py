@@ -62,6 +62,10 @@ def _plan_flags(for_plan: bool) -> list:
                      help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
         click.option("-b", "--batch", "n_batch", type=int, default=None,
                      help=f"Tokens per decode call of the prefill.  [default: {DEFAULT_N_BATCH}]"),
+        click.option("--reserve", "reserve", type=float, default=None, metavar="GiB",
+                     callback=lambda ctx, param, v: None if v is None else int(v * GiB),
+                     help="Memory kept free on every GPU outside llama.cpp's buffers (CUDA context, cuBLAS, "
+                          "graphs).  [default: 0.75 for CUDA, 1.0 for other GPU backends]"),
     ]
     if for_plan:
         flags.append(click.option("--cpu-memory", "cpu_memory", type=float, default=None,

@@ -25,15 +25,17 @@ def render_plan(p, *, title: str | None = None) -> str:
         else:
             layers = "0"
         use = d.total / d.device.usable * 100 if d.device.usable else 0
-        rows.append([d.device.name, layers, f"{d.weights / GiB:.2f}", f"{d.kv / GiB:.2f}", f"{d.compute / GiB:.2f}",
-                     f"{d.margin / GiB:.2f}", f"{d.total / GiB:.2f}", f"{d.device.usable / GiB:.2f}", f"{use:.0f}%"])
-    head = ["device", "layers", "weights", "KV", "compute", "margin", "total", "capacity", "use"]
+        rows.append([d.device.name, layers] + [f"{v / GiB:.2f}" for v in (
+            d.weights, d.kv, d.compute, d.cuda_extra, d.margin, d.total, d.device.usable, d.free)] + [f"{use:.0f}%"])
+    head = ["device", "layers", "weights", "KV", "compute", "CUDA", "reserve", "total", "capacity", "free", "use"]
     lines = []
     if title:
         lines.append(title)
     lines.append(f"model {Path(p.model).name}: {p.n_layer} layers, context {p.n_ctx:,} tokens, "
                  f"KV {p.type_k}/{p.type_v}, flash attention {'on' if p.flash_attn else 'off'}")
-    lines.append(table(rows, head) + "\n(sizes in GiB; layers: count (range), +out = output head)")
+    lines.append(table(rows, head) + "\n(sizes in GiB; layers: count (range), +out = output head; CUDA: CUDA's own "
+                 "memory beyond the CPU backend's buffers:\n f16 K/V copies, offload copies, pool; reserve: kept free "
+                 "outside every buffer; free: what is left)")
     lines.append(f"llama.cpp flags: {p.llama_flags()}")
     if p.device_order:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
@@ -47,8 +49,8 @@ def render_plan(p, *, title: str | None = None) -> str:
 
 
 def svg(p) -> str:
-    """Per-device stacked bars: weights, KV, compute, margin against capacity."""
-    colors = {"weights": "#4e79a7", "KV": "#f28e2b", "compute": "#59a14f", "margin": "#bab0ac"}
+    """Per-device stacked bars: weights, KV, compute, CUDA's own, reserve against capacity."""
+    colors = {"weights": "#4e79a7", "KV": "#f28e2b", "compute": "#59a14f", "CUDA": "#e15759", "reserve": "#bab0ac"}
     devs = p.devices
     w_bar, gap, h, top = 60, 30, 300, 40
     scale = h / max(max(d.device.usable, d.total) for d in devs)
@@ -60,7 +62,8 @@ def svg(p) -> str:
         cap_y = top + h - d.device.usable * scale
         out.append(f'<rect x="{x}" y="{cap_y:.1f}" width="{w_bar}" height="{d.device.usable * scale:.1f}" fill="none" stroke="#333"/>')
         y = top + h
-        for name, val in (("weights", d.weights), ("KV", d.kv), ("compute", d.compute), ("margin", d.margin)):
+        for name, val in (("weights", d.weights), ("KV", d.kv), ("compute", d.compute), ("CUDA", d.cuda_extra),
+                          ("reserve", d.margin)):
             hh = val * scale
             y -= hh
             out.append(f'<rect x="{x}" y="{y:.1f}" width="{w_bar}" height="{hh:.1f}" fill="{colors[name]}">'

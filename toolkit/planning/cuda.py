@@ -282,3 +282,48 @@ def cuda_device_terms(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str
                matmul_pool(info, on_device, has_output or (offload > 0 and output_on_cpu), n_ctx, n_ubatch, cc))
     return CudaTerms(fa_kv_copies=fa_quantized_kv_copies(info, layers, n_ctx, n_ubatch, type_k, type_v, flash_attn),
                      offload_copies=offload, pool=pool, reserve=cuda_reserve() if reserve is None else reserve)
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """cuda_device_terms' per-layer pieces, computed once per (model, n_ctx, KV types, ...) so that the
+    planner's search can cost thousands of layouts: every term is a maximum over layers, so a device's
+    term is the maximum of its layers' entries (`terms()` equals cuda_device_terms, tests check it)."""
+
+    fa: tuple[int, ...]  # fa_layer_copies per layer
+    pool: tuple[int, ...]  # max(fa_off_pool, matmul_pool) of each layer alone
+    pool_output: int  # matmul_pool of the output head
+    offload_prefix: tuple[int, ...]  # [k]: offload copies with layers 0..k-1 on the CPU (k = 0..n_layer)
+    offload_output: int  # offload_weight_copies of the output head left on the CPU
+
+    def terms(self, layers, has_output: bool, first: bool, n_cpu_slots: int, reserve: int) -> CudaTerms:
+        """The terms of a CUDA device holding `layers` (+ the output) when the first n_cpu_slots layer
+        slots (llama.cpp keeps those on the CPU; slot n_layer is the output head) sit on the CPU."""
+        n = len(self.fa)
+        n_cpu_layers, output_on_cpu = min(n_cpu_slots, n), n_cpu_slots > n
+        offload = 0
+        if first:
+            offload = max(self.offload_prefix[n_cpu_layers], self.offload_output if output_on_cpu else 0)
+        on_device = list(layers) + (list(range(n_cpu_layers)) if offload else [])
+        pool = max([self.pool[il] for il in on_device]
+                   + [self.pool_output if has_output or (offload and output_on_cpu) else 0])
+        return CudaTerms(fa_kv_copies=max((self.fa[il] for il in layers), default=0), offload_copies=offload,
+                         pool=pool, reserve=reserve)
+
+
+def layer_table(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str, flash_attn: bool,
+                cc: int = CC_TURING) -> LayerTable:
+    """The per-layer pieces of cuda_device_terms for one plan's settings."""
+    args = (n_ctx, n_ubatch)
+    n = info.n_layer
+    offload, prefix = 0, [0]
+    for il in range(n):
+        offload = max(offload, offload_weight_copies(info, [il], False, *args),
+                      offload_kv_copies(info, [il], *args, type_k, type_v, flash_attn))
+        prefix.append(offload)
+    return LayerTable(
+        fa=tuple(fa_layer_copies(info, il, *args, type_k, type_v, flash_attn) for il in range(n)),
+        pool=tuple(max(fa_off_pool(info, [il], *args, flash_attn), matmul_pool(info, [il], False, *args, cc))
+                   for il in range(n)),
+        pool_output=matmul_pool(info, [], True, *args, cc), offload_prefix=tuple(prefix),
+        offload_output=offload_weight_copies(info, [], True, *args))

@@ -35,9 +35,12 @@ DEFAULT_CPU_BANDWIDTH = 30e9
 class Device:
     """One place llama.cpp can put layers.
 
-    kind is "gpu" (CUDA or a described GPU), "rpc" (a ggml RPC worker) or "cpu" (host RAM).
-    `total` is the device's memory; `usable` is what a plan may fill (free memory for a present
-    device, the declared size or `usable` for a described one).
+    kind is "gpu" (a present or described GPU), "rpc" (a ggml RPC worker) or "cpu" (host RAM).
+    `backend` is the ggml backend that allocates its memory: "cuda" (described GPUs are CUDA cards
+    unless a profile says otherwise), "rpc", "cpu", or another GPU backend ("vulkan", "metal", ...),
+    which gets a safe default reserve. `total` is the device's memory; `usable` is what a plan may fill
+    (free memory for a present device, the declared size or `usable` for a described one).
+    `reserve`: bytes kept free outside every buffer on a GPU (None: the backend's default, see cuda.py).
     """
 
     name: str
@@ -46,6 +49,12 @@ class Device:
     usable: int  # bytes
     bandwidth: float | None = None  # bytes/s, for the decode estimate
     endpoint: str | None = None  # host:port for RPC devices
+    backend: str = ""  # "" means: "cuda" for a GPU, else the kind
+    reserve: int | None = None  # bytes
+
+    def __post_init__(self):
+        if not self.backend:
+            self.backend = "cuda" if self.kind == "gpu" else self.kind
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +88,7 @@ def list_profiles() -> list[str]:
 
 
 _PROFILE_KEYS = {"name", "description", "device", "cpu"}
-_DEVICE_KEYS = {"name", "memory_gib", "usable_gib", "bandwidth_gbs", "count"}
+_DEVICE_KEYS = {"name", "memory_gib", "usable_gib", "bandwidth_gbs", "count", "backend", "reserve_gib"}
 _CPU_KEYS = {"memory_gib", "bandwidth_gbs"}
 
 
@@ -115,7 +124,9 @@ def load_profile(name_or_path: str) -> tuple[list[Device], dict]:
             devices.append(Device(
                 name=f"{name} #{k + 1}" if count > 1 else name,
                 kind="gpu", total=total, usable=int(float(d.get("usable_gib", d["memory_gib"])) * GiB),
-                bandwidth=float(d["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in d else DEFAULT_GPU_BANDWIDTH))
+                bandwidth=float(d["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in d else DEFAULT_GPU_BANDWIDTH,
+                backend=str(d.get("backend", "cuda")).lower(),
+                reserve=int(float(d["reserve_gib"]) * GiB) if "reserve_gib" in d else None))
     if not devices:
         raise CtxqError(f"profile {name_or_path}: no [[device]] entries")
     cpu = data.get("cpu", {})
@@ -148,8 +159,10 @@ def detect_gpus() -> list[Device]:
             if rpc:
                 m = re.search(r"\[(.+?)\]", d.name)
                 endpoint = m.group(1) if m else None
+            # ggml names devices after their backend: CUDA0, Vulkan0, ROCm0, Metal, RPC0[host:port]
             out.append(Device(name=d.name, kind="rpc" if rpc else "gpu", total=d.total, usable=d.free,
-                              bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH, endpoint=endpoint))
+                              bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH, endpoint=endpoint,
+                              backend="rpc" if rpc else re.match(r"[A-Za-z]*", d.name).group(0).lower() or "gpu"))
     log.debug("detected devices: %s (CUDA_VISIBLE_DEVICES=%s)", [d.name for d in out],
               os.environ.get("CUDA_VISIBLE_DEVICES"))
     return out

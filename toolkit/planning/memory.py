@@ -9,6 +9,10 @@
   graph-input copies that each device holds when the graph is split.
 - host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the
   logits buffer (n_vocab floats per sequence).
+- CUDA's own memory (`cuda.py`), on devices whose backend is CUDA: the f16 K/V copies of flash
+  attention over a quantized cache and, on the first CUDA device, the copies of CPU-resident weights
+  and KV that the scheduler offloads for prompt processing (both in the compute buffer); the memory
+  pool's high-water; a reserve for what lives outside every buffer (context, cuBLAS, graphs).
 
 `planner` searches over layer assignments with these costs.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import compute as compute_mod
+from . import cuda as cuda_mod
 from .devices import Device
 from .options import PlanOptions
 from .plan import DevicePlan
@@ -25,10 +30,6 @@ from ..gguf.info import ModelInfo, kv_bytes
 from ..units import GiB, MiB, round_up
 
 KV_PAD = 256  # llama_context pads the KV cache to 256 cells (llama_kv_cache::get_padding)
-# Headroom kept free on every GPU. Not measured in this repo (no CUDA device here, see issue 8):
-# the CUDA context, cuBLAS workspaces and allocator slack take 300-600 MiB per card in llama.cpp
-# user reports; RPC workers on this machine allocate exactly what llama.cpp logs.
-GPU_MARGIN = 512 * MiB
 RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
 HOST_MARGIN = 1 * GiB  # the Python process, llama.cpp's own heap and the OS page cache for mmap
 # llama.cpp keeps this many copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES).
@@ -49,6 +50,8 @@ class Costs:
     logits: int
     f16_cache: bool = True
     swa_mask_overlap: int = 0
+    cuda: cuda_mod.LayerTable | None = None  # CUDA's per-layer terms, when a device's backend is CUDA
+    reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
 
 
 def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
@@ -66,8 +69,9 @@ def layer_kv_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type
             for il in range(info.n_layer)]
 
 
-def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str) -> Costs:
-    """The costs for resolved options `opts` with these KV types; src is the model's GGUF header."""
+def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cuda: bool = False) -> Costs:
+    """The costs for resolved options `opts` with these KV types; src is the model's GGUF header.
+    cuda: some device is a CUDA card (its terms are computed once here)."""
     n_ctx, n_ubatch, flash_attn = opts.n_ctx, opts.n_ubatch, opts.flash_attn
     layer_kv = layer_kv_bytes(info, n_ctx, n_ubatch, type_k, type_v)
     out_w = info.output_bytes + (info.token_embd_bytes if info.output_tied else 0)
@@ -83,12 +87,26 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str) -> 
     return Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
                  resid=resid, logits=info.n_vocab * 4,
                  f16_cache=type_k == "f16" and type_v == "f16",
-                 swa_mask_overlap=n_kv * n_ubatch * (2 if flash_attn else 4) if any(info.swa_layers) else 0)
+                 swa_mask_overlap=n_kv * n_ubatch * (2 if flash_attn else 4) if any(info.swa_layers) else 0,
+                 cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
+                                           flash_attn=flash_attn) if cuda else None,
+                 reserve=opts.reserve)
 
 
-def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Device) -> DevicePlan:
+def reserve(c: Costs, dev: Device) -> int:
+    """Bytes a GPU keeps free outside every buffer: the caller's, else the device's (a profile), else
+    its backend's (cuda.cuda_reserve)."""
+    for r in (c.reserve, dev.reserve):
+        if r is not None:
+            return r
+    return cuda_mod.cuda_reserve(dev.backend)
+
+
+def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Device, *, first_cuda: bool = False,
+                n_cpu_slots: int = 0) -> DevicePlan:
     """What a device holding `layers` (and the output head if has_output) needs, when n_used devices
-    hold layers."""
+    hold layers; first_cuda: it is the first CUDA device in llama.cpp's order (the op-offload target),
+    with the first n_cpu_slots layer slots on the CPU."""
     dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
     dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
@@ -103,7 +121,13 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         # receives as an input copy instead (measured on Gemma 2 at 4k-64k: the error grew by exactly
         # one f16 mask per token without this)
         dp.compute = c.peaks.layer_full + SCHED_COPIES * c.inputs - c.swa_mask_overlap
-    dp.margin = GPU_MARGIN if dev.kind == "gpu" else RPC_MARGIN
+    if dev.kind != "gpu":
+        dp.margin = RPC_MARGIN
+        return dp
+    dp.margin = reserve(c, dev)
+    if dev.backend == "cuda" and c.cuda is not None:
+        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin)
+        dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
 
 

@@ -35,6 +35,8 @@ class PlanOptions:
     (a name in profiles/ or a .toml), rpc (ggml RPC workers, "HOST:PORT[=GiB],..."), simulate (RPC
     devices of these GiB sizes, no GPU margin); none given: the devices llama.cpp sees.
     cpu_memory: bytes of host RAM to plan with (default: the profile's, else available now).
+    reserve: bytes kept free on every GPU outside llama.cpp's buffers (default: the backend's, 768 MiB
+    for CUDA, see planning/cuda.py; a profile may set it per card).
     """
 
     n_ctx: int | None = None
@@ -52,6 +54,7 @@ class PlanOptions:
     rpc: object = None  # a spec string, or endpoints (`ctxq.rpc.RpcEndpoint`)
     simulate: str | list | tuple | None = None
     cpu_memory: int | None = None
+    reserve: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -81,6 +84,9 @@ class PlanOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise InvalidOption(f"{name} must be positive, got {value}", option=name, value=value)
+        if self.reserve is not None and self.reserve < 0:
+            raise InvalidOption(f"reserve must be 0 or more bytes, got {self.reserve}", option="reserve",
+                                value=self.reserve)
         if prefer not in PREFER:
             raise InvalidOption(f"`prefer` must be quality or speed, not {prefer!r}", option="prefer", value=prefer)
         if kv not in (DEFAULT_KV, *KV_TYPES):

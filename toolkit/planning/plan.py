@@ -19,12 +19,24 @@ class DevicePlan:
     layers: list[int]  # layer indices; n_layer stands for the output head
     weights: int = 0
     kv: int = 0
-    compute: int = 0
-    margin: int = 0
+    compute: int = 0  # the compute buffer as the CPU backend sizes it (llama.cpp's own dry run)
+    cuda_copies: int = 0  # what CUDA's compute buffer adds (f16 K/V copies, op-offload copies; cuda.py)
+    cuda_pool: int = 0  # CUDA's memory pool high-water, outside every buffer (cuda.py)
+    margin: int = 0  # kept free: a GPU's reserve, an RPC worker's rounding, the host's process and OS
+
+    @property
+    def cuda_extra(self) -> int:
+        """CUDA's own bytes beyond what the CPU backend shows: the table's CUDA column."""
+        return self.cuda_copies + self.cuda_pool
+
+    @property
+    def buffers(self) -> int:
+        """What llama.cpp's log should report for this device (model + KV + compute buffers)."""
+        return self.weights + self.kv + self.compute + self.cuda_copies
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.margin
+        return self.buffers + self.cuda_pool + self.margin
 
     @property
     def free(self) -> int:
@@ -32,7 +44,7 @@ class DevicePlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["total"] = self.total
+        d.update(cuda_extra=self.cuda_extra, buffers=self.buffers, total=self.total, free=self.free)
         return d
 
 

@@ -35,6 +35,7 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
     counts = [0] * len(devs)
     hi = n + 1  # slots [lo, hi) remain; slot n is the output head
     lo_bound = n + 1 - n_gpu_layer_slots
+    first = _first_cuda(devs)
     for d in range(len(devs) - 1, -1, -1):
         if hi <= lo_bound:
             break
@@ -44,7 +45,8 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             start = hi - take - 1
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
-            dp = device_cost(c, layers, has_out, 2, devs[d])  # as in a split; _layout costs the final one exactly
+            # as in a split; _layout costs the final one exactly
+            dp = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first, n_cpu_slots=lo_bound)
             if dp.total > budget:
                 break
             take += 1
@@ -59,14 +61,23 @@ def _layout(c: Costs, devs: list[Device], counts: list[int]) -> list[DevicePlan]
     """Each device's plan for `counts` layer slots per device, the last slot being the output head."""
     n = c.info.n_layer
     n_used = sum(1 for k in counts if k)
-    start = n + 1 - sum(counts)
+    n_cpu_slots = start = n + 1 - sum(counts)
+    first = _first_cuda(devs)
     out = []
-    for dev, k in zip(devs, counts):
+    for i, (dev, k) in enumerate(zip(devs, counts)):
         has_out = k > 0 and start + k - 1 == n
         layers = range(start, min(start + k, n))
-        out.append(device_cost(c, layers, has_out, n_used, dev) if k else DevicePlan(dev, []))
+        # a device without layers still gets the op-offload copies when it is the first CUDA device
+        out.append(device_cost(c, layers, has_out, n_used, dev, first_cuda=i == first, n_cpu_slots=n_cpu_slots)
+                   if k or i == first else DevicePlan(dev, []))
         start += k
     return out
+
+
+def _first_cuda(devs: list[Device]) -> int | None:
+    """The first CUDA device in llama.cpp's order: the scheduler offloads host-resident weights to the
+    first backend whose offload_op accepts them, and RPC devices (placed first) have none."""
+    return next((i for i, d in enumerate(devs) if d.backend == "cuda"), None)
 
 
 def _orders(devs: list[Device], allow_reorder: bool) -> list[list[int]]:
@@ -163,6 +174,8 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     src = compute_mod.load_source(path)
     info = model_info(src)
     candidates = opts.kv_candidates()
+    _check_reserve(devices, opts)
+    cuda = any(d.backend == "cuda" for d in devices)
     for tk, tv in candidates:
         for name, t in (("type_k", tk), ("type_v", tv)):
             if t not in info.kv_bytes_per_token:
@@ -173,10 +186,10 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
                                 option="type_v", value=tv)
     if opts.split is not None:
         tk, tv = candidates[0]
-        return _evaluate_split(costs(info, src, opts, tk, tv), str(path), devices, cpu, opts, tk, tv)
+        return _evaluate_split(costs(info, src, opts, tk, tv, cuda), str(path), devices, cpu, opts, tk, tv)
     plans, hosts = [], []
     for tk, tv in candidates:
-        c = costs(info, src, opts, tk, tv)
+        c = costs(info, src, opts, tk, tv, cuda)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
         hosts.append((host, tv))
         if p is not None:
@@ -184,6 +197,15 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     if not plans:
         raise _does_not_fit(cpu, hosts, opts.n_ctx)
     return _choose(plans, info, devices, opts, len(candidates) > 1)
+
+
+def _check_reserve(devices: list[Device], opts: PlanOptions) -> None:
+    """A reserve must leave room for something on every GPU it applies to."""
+    for d in devices:
+        r = opts.reserve if opts.reserve is not None else d.reserve
+        if d.kind == "gpu" and r is not None and r >= d.usable:
+            raise InvalidOption(f"a reserve of {r / GiB:.2f} GiB leaves nothing of {d.name}'s {d.usable / GiB:.2f} GiB; "
+                                "give a smaller `reserve`", option="reserve", value=r, limit=d.usable)
 
 
 def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):

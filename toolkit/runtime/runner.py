@@ -165,8 +165,8 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
         by_ep = [n for n in dev_names if dp.device.endpoint and n.endswith(f"[{dp.device.endpoint}]")]
         name = by_ep[0] if by_ep else dp.device.name if dp.device.name in dev_names else (
             dev_names[i] if i < len(dev_names) else None)
-        out.append(DeviceMemory(dp.device.name, dp.total - dp.margin, alloc.total(name) if name else 0))
-    out.append(DeviceMemory(p.host.device.name, p.host.total - p.host.margin,
+        out.append(DeviceMemory(dp.device.name, dp.buffers, alloc.total(name) if name else 0))
+    out.append(DeviceMemory(p.host.device.name, p.host.buffers,
                             sum(alloc.total(n) for n in host_names)))
     return out
 
