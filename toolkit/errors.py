@@ -95,3 +95,8 @@ class WorkerLost(CtxqError):
     def __init__(self, endpoint: str | None, message: str):
         super().__init__(message)
         self.endpoint = endpoint
+
+
+class SessionMismatch(CtxqError):
+    """A saved session (KV state) was not made from this model, these settings or this input: it is not
+    used, and the input is processed from the start instead."""
