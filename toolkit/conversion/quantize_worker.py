@@ -1,4 +1,5 @@
-"""The child process that runs llama.cpp's quantizer. The parent's side is `ctxq.conversion.quantize.Worker`.
+"""The child process that runs llama.cpp's quantizer. The parent's side is
+`ctxq.conversion.quantize_process.Worker`.
 
 llama.cpp can abort the whole process (GGML_ABORT) and `llama_model_quantize` cannot be interrupted
 from Python, so ctxq runs it here and the parent only watches. The worker
