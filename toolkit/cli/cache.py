@@ -30,8 +30,9 @@ def cache_cmd(ctx: click.Context):
         if models_dir().is_dir() else []
     if models:
         click.echo("\nmodels (remove one with `ctxq cache rm NAME`):")
+        width = max(len(f.name) for f in models)
         for f in models:
-            click.echo(f"  {f.name}  {human(tempfiles.size_of(f))}")
+            click.echo(f"  {f.name:<{width}}  {human(tempfiles.size_of(f)):>10}")
     temps = tempfiles.temporaries(home, recursive=True)
     stale = [t for t in temps if tempfiles.is_stale(t)]
     if temps:
