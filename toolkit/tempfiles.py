@@ -12,6 +12,7 @@ live process's temporary, or another host's (a folder shared over the network), 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -51,6 +52,18 @@ def create(dest: str | os.PathLike, what: str) -> Path:
         except FileExistsError:
             continue
     raise FileExistsError(f"{temp_path(dest, what)}: 999 temporaries of this process already exist")
+
+
+@contextlib.contextmanager
+def folder(dest: str | os.PathLike, what: str):
+    """A temporary folder beside `dest` for the `with` block, removed after it (and, if this process
+    is killed, by the next sweep)."""
+    path = temp_path(dest, what)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def parse(path: str | os.PathLike) -> dict | None:
