@@ -124,3 +124,19 @@ def test_kill_9_while_writing_the_f16(smollm2_hf, tmp_path):
     assert rc.returncode == 0, rc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.gguf"]
     assert read_gguf(out, skip_arrays=True).get("general.file_type") == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
+
+
+def test_hf_route_keeps_one_reference_per_checkpoint(tmp_path, monkeypatch):
+    """The quality gate's reference on the Hugging Face route is the f16 temporary, a new path every
+    run: its logits are kept under the checkpoint's identity, so reruns add no new file."""
+    from ctxq import convert
+
+    from .test_convert import make_tiny
+
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
+    tiny = make_tiny(tmp_path / "tiny", "llama")
+    for _ in range(2):
+        r = convert(tiny, "q4_k_m", tmp_path / "t.gguf", force=True)
+        assert r.quality["n_tokens"] >= 128 and not r.cached
+    assert len(list((tmp_path / "home" / "cache" / "reference-logits").glob("*.npy"))) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "t.gguf", "tiny"]

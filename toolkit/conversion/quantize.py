@@ -166,6 +166,12 @@ def _logits_cache() -> Path:
     return ctxq_home() / "cache" / "reference-logits"
 
 
+def _reference_id(key: dict) -> str | None:
+    """What the quality gate's reference logits are kept under when the source is named by the
+    caller's `cache_key_extra` (the Hugging Face route's f16 temporary: a new path every run)."""
+    return None if key["extra"] is None else json.dumps([key["extra"], key["ctxq"]], sort_keys=True)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -313,7 +319,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                    "output_tensor_type": key["output_tensor_type"],
                    "token_embedding_type": key["token_embedding_type"],
                    "imatrix": str(imatrix) if imatrix else None, "reference": str(src) if check else None,
-                   "logits_cache": str(_logits_cache())}
+                   "logits_cache": str(_logits_cache()), "reference_id": _reference_id(key)}
             out = worker.run(job, progress)
             os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
         finally:  # Ctrl-C included: the worker is killed on leaving the `with` block
@@ -331,7 +337,7 @@ def _cached(worker: Worker, rec: dict, key: dict, src: Path, name: str, check: b
     quality = rec.get("quality")
     if check and quality is None:  # cached without the gate: run only the gate
         quality = worker.run({"check_only": True, "out": rec["path"], "reference": str(src),
-                              "logits_cache": str(_logits_cache())})["quality"]
+                              "logits_cache": str(_logits_cache()), "reference_id": _reference_id(key)})["quality"]
         quality["reference_is_quantized"] = rec["source_was_quantized"]
     res = QuantizeResult(Path(rec["path"]), name, rec["size"], True, time.perf_counter() - t0,
                          quality, rec["source_was_quantized"])
