@@ -253,6 +253,8 @@ def test_existing_output_needs_force(tiny, tmp_path):
     assert out.read_bytes() == b"keep me"
     r = convert(tiny["llama"], "f16", out, force=True)
     assert r.path == out and out.read_bytes()[:4] == b"GGUF"
+    with pytest.raises(CtxqError, match="^`check`, `pure`: only for quantized types .*, not f16$"):
+        convert(tiny["llama"], "f16", tmp_path / "n.gguf", pure=True, check=False)  # keywords, not flags
 
 
 def _hub_cache(hf_home: Path, repo: str, folder: Path, sha: str = "0123456789abcdef0123456789abcdef01234567"):

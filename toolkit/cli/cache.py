@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..models import CLEARABLE
 from . import cli
 from .common import human, table
 
@@ -42,7 +43,7 @@ def cache_cmd(ctx: click.Context):
 
 
 @cache_cmd.command("clean")
-@click.argument("parts", nargs=-1, type=click.Choice(["derived", "hfplan", "quantize", "logits", "digests", "hf"]))
+@click.argument("parts", nargs=-1, type=click.Choice(CLEARABLE))
 @click.option("--all", "everything", is_flag=True, help="Clear every part except models.")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 def clean_cmd(parts: tuple[str, ...], everything: bool, dry_run: bool):
@@ -53,7 +54,7 @@ def clean_cmd(parts: tuple[str, ...], everything: bool, dry_run: bool):
     checkpoints). Every one is made again when needed. Models are removed one by one with
     `ctxq cache rm NAME`. A running process's temporaries are never removed.
     """
-    from ..models import CLEARABLE, clean_cache
+    from ..models import clean_cache
 
     removed = clean_cache(CLEARABLE if everything else parts, dry_run=dry_run)
     verb = "would remove" if dry_run else "removed"

@@ -85,8 +85,8 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     name = _model_name(model, folder)
     if kind in FLOAT_TYPES:
         if quant_options:
-            raise ConversionError(f"{', '.join(sorted(quant_options))}: only for quantized types (e.g. q4_k_m), "
-                                  f"not {kind}")
+            names = ", ".join(f"`{k}`" for k in sorted(quant_options))
+            raise ConversionError(f"{names}: only for quantized types (e.g. q4_k_m), not {kind}")
         dest = _dest(output, name, kind, force)
         return _convert_float(ckpt, name, kind, dest, pre, progress, t0)
     return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, t0)
