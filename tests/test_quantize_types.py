@@ -96,7 +96,7 @@ def test_walk_every_type(tiny, tmp_path):
     for name in q.QUANT_TYPES:
         dst = tmp_path / f"tiny-{name}.gguf"
         if name in q.NEEDS_IMATRIX:
-            with pytest.raises(ConversionError, match=f"{name} needs an importance matrix: pass --imatrix"):
+            with pytest.raises(ConversionError, match=f"{name} needs an importance matrix: pass imatrix=FILE"):
                 q.quantize_gguf(model, dst, name, check=False)
             assert not dst.exists() and not list(tmp_path.glob(".*.part"))
         check = name in GATED  # the gate costs two model loads; the walk runs it on a few types
