@@ -52,7 +52,7 @@ class ConvertResult:
     type: str
     arch: str  # GGUF architecture
     size: int  # bytes of the output file
-    n_tensors: int
+    n_tensors: int  # tensors in the output file (read from its header when quantized or cached)
     pre: str | None  # BPE pre-tokenizer name written, None for SentencePiece
     source: str  # the folder that was read
     seconds: float
