@@ -3,7 +3,7 @@
 The BPE pre-tokenizer name (`tokenizer.ggml.pre`) is recognised from the structure of
 tokenizer.json's `pre_tokenizer` (its split regexes and byte-level step), matched against the
 regexes llama.cpp implements for each name (llama_vocab::impl::load / llm_tokenizer_bpe in
-src/llama-vocab.cpp). An unrecognised structure is refused with a pointer to `--pre NAME`.
+src/llama-vocab.cpp). An unrecognised structure is refused with a pointer to `pre=NAME`.
 SentencePiece models are read with a small protobuf reader, so `sentencepiece` is not needed.
 """
 

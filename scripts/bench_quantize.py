@@ -19,7 +19,6 @@ import ctypes
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ def main() -> None:
                     help="without --src: SmolLM2-135M-Instruct, or a SmolLM2-1.7B-shaped model")
     args = ap.parse_args()
 
+    from ctxq import tempfiles
     from ctxq.llama.backend import llama_cpp
     from ctxq.models import models_dir
     from ctxq.conversion.quantize import file_digest, parse_type, quantize_gguf
@@ -59,7 +59,7 @@ def main() -> None:
     else:
         src = dequantized_smollm2_gguf(models_dir() / "SmolLM2-135M-Instruct.F16.gguf")
     name, ftype = parse_type(args.type)
-    with tempfile.TemporaryDirectory(prefix="bench-quantize-", dir=Path(src).parent) as tmp:
+    with tempfiles.folder(src, "bench") as tmp:  # beside the model; a killed run's goes by `ctxq cache clean`
         os.environ["CTXQ_HOME"] = str(Path(tmp) / "home")  # records go to a throwaway cache
         a, b = Path(tmp) / "direct.gguf", Path(tmp) / "ctxq.gguf"
         t_direct, t_ctxq, t_call = [], [], []

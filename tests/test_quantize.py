@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ctxq import tempfiles
 from ctxq.conversion import quantize as q
 from ctxq.errors import ConversionError
 from ctxq.models import models_dir
@@ -120,7 +121,7 @@ def test_cache_hit_does_nothing_and_force_redoes(quantized, f16, home, tmp_path)
 def test_existing_file_is_not_overwritten_without_force(f16, home, tmp_path):
     dst = tmp_path / "mine.gguf"
     dst.write_bytes(b"user data")
-    with pytest.raises(ConversionError, match="exists and is not this conversion's cached result; pass --force"):
+    with pytest.raises(ConversionError, match="exists and is not this conversion's cached result; pass force=True"):
         q.quantize_gguf(f16, dst, "Q5_0", check=False)
     assert dst.read_bytes() == b"user data"
 
@@ -134,7 +135,7 @@ def test_requantizing_says_so(smollm2, home, tmp_path):
 
 def test_imatrix_types_refused_before_any_work(f16, home, tmp_path):
     t0 = time.perf_counter()
-    with pytest.raises(ConversionError, match="IQ2_XXS needs an importance matrix: pass --imatrix FILE"):
+    with pytest.raises(ConversionError, match="IQ2_XXS needs an importance matrix: pass imatrix=FILE"):
         q.quantize_gguf(f16, tmp_path / "x.gguf", "iq2_xxs")
     assert time.perf_counter() - t0 < 2 and list(tmp_path.iterdir()) == []
 
@@ -182,7 +183,7 @@ def _start_mid_quantization(src: Path, dst: Path):
     """A process quantizing src to dst, returned once its worker has written a few MB."""
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(src), str(dst)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    part = dst.with_name(f".{dst.name}.part")
+    part = tempfiles.temp_path(dst, "quantize", pid=proc.pid)
     deadline = time.time() + 120
     while not (part.exists() and part.stat().st_size > 8 << 20):
         assert proc.poll() is None, proc.communicate()
@@ -200,10 +201,10 @@ def test_kill_9_leaves_nothing_and_the_rerun_completes(f16, home, tmp_path):
     proc.wait()
     gone, alive = psutil.wait_procs([worker], timeout=10)
     assert not alive, "the quantizer outlived ctxq"
-    assert not dst.exists()  # only the hidden temporary, which the rerun replaces
+    assert not dst.exists() and part.exists()  # only the killed run's temporary
     r = q.quantize_gguf(f16, dst, "Q8_0", check=False, force=True)  # the killed command, run again
     assert not r.cached and r.path == dst and dst.stat().st_size == r.size
-    assert not part.exists()
+    assert not part.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["k.gguf"]  # swept
 
 
 def test_ctrl_c_cancels_cleanly(f16, home, tmp_path):

@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType as FT
 
+from .. import tempfiles
 from ..llama import backend
 from ..converters import family_for
-from ..converters.base import Family, TensorPlan, head_dim, permute_rope, text_config, write_common
+from ..converters.base import (Family, TensorPlan, head_dim, output_is_token_embd, permute_rope, text_config,
+                               write_common)
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
@@ -51,7 +52,7 @@ class ConvertResult:
     type: str
     arch: str  # GGUF architecture
     size: int  # bytes of the output file
-    n_tensors: int
+    n_tensors: int  # tensors in the output file (read from its header when quantized or cached)
     pre: str | None  # BPE pre-tokenizer name written, None for SentencePiece
     source: str  # the folder that was read
     seconds: float
@@ -84,8 +85,8 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     name = _model_name(model, folder)
     if kind in FLOAT_TYPES:
         if quant_options:
-            flags = sorted("--no-check" if k == "check" else "--" + k.replace("_", "-") for k in quant_options)
-            raise ConversionError(f"{', '.join(flags)}: only for quantized types (e.g. q4_k_m), not {kind}")
+            names = ", ".join(f"`{k}`" for k in sorted(quant_options))
+            raise ConversionError(f"{names}: only for quantized types (e.g. q4_k_m), not {kind}")
         dest = _dest(output, name, kind, force)
         return _convert_float(ckpt, name, kind, dest, pre, progress, t0)
     return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, t0)
@@ -115,6 +116,7 @@ def _dest(output, name: str, kind: str, force: bool) -> Path:
     if dest.exists() and not force:
         raise ConversionError(f"{dest} exists; pass force=True to replace it or another `output` path")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    tempfiles.sweep(dest.parent)  # what killed runs left here
     return dest
 
 
@@ -122,6 +124,20 @@ def _dest(output, name: str, kind: str, force: bool) -> Path:
 
 def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str | None,
                    progress: Progress | None, t0: float) -> ConvertResult:
+    tmp = tempfiles.create(dest, "gguf")
+    try:
+        family, n_tensors, vocab = _write_checked(ckpt, name, kind, tmp, pre, progress)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("wrote %s (%d tensors, %d bytes) in %.1f s", dest, n_tensors, dest.stat().st_size, time.perf_counter() - t0)
+    return ConvertResult(dest, kind, family.arch_name, dest.stat().st_size, n_tensors, vocab.pre,
+                         str(ckpt.folder), time.perf_counter() - t0)
+
+
+def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str | None,
+                   progress: Progress | None) -> tuple[Family, int, Vocab]:
+    """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back."""
     _, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -133,25 +149,13 @@ def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str 
     embd = next(p for p in plans if p.name == "token_embd.weight")
     vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], pre)
     total = sum(_nbytes(p) for p in plans)
-    free = shutil.disk_usage(dest.parent).free
+    free = shutil.disk_usage(tmp.parent).free
     if free < total + _DISK_MARGIN:
-        raise ConversionError(f"{dest.parent} has {free / 2**20:.1f} MiB free, the output needs about "
-                              f"{(total + _DISK_MARGIN) / 2**20:.1f} MiB; free space or write the `output` on another disk")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; the result gets a normal file's mode
-    try:
-        _write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
-        verify_loads(tmp)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-    log.info("wrote %s (%d tensors, %d bytes) in %.1f s", dest, len(plans), dest.stat().st_size, time.perf_counter() - t0)
-    return ConvertResult(dest, kind, family.arch_name, dest.stat().st_size, len(plans), vocab.pre,
-                         str(ckpt.folder), time.perf_counter() - t0)
+        raise ConversionError(f"{tmp.parent} has {free / MiB:.1f} MiB free, the output needs about "
+                              f"{(total + _DISK_MARGIN) / MiB:.1f} MiB; free space or write the `output` on another disk")
+    _write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
+    verify_loads(tmp)
+    return family, len(plans), vocab
 
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -174,10 +178,10 @@ def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list
     nmap = gguf.get_tensor_name_map(family.arch, n_layer)
     n_head = cfg["num_attention_heads"]
     n_head_kv = cfg.get("num_key_value_heads") or n_head
-    tied = "lm_head.weight" in ckpt.tensors and cfg.get("tie_word_embeddings", False)
+    skip_head = output_is_token_embd(ckpt, family, cfg)
     plans: list[TensorPlan] = []
     for hf_name, ref in ckpt.tensors.items():
-        if hf_name in family.skip or hf_name.endswith("rotary_emb.inv_freq") or (tied and hf_name == "lm_head.weight"):
+        if hf_name.endswith("rotary_emb.inv_freq") or (skip_head and hf_name == "lm_head.weight"):
             continue  # llama.cpp derives these (or duplicates token_embd for a tied output)
         name = nmap.get_name(hf_name.removeprefix("language_model."), try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -191,7 +195,7 @@ def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list
         # Whole tensor when a transform needs it (Q/K permutation mixes rows within a head, and
         # those tensors are small); otherwise row blocks, so the embedding never sits in memory whole.
         blocks = (lambda r, f: (lambda: [f(r.load_f32())]) if f else r.iter_f32)(ref, transform)
-        plans.append(TensorPlan(name, ref.shape, _out_type(name, ref.shape, kind), blocks, ref.nbytes))
+        plans.append(TensorPlan(name, ref.shape, _out_type(name, ref.shape, kind), blocks))
     for name, arr in (family.extra_tensors(cfg) if family.extra_tensors else {}).items():
         plans.append(TensorPlan(name, arr.shape, T.F32, (lambda a: lambda: [a])(arr)))
     if not any(p.name == "token_embd.weight" for p in plans):
@@ -303,15 +307,18 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
     q = _quantize_module()
     qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
     r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=qprogress, **options)
-    return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, None, str(src),
+    arch, n_tensors = _arch_and_count(r.path)
+    return ConvertResult(Path(r.path), r.type, arch, r.size, n_tensors, None, str(src),
                          time.perf_counter() - t0, cached=r.cached, quality=r.quality,
                          source_was_quantized=r.source_was_quantized)
 
 
-def _arch_of(path) -> str:
+def _arch_and_count(path) -> tuple[str, int]:
+    """A GGUF's architecture and tensor count, from its header."""
     from ..gguf.reader import read_gguf
 
-    return read_gguf(path, skip_arrays=True).arch
+    g = read_gguf(path, skip_arrays=True)
+    return g.arch, len(g.tensors)
 
 
 def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, force: bool, progress, options: dict,
@@ -329,7 +336,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
         return _cached_result(wanted, qname, pre, ckpt, t0)  # the same conversion is already there
     dest = _dest(output, name, qname, force)
     if cached is not None:  # done before, elsewhere: copy it instead of converting again
-        part = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+        part = tempfiles.create(dest, "copy")
         try:
             shutil.copyfile(cached, part)
             os.replace(part, dest)
@@ -337,19 +344,21 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
             part.unlink(missing_ok=True)
         return _cached_result(dest, qname, pre, ckpt, t0)
     mid = "bf16" if ckpt.source_float_type() == "bf16" else "f16"
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{mid}.gguf")  # beside the destination, then deleted
+    tmp = tempfiles.create(dest, mid)  # beside the destination, then deleted
     try:
-        _convert_float(ckpt, name, mid, tmp, pre, progress, t0)
+        _write_checked(ckpt, name, mid, tmp, pre, progress)
         qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
         r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=extra, progress=qprogress, **options)
     finally:
         tmp.unlink(missing_ok=True)
-    return ConvertResult(Path(r.path), r.type, _arch_of(r.path), r.size, 0, pre, str(ckpt.folder),
+    arch, n_tensors = _arch_and_count(r.path)
+    return ConvertResult(Path(r.path), r.type, arch, r.size, n_tensors, pre, str(ckpt.folder),
                          time.perf_counter() - t0, quality=r.quality)
 
 
 def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float) -> ConvertResult:
-    return ConvertResult(path, qname, _arch_of(path), path.stat().st_size, 0, pre, str(ckpt.folder),
+    arch, n_tensors = _arch_and_count(path)
+    return ConvertResult(path, qname, arch, path.stat().st_size, n_tensors, pre, str(ckpt.folder),
                          time.perf_counter() - t0, cached=True)
 
 

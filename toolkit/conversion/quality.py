@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import tempfiles
 from ..units import default_threads
 
 log = logging.getLogger(__name__)
@@ -93,17 +94,19 @@ def compare_logits(reference: np.ndarray, candidate: np.ndarray) -> dict:
     }
 
 
-def _reference_logits(reference: str, tokens: list[int], n_ctx: int, cache_dir: Path | None) -> np.ndarray:
-    """The reference's logits, kept as float32 in `cache_dir` keyed by the file's identity and the
-    tokens: quantizing one model to several types evaluates the (largest) reference once."""
+def _reference_logits(reference: str, tokens: list[int], n_ctx: int, cache_dir: Path | None,
+                      reference_id: str | None = None) -> np.ndarray:
+    """The reference's logits, kept as float32 in `cache_dir` keyed by the file's identity (or the
+    caller's `reference_id` for its contents, e.g. a temporary's) and the tokens: quantizing one model
+    to several types evaluates the (largest) reference once."""
     if cache_dir is None:
         return _logits(reference, tokens, n_ctx)
     import hashlib
     import importlib.metadata as md
 
     st = os.stat(reference)
-    stamp = json.dumps([os.path.realpath(reference), st.st_size, st.st_mtime_ns, st.st_ino, tokens,
-                        md.version("llama_cpp_python")])
+    ident = reference_id or [os.path.realpath(reference), st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = json.dumps([ident, tokens, md.version("llama_cpp_python")])
     path = Path(cache_dir) / (hashlib.sha256(stamp.encode()).hexdigest()[:32] + ".npy")
     try:
         return np.load(path).astype(np.float64)
@@ -111,18 +114,23 @@ def _reference_logits(reference: str, tokens: list[int], n_ctx: int, cache_dir: 
         pass
     logits = _logits(reference, tokens, n_ctx)
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.stem}.{os.getpid()}.npy")
-    np.save(part, logits.astype(np.float32))
-    os.replace(part, path)
+    part = tempfiles.create(path, "npy")
+    try:
+        with open(part, "wb") as f:  # np.save to a path would add ".npy" to the temporary's name
+            np.save(f, logits.astype(np.float32))
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
     return logits
 
 
 def compare(reference: str | os.PathLike, candidate: str | os.PathLike, *, n_ctx: int = 512,
-            cache_dir: str | os.PathLike | None = None) -> dict:
+            cache_dir: str | os.PathLike | None = None, reference_id: str | None = None) -> dict:
     """Run both GGUF models on the built-in text; return top1_agreement, mean_kl (nats), max_kl,
-    n_tokens and the reference path. With `cache_dir`, the reference's logits are reused."""
+    n_tokens and the reference path. With `cache_dir`, the reference's logits are reused (looked up
+    by `reference_id` when given: a string that names the reference's contents)."""
     reference, candidate = str(Path(reference)), str(Path(candidate))
     tokens = _tokens(reference, n_ctx)
-    ref = _reference_logits(reference, tokens, n_ctx, Path(cache_dir) if cache_dir else None)
+    ref = _reference_logits(reference, tokens, n_ctx, Path(cache_dir) if cache_dir else None, reference_id)
     cand = _logits(candidate, tokens, n_ctx)
     return {**compare_logits(ref, cand), "reference": reference}

@@ -3,10 +3,12 @@
     result = quantize_gguf(Path("model-F16.gguf"), Path("model-Q4_K_M.gguf"), "q4_k_m")
     result.path, result.size, result.cached, result.quality["top1_agreement"]
 
-`llama_model_quantize` runs in a child process (`ctxq.conversion.quantize_worker`, watched by `Worker`), so
-Ctrl-C stops it at once and an abort inside llama.cpp becomes a `ConversionError`. It writes to a
-hidden temporary name next to the destination; ctxq renames it only after llama.cpp has loaded it
-back, so an interrupted or killed run never leaves a file under the destination name. A JSON record under
+`llama_model_quantize` runs in a child process (`ctxq.conversion.quantize_worker`, watched by
+`ctxq.conversion.quantize_process.Worker`), so Ctrl-C stops it at once and an abort inside llama.cpp
+becomes a `ConversionError`. It writes to a temporary beside the destination (`ctxq.tempfiles`);
+ctxq renames it only after llama.cpp has loaded it back, so an interrupted or killed run never
+leaves a file under the destination name, and the next run into that folder removes what a killed
+one left. A JSON record under
 `ctxq_home()/cache/quantize/` remembers each finished conversion, keyed by what determines its
 bytes: the source content (or the caller's `cache_key_extra`, e.g. a Hugging Face revision), the
 type, the options, the imatrix and the ctxq and llama.cpp versions.
@@ -14,8 +16,6 @@ type, the options, the imatrix and the ctxq and llama.cpp versions.
 
 from __future__ import annotations
 
-import collections
-import fcntl
 import hashlib
 import importlib.metadata as md
 import json
@@ -23,23 +23,19 @@ import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..llama.backend import lib_dir
+from .. import tempfiles
 from ..errors import ConversionError, CtxqError
 from ..gguf.reader import GGUFFile, read_gguf
 from ..models import ctxq_home
 from ..units import GiB
+from .quantize_process import Worker
 
 log = logging.getLogger(__name__)
-llama_log = logging.getLogger("ctxq.llama_cpp")
 
 # llama.cpp's quantize tool list (tools/quantize/quantize.cpp, QUANT_OPTIONS), in its order, with
 # the llama_ftype numbers of include/llama.h. Q3_K, Q4_K and Q5_K are its aliases for the _M mixes;
@@ -113,7 +109,7 @@ def needs_imatrix(name: str) -> bool:
 
 
 def ggml_type(name: str | None, what: str) -> int | None:
-    """A ggml tensor type number from its name (for --output-tensor-type/--token-embedding-type)."""
+    """A ggml tensor type number from its name (for output_tensor_type/token_embedding_type)."""
     if name is None:
         return None
     from gguf.constants import GGMLQuantizationType as T
@@ -121,7 +117,7 @@ def ggml_type(name: str | None, what: str) -> int | None:
     try:
         return int(T[str(name).strip().upper()])
     except KeyError:
-        raise CtxqError(f"unknown tensor type {name!r} for {what}; choose one of: "
+        raise CtxqError(f"unknown tensor type {name!r} for `{what}`; choose one of: "
                         f"{', '.join(t.name.lower() for t in T)}") from None
 
 
@@ -170,6 +166,12 @@ def _logits_cache() -> Path:
     return ctxq_home() / "cache" / "reference-logits"
 
 
+def _reference_id(key: dict) -> str | None:
+    """What the quality gate's reference logits are kept under when the source is named by the
+    caller's `cache_key_extra` (the Hugging Face route's f16 temporary: a new path every run)."""
+    return None if key["extra"] is None else json.dumps([key["extra"], key["ctxq"]], sort_keys=True)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -197,9 +199,12 @@ def file_digest(path: str | os.PathLike) -> str:
 
 def _write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    part.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(part, path)
+    part = tempfiles.create(path, "json")
+    try:
+        part.write_text(json.dumps(obj, indent=1, default=str))
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_key_extra: dict | None = None,
@@ -217,8 +222,8 @@ def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_
         "ftype": ftype,
         "copy": name == "COPY",
         "imatrix": file_digest(imatrix) if imatrix else None,
-        "output_tensor_type": ggml_type(output_tensor_type, "--output-tensor-type"),
-        "token_embedding_type": ggml_type(token_embedding_type, "--token-embedding-type"),
+        "output_tensor_type": ggml_type(output_tensor_type, "output_tensor_type"),
+        "token_embedding_type": ggml_type(token_embedding_type, "token_embedding_type"),
         "leave_output_tensor": bool(leave_output_tensor),
         "pure": bool(pure),
         "ctxq": md.version("ctxq"),
@@ -300,32 +305,25 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
             log.warning("%s is already quantized: requantizing it to %s loses more quality than "
                         "quantizing the original f16/bf16 model", src, name)
         dst.parent.mkdir(parents=True, exist_ok=True)
+        tempfiles.sweep(dst.parent)  # what killed runs left here
+        _refuse_second_writer(dst)
         need, free = estimate_size(g, name), shutil.disk_usage(dst.parent).free
         if need > free:
             raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about {need / GiB:.2f} "
                                   f"GiB, {free / GiB:.2f} GiB free; free space or write the `output` elsewhere")
-        part = dst.with_name(f".{dst.name}.part")
-        fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+        part = tempfiles.create(dst, "quantize")
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ConversionError(f"another ctxq process is writing {dst}; wait for it to finish") from None
             job = {"src": str(src), "out": str(part), "ftype": ftype, "nthread": nthread,
                    "allow_requantize": was_quantized, "only_copy": name == "COPY", "pure": pure,
                    "leave_output_tensor": leave_output_tensor,
                    "output_tensor_type": key["output_tensor_type"],
                    "token_embedding_type": key["token_embedding_type"],
                    "imatrix": str(imatrix) if imatrix else None, "reference": str(src) if check else None,
-                   "logits_cache": str(_logits_cache())}
-            try:
-                out = worker.run(job, progress)
-                os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
-            except BaseException:  # Ctrl-C included: the worker is killed on leaving the block
-                part.unlink(missing_ok=True)
-                raise
-        finally:
-            os.close(fd)
+                   "logits_cache": str(_logits_cache()), "reference_id": _reference_id(key)}
+            out = worker.run(job, progress)
+            os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
+        finally:  # Ctrl-C included: the worker is killed on leaving the `with` block
+            part.unlink(missing_ok=True)
         quality = out.get("quality")
         if quality is not None:
             quality["reference_is_quantized"] = was_quantized
@@ -339,7 +337,7 @@ def _cached(worker: Worker, rec: dict, key: dict, src: Path, name: str, check: b
     quality = rec.get("quality")
     if check and quality is None:  # cached without the gate: run only the gate
         quality = worker.run({"check_only": True, "out": rec["path"], "reference": str(src),
-                              "logits_cache": str(_logits_cache())})["quality"]
+                              "logits_cache": str(_logits_cache()), "reference_id": _reference_id(key)})["quality"]
         quality["reference_is_quantized"] = rec["source_was_quantized"]
     res = QuantizeResult(Path(rec["path"]), name, rec["size"], True, time.perf_counter() - t0,
                          quality, rec["source_was_quantized"])
@@ -349,96 +347,17 @@ def _cached(worker: Worker, rec: dict, key: dict, src: Path, name: str, check: b
     return res
 
 
+def _refuse_second_writer(dst: Path) -> None:
+    """Two ctxq processes never quantize into one destination: a live one's temporary says it is busy."""
+    for path in tempfiles.temporaries(dst.parent):
+        info = tempfiles.parse(path)
+        if info["dest"] == dst.name and info["what"].startswith("quantize") and info["pid"] != os.getpid() \
+                and not tempfiles.is_stale(path):
+            raise ConversionError(f"another ctxq process (pid {info['pid']}) is writing {dst}; wait for it to finish")
+
+
 def _check_imatrix(path: Path) -> None:
     g = read_gguf(path, skip_arrays=True)  # GGUFError for a missing or broken file
     if not any(t.name.endswith(".in_sum2") for t in g.tensors) or "imatrix.chunk_count" not in g.metadata:
         raise ConversionError(f"{path} is not a GGUF importance matrix (no *.in_sum2 tensors or "
                               "imatrix.* keys); make one with llama-imatrix")
-
-
-# --- the worker process ------------------------------------------------------------------------
-
-_TENSOR_RE = re.compile(rb"\[\s*(\d+)/\s*(\d+)\]\s+(\S+)")
-
-
-def _failure(rc: int, result: dict, tail: collections.deque) -> str:
-    """One line saying why the worker failed, from llama.cpp's own error when it printed one."""
-    lines = [ln.strip() for ln in tail if ln.strip()]
-    for ln in reversed(lines):
-        m = re.search(r"failed to quantize: (.+)", ln)
-        if m:
-            return m.group(1).rstrip("!. ")
-    if rc < 0:
-        last = next((ln for ln in reversed(lines) if re.search(r"error|abort|assert", ln, re.I)), "")
-        return f"llama.cpp died with {signal.Signals(-rc).name}" + (f" ({last[:200]})" if last else "")
-    return result.get("error") or (lines[-1][:200] if lines else f"exit status {rc}")
-
-
-class Worker:
-    """A started `ctxq.conversion.quantize_worker` process. Start it early: it loads llama.cpp while the caller
-    prepares the job. It runs in its own session, so a terminal's Ctrl-C reaches only the parent,
-    which kills it (`close`): interrupting never waits for a tensor to finish."""
-
-    def __init__(self, lean: bool = False):
-        """`lean`: no quality gate and no imatrix, so the worker needs only the standard library and
-        libllama (`python -I -S`: no site-packages, environment or user paths to read)."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="ctxq-quantize-")
-        lib = ["--lib", str(lib_dir())]
-        if lean:
-            argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("quantize_worker.py")), "--lean", *lib]
-        else:
-            argv = [sys.executable, "-m", "ctxq.conversion.quantize_worker", *lib]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-
-    def __enter__(self) -> "Worker":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stderr):
-            try:
-                pipe.close()
-            except OSError:  # a pipe to a dead process
-                pass
-        self._tmp.cleanup()
-
-    def run(self, job: dict, progress=None) -> dict:
-        """Send the job, follow the `[ i/ N]` tensor lines, return the result; ConversionError on failure."""
-        result_path = Path(self._tmp.name) / "result.json"
-        try:
-            self.proc.stdin.write(json.dumps({**job, "result": str(result_path)}).encode())
-            self.proc.stdin.close()
-        except BrokenPipeError:  # it died while starting; its stderr says why
-            pass
-        tail: collections.deque = collections.deque(maxlen=40)
-        line, last = b"", 0
-        while chunk := self.proc.stderr.read1(1 << 16):
-            line += chunk
-            *done, line = line.split(b"\n")
-            for ln in done:
-                text = ln.decode("utf-8", "replace")
-                llama_log.debug("%s", text)
-                tail.append(text)
-                if progress and last and "quant size" in text:  # quantized; loading or the gate follows
-                    progress(last, last, "")
-            for m in _TENSOR_RE.finditer(b"\n".join(done + [line])):
-                i, n = int(m.group(1)), int(m.group(2))
-                if progress and i > last:
-                    progress(i - 1, n, m.group(3).decode("utf-8", "replace"))
-                last = max(last, i)
-        rc = self.proc.wait()
-        if line:
-            tail.append(line.decode("utf-8", "replace"))
-        try:
-            result = json.loads(result_path.read_text())
-        except (OSError, ValueError):
-            result = {}
-        if rc != 0 or "error" in result:
-            raise ConversionError(_failure(rc, result, tail))
-        return result

@@ -1,4 +1,5 @@
-"""The child process that runs llama.cpp's quantizer. The parent's side is `ctxq.conversion.quantize.Worker`.
+"""The child process that runs llama.cpp's quantizer. The parent's side is
+`ctxq.conversion.quantize_process.Worker`.
 
 llama.cpp can abort the whole process (GGML_ABORT) and `llama_model_quantize` cannot be interrupted
 from Python, so ctxq runs it here and the parent only watches. The worker
@@ -193,7 +194,8 @@ def run(lib, job: dict) -> dict:
     if job.get("check_only"):  # a cached file that has not been through the quality gate yet
         from ctxq.conversion.quality import compare
 
-        return {"quality": compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"))}
+        return {"quality": compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"),
+                         reference_id=job.get("reference_id"))}
     params, keep = build_params(lib, job)
     t0 = time.perf_counter()
     rc = lib.llama_model_quantize(job["src"].encode(), job["out"].encode(), ctypes.byref(params))
@@ -204,7 +206,8 @@ def run(lib, job: dict) -> dict:
     if job.get("reference"):  # the quality gate loads the result: that is the load check too
         from ctxq.conversion.quality import compare
 
-        result["quality"] = compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"))
+        result["quality"] = compare(job["reference"], job["out"], cache_dir=job.get("logits_cache"),
+                         reference_id=job.get("reference_id"))
     else:
         t0 = time.perf_counter()
         # Not freed: the worker exits next, and freeing SmolLM2's vocabulary alone takes 35 ms.

@@ -9,13 +9,13 @@ quantizer's predicted files and the synthetic test models are all written here.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
 import gguf
 import numpy as np
 
+from .. import tempfiles
 from ..units import round_up
 from .reader import DEFAULT_ALIGNMENT, tensor_nbytes
 
@@ -25,9 +25,7 @@ def write_sparse_gguf(out: str | os.PathLike, arch: str, tensors: Iterable[tuple
     """Write `metadata(writer)`'s keys and `tensors` (name, ggml shape, ggml type) to `out`,
     atomically; the tensor data is a hole of exactly the bytes the tensors take."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    os.close(fd)
+    tmp = tempfiles.create(out, "header")  # a killed writer's is removed by `ctxq cache clean`
     try:
         w = gguf.GGUFWriter(tmp, arch)
         metadata(w)
@@ -47,7 +45,7 @@ def write_sparse_gguf(out: str | os.PathLike, arch: str, tensors: Iterable[tuple
             f.truncate(round_up(os.path.getsize(tmp), DEFAULT_ALIGNMENT) + data)
         os.replace(tmp, out)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return out
 
