@@ -19,6 +19,8 @@ from ctxq.errors import ContextTooLong, CtxqError, InvalidOption
     ("use a smaller quantization, a smaller n_ctx, or more GPU memory",
      "use a smaller quantization, a smaller --ctx, or more GPU memory"),
     ("pass allow_remote=True to expose it", "pass --allow-remote to expose it"),
+    ("`check`, `pure`: only for quantized types", "--no-check, --pure: only for quantized types"),
+    ("skip the gate with check=False", "skip the gate with --no-check"),
     # ordinary words that are also keywords stay words unless quoted or assigned
     ("the split you gave does not fit on these gpus", "the split you gave does not fit on these gpus"),
     ("ctxq.rpc.run_supervised and n_ctx_train stay as they are", "ctxq.rpc.run_supervised and n_ctx_train stay as they are"),

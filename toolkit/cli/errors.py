@@ -12,12 +12,17 @@ import re
 FLAGS = {
     "n_ctx": "--ctx", "n_batch": "-b", "n_ubatch": "-ub", "type_k": "-ctk", "type_v": "-ctv",
     "flash_attn": "-fa", "split": "-ts", "tensor_split": "-ts", "gpus": "--gpus", "profile": "--profile",
-    "rpc": "--rpc", "simulate": "--simulate", "reserve": "--reserve", "kv": "--kv", "prefer": "--prefer", "cpu_memory": "--cpu-memory",
-    "n_predict": "-n", "n_threads": "-t", "force": "--force", "output": "-o",
+    "rpc": "--rpc", "simulate": "--simulate", "reserve": "--reserve", "kv": "--kv", "prefer": "--prefer",
+    "cpu_memory": "--cpu-memory", "n_predict": "-n", "n_threads": "-t", "force": "--force", "output": "-o",
     "imatrix": "--imatrix", "pre": "--pre", "host": "--host", "port": "--port", "device": "--device",
     "prompt": "-p", "file": "-f", "chat": "--chat", "allow_remote": "--allow-remote",
+    "output_tensor_type": "--output-tensor-type", "token_embedding_type": "--token-embedding-type",
+    "leave_output_tensor": "--leave-output-tensor", "pure": "--pure", "revision": "--revision",
+    "check": "--no-check",
 }
-_SWITCHES = {"force", "chat", "allow_remote"}  # flags without a value: force=True is just --force
+# flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
+_SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure"}
+_INVERTED = {"check"}
 _ON_OFF = {"flash_attn"}  # booleans that the command line spells on/off
 
 _ASSIGN = re.compile(r"\b(%s)=('?)([^\s,;:')]+)\2" % "|".join(map(re.escape, FLAGS)))
@@ -30,6 +35,8 @@ def _assign(m: re.Match) -> str:
     key, value = m.group(1), m.group(3)
     if key in _SWITCHES:
         return FLAGS[key] if value == "True" else f"no {FLAGS[key]}"
+    if key in _INVERTED:
+        return FLAGS[key] if value == "False" else f"no {FLAGS[key]}"
     if key in _ON_OFF and value in ("True", "False"):
         value = "on" if value == "True" else "off"
     return f"{FLAGS[key]} {value}"

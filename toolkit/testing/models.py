@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import tempfiles
+
 _DTYPES = {"f32": (np.float32, 0), "f16": (np.float16, 1)}  # numpy dtype, llama_ftype (ALL_F32, MOSTLY_F16)
 # Pseudo-fields GGUFReader adds for the header, and keys GGUFWriter writes itself.
 _SKIP_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
@@ -21,10 +23,12 @@ _SKIP_KEYS = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.arc
 
 def _write_atomic(writer_fn, dest: Path) -> Path:
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + ".part")
-    writer_fn(part)
-    os.replace(part, dest)
+    part = tempfiles.create(dest, "gguf")  # a killed writer's temporary is swept by the next run
+    try:
+        writer_fn(part)
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
     return dest
 
 

@@ -14,13 +14,13 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import CtxqError
 from ..models import ctxq_home, fetch_default_model
+from .. import tempfiles
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +56,12 @@ def rebuild_smollm2_hf(dest: str | os.PathLike | None = None, gguf_path: str | o
         return dest
     src = Path(gguf_path) if gguf_path is not None else fetch_default_model()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like the model cache
-    try:
+    with tempfiles.folder(dest, "rebuild") as tmp:  # a killed rebuild's folder is swept by `ctxq cache clean`
         _write_checkpoint(src, tmp)
         (tmp / _DONE).write_text("ok\n")
         if dest.exists():
             shutil.rmtree(dest)  # an interrupted earlier rebuild
         os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
