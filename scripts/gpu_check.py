@@ -105,10 +105,15 @@ def summary(results: dict) -> str:
     parts = [f"build: {b.get('build_s', '?')} s (exit {b.get('rc', '?')})" if b else "build: not recorded",
              "stages: " + ", ".join(f"{k} {v['status']}" for k, v in st.items())]
     doc = (st.get("doctor") or {}).get("result") or {}
+    if doc and not doc.get("nvidia_gpus"):
+        parts.append(f"GPU: none ({doc.get('nvml_error')})")
     for g in doc.get("nvidia_gpus", []):
         parts.append(f"GPU {g['index']}: {g['name']}, {g['free'] / 2**30:.1f} GiB free of {g['total'] / 2**30:.1f}"
                      f"; llama.cpp CUDA {'yes' if doc.get('features', {}).get('cuda') else 'NO'}")
-    cells = ((st.get("cells") or {}).get("result") or {}).get("rows", [])
+    cell_res = (st.get("cells") or {}).get("result") or {}
+    cells = cell_res.get("rows", [])
+    if cell_res.get("errors"):
+        parts.append(f"{len(cell_res['errors'])} cells failed; the first: {cell_res['errors'][0]}")
     if cells:
         parts.append("planned vs printed vs NVML on CUDA0 (MiB; planned without / with the margin):\n" + table(
             [[c["geometry"], c["kv"], c["n_ctx"], c["placement"], mib(c["gpu_planned_total"] - c["gpu_planned"]["margin"]),

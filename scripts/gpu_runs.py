@@ -93,6 +93,8 @@ def cells(stage: Stage, out: Path, result: dict) -> dict:
         write_log(out / "llama.log", label, res["log"])
         print(f"  {label}: planned {row['gpu_planned_total'] / 2**20:.0f} MiB, printed "
               f"{row['gpu_printed_total'] / 2**20:.0f}, NVML {(row['nvml_peak'] or 0) / 2**20:.0f}", flush=True)
+    if result["errors"] and not result["rows"]:
+        raise RuntimeError(f"every cell failed; the first: {result['errors'][0]}")
     return result
 
 

@@ -253,7 +253,6 @@ def test_planned_vs_printed_on_llama_cpp_cpu_backend(tmp_path):
     assert row["nvml_peak"] == 0 and row["unaccounted"] == 0  # the fake device never changed
 
 
-@pytest.mark.slow
 def test_smollm2_rebuilt_from_its_header_loads_and_decodes(tmp_path, smollm2):
     """prepare carries only SmolLM2's header; the run rebuilds a full-size file that llama.cpp loads and
     whose greedy decode is not stuck on one token."""
