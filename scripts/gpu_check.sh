@@ -121,7 +121,8 @@ run() {
                 "$BUILD_DIR"/wheel/llama_cpp_python-*.whl
             python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
                 --target "$site" . || die "cannot install ctxq"
-            python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((budget - (SECONDS - start)))
+            local left=$((budget - (SECONDS - start)))
+            python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0))
         else
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s 0 --failed-build
         fi
