@@ -120,11 +120,13 @@ def summary(results: dict) -> str:
               mib(c["gpu_printed_total"]), mib(c["nvml_peak"]), mib(c["unaccounted"]), mib(c["gpu_planned_total"]),
               {True: "yes", False: "NO", None: "-"}[c["fits"]]] for c in cells],
             ["model", "KV", "n_ctx", "layers", "planned", "printed", "NVML peak", "unacct.", "plan+margin", "fits"]))
-    for run in ((st.get("workers") or {}).get("result") or {}).get("runs", []):
+    wres = (st.get("workers") or {}).get("result") or {}
+    for run in wres.get("runs", []):
         rows = [[w["endpoint"], mib(w["declared"]), w["layers"], mib(w["planned_total"]), mib(w["printed"]),
                  mib(w["nvml_peak"]), mib(w["headroom"]), {True: "EXCEEDED", False: "ok", None: "-"}[w["exceeded"]]]
                 for w in run.get("workers", [])]
-        head = f"{run['geometry']} at {run['n_ctx']} ctx, {run.get('n_prompt', '?')} tokens prefilled"
+        head = (f"{run['geometry']} at {run['n_ctx']} ctx, {run.get('n_prompt', '?')} tokens prefilled, "
+                f"workers: {wres.get('worker_command', '?')}")
         parts.append(f"{head}: {run.get('status', 'ok')}" + ("\n" + table(rows, [
             "worker", "declared", "layers", "planned", "printed", "NVML peak", "headroom", "size"]) if rows else ""))
     sp = (st.get("speed") or {}).get("result") or {}

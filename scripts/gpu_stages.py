@@ -8,6 +8,7 @@ the parent hides the GPU from itself (`hide_gpu()`) and only samples NVML.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import time
@@ -61,6 +62,28 @@ def random_tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
 
 # --- child side --------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def llama_lines():
+    """llama.cpp's log lines printed in the block, from the `ctxq.llama_cpp` logger that ctxq's backend
+    sends every line to. Not `backend.capture_log()`: its blocks nest badly (a sink is removed from the
+    list by equality, so an inner block that saw the same lines removes the outer one's)."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger("ctxq.llama_cpp"), Collect(logging.DEBUG)
+    old = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+
+
 def _alloc_dict(lines: list[str]) -> dict:
     from ctxq.llama import backend
 
@@ -89,7 +112,7 @@ def cell_child(model: str, n_ctx: int, kv: str, placement: str, n_prefill: int) 
     if placement == "partial":
         capped = dataclasses.replace(gpus[0], usable=int(p.gpus[0].total * PARTIAL_FRACTION))
         p = plan(model, n_ctx, devices=[capped], kv=kv)
-    with backend.capture_log() as lines:
+    with llama_lines() as lines:
         llm, memory, load_s = runner.load_plan(p)
     try:
         lc = backend.llama_cpp()
@@ -107,13 +130,12 @@ def rpc_run_child(model: str, rpc: str, n_ctx: int, n_prompt: int, n_predict: in
     """`ctxq run --ctx n_ctx --split auto --rpc ...` through the library (a synthetic model has no
     tokenizer, so the prompt is tokens): plan, printed buffers, timings."""
     from ctxq.gguf.info import model_info
-    from ctxq.llama import backend
     from ctxq.rpc import report
     from ctxq.runtime import runner
 
     report({"pid": os.getpid()})
     toks = random_tokens(n_prompt, model_info(model).n_vocab)
-    with backend.capture_log() as lines:
+    with llama_lines() as lines:
         r = runner.run(model, tokens=toks, n_ctx=n_ctx, rpc=rpc, split="auto", n_predict=n_predict, temp=0.0)
     d = r.to_dict()
     d.pop("text", None)

@@ -212,7 +212,7 @@ def test_summary_table_shows_cells_workers_and_speed():
     assert [l.split()[-1] for l in lines] == ["yes", "NO", "-"]
     assert "8900" in lines[0] and "500" in lines[0]  # NVML peak and what llama.cpp did not print
     assert "EXCEEDED" in text and "-1" in text
-    assert "llama3-70b at 65536 ctx, ? tokens prefilled: DoesNotFit" in text
+    assert "llama3-70b at 65536 ctx, ? tokens prefilled, workers: ?: DoesNotFit" in text
     assert "0.990" in text and "time to first token (ctxq run, 65536 ctx): 3.14 s" in text
 
 
@@ -266,3 +266,79 @@ def test_smollm2_rebuilt_from_its_header_loads_and_decodes(tmp_path, smollm2):
     assert [t.name for t in read_gguf(model).tensors] == [t.name for t in read_gguf(smollm2).tensors]
     g = run_supervised(generate_greedy, str(model), "The capital of France is", 8, n_ctx=256, timeout=120)
     assert len(g.tokens) == 8 and len(set(g.tokens)) > 1
+
+
+# --- the stages' own loops, dry-run on the CPU (RSS stands in for NVML's per-process bytes) -------------
+
+def _rss_reader():
+    import psutil
+
+    def read():
+        procs = {}
+        for p in psutil.Process().children(recursive=True):
+            try:
+                procs[p.pid] = p.memory_info().rss
+            except psutil.Error:  # ended between the listing and the reading
+                pass
+        return Reading(sum(procs.values()), procs)
+    return read, None
+
+
+@pytest.fixture
+def cpu_matrix(tmp_path, smollm2):
+    from gpu_runs import Matrix
+
+    return Matrix(geometries=("tiny",), cell_ctx=(4096,), cell_kv=("q8_0",), placements=("cpu",), n_prefill=600,
+                  worker_device="CPU", worker_gib=(1, 0.5), worker_ctx=4096, worker_models=(("tiny", 1000),),
+                  speed_tokens=1500, speed_ctx=4096, speed_predict=8,
+                  smollm2_header=gpu_check.smollm2_header(tmp_path / "h.gguf", smollm2), reader=_rss_reader)
+
+
+def test_doctor_stage_reads_ctxq_doctor_json(tmp_path):
+    from gpu_runs import doctor
+
+    d = doctor(Stage("doctor", 60), tmp_path)
+    assert d["features"]["rpc"] is True and "ggml_devices" in d
+    assert json.loads((tmp_path / "doctor.json").read_text()) == d
+
+
+def test_cells_stage_on_cpu(tmp_path, cpu_matrix):
+    from gpu_runs import cells
+
+    r = cells(Stage("cells", 120), tmp_path, cpu_matrix)
+    assert r["errors"] == [] and len(r["rows"]) == 1
+    row = r["rows"][0]
+    assert row["nvml_source"] == "process" and row["nvml_peak"] > 10 * MiB  # the child's RSS, by its pid
+    assert row["host_printed"]["kv"] == row["host_planned"]["kv"] > 0
+    assert "tiny q8_0 4096 cpu" in (tmp_path / "llama.log").read_text()
+
+
+def test_workers_stage_with_ctxq_worker_processes_on_cpu(tmp_path, cpu_matrix):
+    import os
+
+    from gpu_runs import workers
+
+    r = workers(Stage("workers", 150), tmp_path, cpu_matrix)
+    (run,) = r["runs"]
+    assert run["status"] == "ok", run["status"]
+    assert r["worker_command"] in ("ctxq worker", "python -m ctxq.rpc")
+    rows = run["workers"]
+    assert [w["declared"] for w in rows] == [GiB, GiB // 2]
+    assert sum(w["layers"] for w in rows) == 5  # the tiny model's 4 layers and its output head
+    assert all(w["printed"] and w["nvml_peak"] and w["headroom"] == w["declared"] - w["nvml_peak"] for w in rows)
+    assert not any(w["exceeded"] for w in rows)
+    assert run["timings"]["prefill_s"] > 0
+    for w in r["workers"]:  # stopped and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(w["pid"], 0)
+
+
+@pytest.mark.slow
+def test_speed_stage_ctxq_run_against_plain_llama_on_cpu(tmp_path, cpu_matrix):
+    from gpu_runs import speed
+
+    r = speed(Stage("speed", 300), tmp_path, cpu_matrix)
+    assert 1000 < r["n_prompt"] <= 1500
+    assert r["ctxq"]["n_prompt"] == r["plain"]["n_prompt"] or abs(r["ctxq"]["n_prompt"] - r["plain"]["n_prompt"]) <= 1
+    assert r["ctxq"]["prefill_tps"] > 0 and r["plain"]["prefill_tps"] > 0 and r["ctxq"]["ttft_s"] > 0
+    assert "ratio" in summary({"stages": {"speed": {"status": "ok", "result": r}}})
