@@ -122,7 +122,8 @@ run() {
             python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
                 --target "$site" . || die "cannot install ctxq"
             local left=$((budget - (SECONDS - start)))
-            python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0))
+            python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0)) \
+                --stages "${GPU_CHECK_STAGES:-doctor,cells,workers,speed}"
         else
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s 0 --failed-build
         fi

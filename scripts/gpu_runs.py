@@ -71,7 +71,9 @@ def _synthetic(name: str) -> str:
     from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
     path = _models_dir() / f"{name}.gguf"
-    return str(path if path.exists() else write_synthetic_gguf(path, GEOMETRIES[name]))
+    if not path.exists():  # written aside and renamed: a run cut mid-write leaves no broken model behind
+        write_synthetic_gguf(path.with_suffix(".part"), GEOMETRIES[name]).rename(path)
+    return str(path)
 
 
 def doctor(stage: Stage, out: Path) -> dict:
