@@ -102,7 +102,8 @@ def summary(results: dict) -> str:
 
     st = results.get("stages", {})
     b = results.get("build") or {}
-    parts = [f"build: {b.get('build_s', '?')} s (exit {b.get('rc', '?')})" if b else "build: not recorded",
+    built = "reused from an earlier run" if b.get("reused") else f"{b.get('build_s', '?')} s (exit {b.get('rc', '?')})"
+    parts = [f"build: {built}" if b else "build: not recorded",
              "stages: " + ", ".join(f"{k} {v['status']}" for k, v in st.items())]
     doc = (st.get("doctor") or {}).get("result") or {}
     if doc and not doc.get("nvidia_gpus"):
