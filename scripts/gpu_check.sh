@@ -96,7 +96,7 @@ build_llama() {
     local t0=$SECONDS rc
     echo "gpu_check: building llama-cpp-python ($args) on $(nproc) cores"
     CMAKE_ARGS="$args" CMAKE_GENERATOR=Ninja CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        timeout "${BUILD_BUDGET_S:-360}" python3 -m pip wheel -q --no-build-isolation --no-deps --no-index \
+        timeout "${BUILD_BUDGET_S:-420}" python3 -m pip wheel -q --no-build-isolation --no-deps --no-index \
         --no-cache-dir -w "$wheel_dir" "$sdist" > "$OUT/build.log" 2>&1
     rc=$?
     echo "{\"build_s\": $((SECONDS - t0)), \"rc\": $rc, \"cmake_args\": \"${args//\'/}\", \"cores\": $(nproc)}" \
