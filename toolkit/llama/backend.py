@@ -75,7 +75,8 @@ def capture_log():
                 for sink in _sinks:
                     sink.append(_partial[0])
                 _partial[0] = ""
-            _sinks.remove(lines)
+            # by identity: a nested block's list may hold the same lines (list.remove compares by value)
+            del _sinks[next(i for i, sink in enumerate(_sinks) if sink is lines)]
 
 
 # --- what llama.cpp allocated, from its log --------------------------------------------------
