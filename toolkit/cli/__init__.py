@@ -6,7 +6,6 @@ Errors meant for users (`CtxqError`) print as one line, `Error: ...`, and exit 1
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -14,16 +13,7 @@ import click
 
 from ..errors import CtxqError
 from .errors import cli_message
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="ctxq")
-@click.option("-v", "--verbose", is_flag=True, help="Log what ctxq and llama.cpp do to stderr.")
-def cli(verbose: bool):
-    """ctxq: run long-context LLMs on the GPUs you own (llama.cpp underneath)."""
-    if verbose or os.environ.get("CTXQ_DEBUG"):
-        logging.basicConfig(level=logging.DEBUG if os.environ.get("CTXQ_DEBUG") else logging.INFO,
-                            format="%(name)s: %(message)s")
+from .group import cli
 
 
 def _register() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..models import CLEARABLE
-from . import cli
+from .group import cli
 from .common import human, table
 
 

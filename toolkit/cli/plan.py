@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from . import cli
+from .group import cli
 from .common import GiB, echo_json, table
 from .options import device_options, plan_options  # noqa: F401 (`ctxq convert` takes device_options from here)
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from . import cli
+from .group import cli
 from .common import echo_json, memory_table, reexec
 from .options import load_options, plan_options
 from .plan import render_plan

@@ -11,7 +11,7 @@ import click
 
 from ..rpc import DEFAULT_PORT
 from ..units import default_threads
-from . import cli
+from .group import cli
 from .common import gib
 
 

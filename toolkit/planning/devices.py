@@ -171,7 +171,7 @@ def detect_gpus() -> list[Device]:
 def rpc_devices(rpc) -> list[Device]:
     """ggml RPC workers as devices, in the given order: a declared size (HOST:PORT=GiB) is taken as
     given, an undeclared one is asked of the worker."""
-    from ..rpc import parse_rpc, probe
+    from ..rpc.client import parse_rpc, probe
 
     out = []
     for i, ep in enumerate(parse_rpc(rpc)):
