@@ -8,13 +8,16 @@ Hugging Face tensors llama.cpp does not use, and a function for its extra metada
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import gguf
 import numpy as np
 
 from ..errors import ConversionError
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class Family:
     extra_hparams: Callable[[dict, gguf.GGUFWriter], None] | None = None
     permute_qk: bool = False  # llama.cpp's LLAMA arch uses interleaved (GPT-J style) rotary pairs
     norm_shift: float = 0.0
-    skip: tuple[str, ...] = ()  # HF tensor names llama.cpp has no place for (e.g. Gemma 2's tied lm_head)
+    ties_output: bool = False  # llama.cpp's graph computes the output with token_embd, whatever lm_head holds
     extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None
     check: Callable[[dict], None] | None = None  # refuses configs llama.cpp would compute differently
 
@@ -112,6 +115,32 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_LM_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
+    """Whether lm_head.weight is left out, llama.cpp then computing the output with token_embd.
+
+    It is, when the config ties it (as before) or the family's llama.cpp graph always ties it
+    (`Family.ties_output`). Either way a lm_head.weight that differs from the embedding carries
+    information the GGUF would lose: transformers 5 computes with a present, different lm_head even
+    when the config says tied (transformers 4 overwrote it), so such a checkpoint is refused."""
+    head = ckpt.tensors.get(_LM_HEAD)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    if head is None or not (tied or family.ties_output):
+        return False
+    embed = ckpt.tensors.get(_EMBED) or ckpt.tensors.get("language_model." + _EMBED)
+    if embed is None or head.equals(embed):
+        return True  # (without an embedding, plan_tensors refuses the checkpoint)
+    if family.ties_output:
+        raise ConversionError(f"{ckpt.folder}: {_LM_HEAD} differs from the token embedding, but llama.cpp's "
+                              f"{family.arch_name} always computes the output with the embedding; the converted "
+                              "model would compute differently")
+    raise ConversionError(f"{ckpt.folder}: config.json ties the output to the token embedding but {_LM_HEAD} "
+                          "differs from it (transformers 5 computes with it, 4 did not); set tie_word_embeddings "
+                          f"to false in config.json to keep {_LM_HEAD}, or delete it to use the embedding")
+
+
 @dataclass
 class TensorPlan:
     """One output tensor: GGUF name, numpy shape, output type, and its float32 data as blocks of
@@ -121,5 +150,3 @@ class TensorPlan:
     shape: tuple[int, ...]
     type: gguf.GGMLQuantizationType
     blocks: Callable[[], Iterable[np.ndarray]]
-    source_bytes: int = 0
-    notes: list[str] = field(default_factory=list)

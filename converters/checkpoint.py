@@ -50,6 +50,21 @@ class TensorRef:
         for r in range(0, self.shape[0], step):
             yield self._rows(r, min(step, self.shape[0] - r))
 
+    def equals(self, other: "TensorRef", max_bytes: int = 32 << 20) -> bool:
+        """Whether both tensors hold the same values (as float32), compared a block of rows at a time;
+        the first differing block ends the comparison."""
+        if self.shape != other.shape:
+            return False
+        if len(self.shape) < 2:
+            return bool(np.array_equal(self.load_f32(), other.load_f32()))
+        rows = self.shape[0]
+        step = max(1, max_bytes // max(1, self.nbytes // rows))
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            if not np.array_equal(self._rows(r, n), other._rows(r, n)):
+                return False
+        return True
+
     def _rows(self, first: int, count: int) -> np.ndarray:
         """Rows [first, first+count) as float32, read through a map of only those bytes."""
         np_dtype = _DTYPES[self.dtype]

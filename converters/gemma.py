@@ -75,8 +75,9 @@ def _check3(cfg: dict) -> None:
         raise ConversionError(f"Gemma 3 RoPE type {full.get('rope_type')!r} is not supported by ctxq convert yet")
 
 
-# Gemma 2: llama.cpp always ties the output to token_embd (llama_model_gemma2::load_arch_tensors).
+# Gemma 2: llama.cpp always ties the output to token_embd (src/models/gemma2.cpp, load_arch_tensors:
+# `output` is token_embd, TENSOR_DUPLICATED); Gemma 3's graph takes an output.weight when there is one.
 GEMMA2 = register(Family(gguf.MODEL_ARCH.GEMMA2, extra_hparams=_gemma2_hparams, norm_shift=1.0,
-                         skip=("lm_head.weight",), check=_check2), "Gemma2ForCausalLM")
+                         ties_output=True, check=_check2), "Gemma2ForCausalLM")
 GEMMA3 = register(Family(gguf.MODEL_ARCH.GEMMA3, extra_hparams=_gemma3_hparams, norm_shift=1.0, check=_check3),
                   "Gemma3ForCausalLM")

@@ -3,7 +3,7 @@
 The BPE pre-tokenizer name (`tokenizer.ggml.pre`) is recognised from the structure of
 tokenizer.json's `pre_tokenizer` (its split regexes and byte-level step), matched against the
 regexes llama.cpp implements for each name (llama_vocab::impl::load / llm_tokenizer_bpe in
-src/llama-vocab.cpp). An unrecognised structure is refused with a pointer to `--pre NAME`.
+src/llama-vocab.cpp). An unrecognised structure is refused with a pointer to `pre=NAME`.
 SentencePiece models are read with a small protobuf reader, so `sentencepiece` is not needed.
 """
 
@@ -96,7 +96,7 @@ def recognise_pre(tj: dict) -> str:
     name = KNOWN_PRE.get(sig)
     if name is None:
         parts = ", ".join(p[0] for p in sig) or "none"
-        raise ConversionError(f"unrecognised BPE pre-tokenizer ({parts}); pass --pre NAME with the llama.cpp "
+        raise ConversionError(f"unrecognised BPE pre-tokenizer ({parts}); pass pre=NAME with the llama.cpp "
                               f"pre-tokenizer that matches it (known here: {', '.join(sorted(set(KNOWN_PRE.values())))})")
     return name
 

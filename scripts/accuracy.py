@@ -15,13 +15,15 @@ import argparse
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
-from ctxq.accuracy import TARGET_ABS, check_cell
+from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers
-from ctxq.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.testing.accuracy import TARGET_ABS, TARGET_REL, check_cell
+from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.units import GiB, MiB
 
-MiB = 1024**2
 DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc5": [16, 16, 16, 8, 8]}
 
 
@@ -42,14 +44,13 @@ def main() -> int:
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
     for name in a.models.split(","):
         model = str(write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
-        from ctxq.modelinfo import model_info
         info = model_info(model)
         for dev in a.devices.split(","):
             sizes = DEVICE_SETS[dev]
-            with start_workers(len(sizes)) if sizes else _null() as w:
+            with start_workers(len(sizes)) if sizes else nullcontext() as w:
                 for ctx in map(int, a.ctx.split(",")):
                     for kv in a.kv.split(","):
-                        kv_gib = info.kv_bytes_per_token[kv] * ctx / 1024**3
+                        kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
                         if kv_gib > a.max_kv_gib:
                             print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
                             continue
@@ -58,7 +59,7 @@ def main() -> int:
                             rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
                                          d.error / MiB, "ok" if d.ok else "OVER", "yes" if r.layers_match else "NO"])
                             if a.out:  # rows as they come, so an interrupted run keeps what it measured
-                                _write(a.out, rows, worst, sys.argv[1:], done=False)
+                                _write(a.out, rows, sys.argv[1:], done=False)
                             if abs(d.error) > abs(worst[0]):
                                 worst = (d.error, f"{r.label} {d.name}")
                         fails += not r.ok
@@ -68,33 +69,28 @@ def main() -> int:
     print(f"\n{len(rows)} device rows, {fails} cells outside the target; worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); "
           f"{time.time() - t0:.0f} s")
     if a.out:
-        _write(a.out, rows, worst, sys.argv[1:], done=True)
+        _write(a.out, rows, sys.argv[1:], done=True)
     return 0 if fails == 0 else 1
 
 
+_REL, _ABS = f"{TARGET_REL * 100:g} %", f"{TARGET_ABS // MiB} MiB"
+
+
 def _table(rows) -> str:
-    head = "| model | devices | n_ctx | KV | device | planned MiB | llama.cpp MiB | error MiB | within 1 %/32 MiB | layers match |"
+    head = f"| model | devices | n_ctx | KV | device | planned MiB | llama.cpp MiB | error MiB | within {_REL}/{_ABS} | layers match |"
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:+.1f} | {r[8]} | {r[9]} |")
     return "\n".join(lines)
 
 
-def _write(out, rows, worst, argv, done: bool) -> None:
+def _write(out, rows, argv, done: bool) -> None:
     worst = max(rows, key=lambda r: abs(r[7])) if rows else None
     over = sum(1 for r in rows if r[8] != "ok" or r[9] != "yes")
     tail = (f"{len(rows)} device rows{'' if done else ' so far (run in progress)'}; {over} outside the target; "
-            f"worst error {worst[7]:+.2f} MiB ({' '.join(map(str, worst[:5]))}); target: within 1 % or "
-            f"{TARGET_ABS // MiB} MiB per device." if worst else "")
+            f"worst error {worst[7]:+.2f} MiB ({' '.join(map(str, worst[:5]))}); target: within {_REL} or {_ABS} per device."
+            if worst else "")
     Path(out).write_text(f"<!-- written by scripts/accuracy.py {' '.join(argv)} -->\n{_table(rows)}\n\n{tail}\n")
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python scripts/bench_convert.py [MODEL_DIR] [--type f32,f16] [--repeat 2] [--llama-src DIR]
 
-MODEL_DIR defaults to SmolLM2-135M-Instruct rebuilt as a Hugging Face checkpoint (ctxq.testmodels).
+MODEL_DIR defaults to SmolLM2-135M-Instruct rebuilt as a Hugging Face checkpoint (ctxq.testing.models).
 llama.cpp's converter comes from the llama-cpp-python sdist of the installed version (fetched with
 `pip download` into a temporary folder, never committed) unless --llama-src names an unpacked
 llama.cpp. Each tool runs in its own process; wall time and peak RSS (wait4's ru_maxrss; this
@@ -82,7 +82,7 @@ def main() -> None:
         print(*_compare(*args.compare))
         return
     if args.model is None:  # in a child, so this process stays small (see same_tensors)
-        args.model = subprocess.run([sys.executable, "-c", "from ctxq.testmodels import rebuild_smollm2_hf; "
+        args.model = subprocess.run([sys.executable, "-c", "from ctxq.testing.models import rebuild_smollm2_hf; "
                                      "print(rebuild_smollm2_hf())"], capture_output=True, text=True,
                                     check=True).stdout.strip()
     tmp = Path(tempfile.mkdtemp(prefix="bench_convert."))

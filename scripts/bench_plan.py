@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ctxq.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
 TARGET = 0.2
 
@@ -25,7 +25,7 @@ def main() -> None:
     import os
     os.environ["CTXQ_HOME"] = str(tmp / "home")  # a cold derived-model cache
     t = time.perf_counter()
-    from ctxq.planner import plan
+    from ctxq.planning.planner import plan
     p = plan(model, 65536, gpus="16,16,16,8,8")
     cold = time.perf_counter() - t
     warm = []

@@ -2,7 +2,7 @@
 
     python scripts/bench_quantize.py [--type Q4_K_M] [--repeat 3] [--src model-F16.gguf | --size 1.7b]
 
-The input defaults to SmolLM2-135M-Instruct dequantized to F16 (`ctxq.testmodels`); `--size 1.7b`
+The input defaults to SmolLM2-135M-Instruct dequantized to F16 (`ctxq.testing.models`); `--size 1.7b`
 uses a SmolLM2-1.7B-shaped F16 model (SmolLM2's tokenizer, random weights, 3.4 GB, made once
 under ctxq's models folder), the size people quantize. Runs
 alternate (direct, ctxq, direct, ctxq, ...) so that load from other processes hits both alike.
@@ -19,7 +19,6 @@ import ctypes
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,10 +44,11 @@ def main() -> None:
                     help="without --src: SmolLM2-135M-Instruct, or a SmolLM2-1.7B-shaped model")
     args = ap.parse_args()
 
-    from ctxq.backend import llama_cpp
+    from ctxq import tempfiles
+    from ctxq.llama.backend import llama_cpp
     from ctxq.models import models_dir
-    from ctxq.quantize import file_digest, parse_type, quantize_gguf
-    from ctxq.testmodels import dequantized_smollm2_gguf, smollm2_shaped_gguf
+    from ctxq.conversion.quantize import file_digest, parse_type, quantize_gguf
+    from ctxq.testing.models import dequantized_smollm2_gguf, smollm2_shaped_gguf
 
     lc = llama_cpp()  # ctxq's log callback: llama.cpp's per-tensor lines go to logging, not the terminal
     lc.llama_backend_init()
@@ -59,7 +59,7 @@ def main() -> None:
     else:
         src = dequantized_smollm2_gguf(models_dir() / "SmolLM2-135M-Instruct.F16.gguf")
     name, ftype = parse_type(args.type)
-    with tempfile.TemporaryDirectory(prefix="bench-quantize-", dir=Path(src).parent) as tmp:
+    with tempfiles.folder(src, "bench") as tmp:  # beside the model; a killed run's goes by `ctxq cache clean`
         os.environ["CTXQ_HOME"] = str(Path(tmp) / "home")  # records go to a throwaway cache
         a, b = Path(tmp) / "direct.gguf", Path(tmp) / "ctxq.gguf"
         t_direct, t_ctxq, t_call = [], [], []

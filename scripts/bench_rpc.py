@@ -9,6 +9,7 @@ Three runs on the same prompt, each in a fresh child process (`ctxq.rpc.run_supe
   1 simulated   all layers on one local RPC worker (the cost of RPC itself)
   N simulated   the layers split over N local workers as the planner lays out the given sizes
 Workers serve the CPU device over 127.0.0.1, so the split costs show up, not GPU speed-ups.
+Decode tok/s counts as `ctxq run` does: n tokens, n - 1 evaluations after the prefill (`Generation`).
 The default model is SmolLM2-135M (trained context 8192); a longer prompt still measures speed.
 """
 
@@ -24,7 +25,10 @@ def make_prompt(model: str, n_tokens: int) -> list[int]:
     """`n_tokens` tokens of varied English text (numbered sentences), starting with BOS."""
     from llama_cpp import Llama
 
-    vocab = Llama(model, vocab_only=True, verbose=False)
+    from ctxq.llama import backend
+
+    with backend.capture_log():  # llama.cpp's load chatter goes to ctxq's log, not the table's stderr
+        vocab = Llama(model, vocab_only=True, verbose=False)
     words = ("river stone lantern orchard violin copper meadow harbor engine falcon canvas thunder "
              "glacier pepper saddle marble".split())
     text = " ".join(f"Sentence {i}: the {words[i % 16]} met the {words[(i * 7) % 16]} near the "
@@ -52,11 +56,11 @@ def main() -> None:
 
     from ctxq import rpc
     from ctxq.models import resolve_model
-    from ctxq.planner import plan
-    from ctxq.rpc_workers import generate_greedy
+    from ctxq.planning.planner import plan
+    from ctxq.units import default_threads
 
     model = str(resolve_model(a.model))
-    threads = a.threads or rpc.default_threads()
+    threads = a.threads or default_threads()
     n_ctx = a.tokens + a.n_predict + 1
     prompt = make_prompt(model, a.tokens)
     sizes = [float(s) for s in a.gpus.split(",")]
@@ -67,7 +71,7 @@ def main() -> None:
         # it does not compete with the workers for cores.
         n = 1 if endpoints else threads
         t = time.perf_counter()
-        g = rpc.run_supervised(generate_greedy, model, prompt, a.n_predict, rpc=list(endpoints), workers=workers,
+        g = rpc.run_supervised(rpc.generate_greedy, model, prompt, a.n_predict, rpc=list(endpoints), workers=workers,
                                n_threads=n, n_threads_batch=n, **kwargs)
         results[label] = {"prefill_tps": g.prefill_tps, "decode_tps": g.decode_tps, "prefill_s": g.prefill_s,
                           "wall_s": time.perf_counter() - t, "tokens": g.tokens, "devices": g.devices}

@@ -33,7 +33,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her which a
 
 
 def make_text(model: str, n_tokens: int) -> tuple[str, int]:
-    from ctxq.runner import tokenize
+    from ctxq.runtime.runner import tokenize
 
     rng = random.Random(0)
     sents = [" ".join(rng.choice(WORDS) for _ in range(12)).capitalize() + "." for _ in range(n_tokens // 12 + 50)]
@@ -74,7 +74,7 @@ def in_process(args, text: str, rounds: int) -> None:
     """ctxq's own code path against plain Llama calls on one loaded model, alternating: this isolates
     what ctxq adds (chunked prefill with a progress callback, streaming detokenization) from the
     process-to-process noise of a shared machine."""
-    from ctxq import runner
+    from ctxq.runtime import runner
 
     p = runner.make_plan(args.model, args.ctx, kv=args.kv)
     llm, _, _ = runner.load_plan(p, n_threads=args.threads)
@@ -85,7 +85,7 @@ def in_process(args, text: str, rounds: int) -> None:
             if side == "ctxq":
                 g = runner.generate(llm, toks, n_predict=args.n, temp=0, on_progress=lambda _: None,
                                     on_text=lambda _: None)
-                c = (len(toks) / g["prefill_s"], (len(g["tokens"]) - 1) / g["decode_s"])
+                c = (g.prefill_tps, g.decode_tps)
             else:
                 llm.reset()
                 t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def main() -> None:
         plain_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
         return
     from ctxq.models import resolve_model
-    from ctxq.runner import llama_params, make_plan
+    from ctxq.runtime.runner import llama_params, make_plan
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2)")

@@ -26,10 +26,30 @@ def smollm2() -> Path:
     return fetch_default_model()
 
 
+def ctxq_exe() -> str:
+    """The `ctxq` console script of this virtualenv."""
+    return str(Path(sys.executable).with_name("ctxq"))
+
+
+def workers_of(pid: int) -> list[int]:
+    """Live RPC worker processes started by process `pid` (they carry its pid in their environment)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "ctxq.rpc" in " ".join(p.info["cmdline"] or []) and \
+                    p.environ().get("CTXQ_WORKER_PARENT") == str(pid) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
 def run_ctxq(*args: str, env: dict | None = None, input: str | None = None, timeout: float = 600):
     """Run the real `ctxq` console script in a child process (exit code, stdout, stderr)."""
-    exe = Path(sys.executable).with_name("ctxq")
     full_env = {**os.environ, **(env or {})}
-    full_env.pop("CTXQ_DEBUG", None) if env is None or "CTXQ_DEBUG" not in env else None
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, env=full_env,
+    if "CTXQ_DEBUG" not in (env or {}):  # a developer's CTXQ_DEBUG=1 would turn one-line errors into tracebacks
+        full_env.pop("CTXQ_DEBUG", None)
+    return subprocess.run([ctxq_exe(), *args], capture_output=True, text=True, env=full_env,
                           input=input, timeout=timeout)

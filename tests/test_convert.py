@@ -142,7 +142,7 @@ def llama_logits(gguf_path: Path, ids: list[int]) -> tuple[np.ndarray, list[int]
     """llama.cpp's logits for every position, and its own tokenization of TEXT."""
     from llama_cpp import Llama
 
-    from ctxq.backend import llama_cpp
+    from ctxq.llama.backend import llama_cpp
 
     llama_cpp()  # ctxq's log capture instead of llama.cpp's stderr
     llm = Llama(str(gguf_path), n_ctx=256, n_batch=256, logits_all=True, n_threads=2, verbose=False)
@@ -192,7 +192,7 @@ def test_family_matches_transformers(tiny, family, tmp_path):
 
 
 def test_gguf_metadata_of_odd_shapes(tiny, tmp_path):
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     r = convert(tiny["gemma3"], "f32", tmp_path / "g3.gguf")
     info = model_info(r.path)
@@ -248,11 +248,13 @@ def test_refuses_pickles_and_unknown_architectures(tmp_path):
 def test_existing_output_needs_force(tiny, tmp_path):
     out = tmp_path / "m.gguf"
     out.write_bytes(b"keep me")
-    with pytest.raises(CtxqError, match="--force"):
+    with pytest.raises(CtxqError, match="pass force=True"):
         convert(tiny["llama"], "f16", out)
     assert out.read_bytes() == b"keep me"
     r = convert(tiny["llama"], "f16", out, force=True)
     assert r.path == out and out.read_bytes()[:4] == b"GGUF"
+    with pytest.raises(CtxqError, match="^`check`, `pure`: only for quantized types .*, not f16$"):
+        convert(tiny["llama"], "f16", tmp_path / "n.gguf", pure=True, check=False)  # keywords, not flags
 
 
 def _hub_cache(hf_home: Path, repo: str, folder: Path, sha: str = "0123456789abcdef0123456789abcdef01234567"):
@@ -281,7 +283,6 @@ def test_hub_id_resolves_through_the_hf_cache_offline(tiny, tmp_path):
 
 
 def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path, monkeypatch):
-    pytest.importorskip("ctxq.quantize", reason="quantized types are made by ctxq.quantize (issue 4)")
     monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))  # its cache records, not the user's
     out = tmp_path / "out" / "l.gguf"
     r = convert(tiny["llama"], "q4_k_m", out, check=False)
@@ -292,12 +293,15 @@ def test_quantized_type_goes_through_ctxq_quantize(tiny, tmp_path, monkeypatch):
     assert again.cached and again.path == out
     copy = convert(tiny["llama"], "q4_k_m", tmp_path / "out" / "copy.gguf", check=False)
     assert copy.cached and copy.path.read_bytes() == out.read_bytes()
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
+    from ctxq.gguf.reader import read_gguf
 
     assert model_info(out).file_type == "Q4_K_M"
+    n = len(read_gguf(out, skip_arrays=True).tensors)
+    assert n > 0 and r.n_tensors == again.n_tensors == copy.n_tensors == n  # also when cached
     # a GGUF as MODEL is quantized directly
     r2 = convert(out, "q8_0", tmp_path / "out" / "l8.gguf", check=False)
-    assert model_info(r2.path).file_type == "Q8_0"
+    assert model_info(r2.path).file_type == "Q8_0" and r2.n_tensors == n
 
 
 def _small_fs_run(tmp_path: Path, size: str, *args: str):
@@ -341,7 +345,7 @@ def test_phi3_named_model_with_a_bpe_vocabulary_loads(tmp_path):
 def test_sharded_bf16_checkpoint(tiny, tmp_path):
     """A bf16 checkpoint in several shards (with model.safetensors.index.json): the default type is
     the source's own (bf16), and an f32 conversion matches transformers' float32 upcast."""
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     src = tiny["qwen3"]
     folder = tmp_path / "sharded"

@@ -1,5 +1,5 @@
 """`ctxq convert` on a real model: SmolLM2-135M-Instruct rebuilt as a Hugging Face checkpoint from the
-default GGUF (ctxq.testmodels), converted by the real `ctxq convert` command, against transformers."""
+default GGUF (ctxq.testing.models), converted by the real `ctxq convert` command, against transformers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("torch", reason="transformers reference logits need torch (pip install ctxq[test])")
 pytest.importorskip("transformers", reason="reference logits need transformers (ctxq[test])")
 
-from ctxq.gguf_file import read_gguf  # noqa: E402
-from ctxq.testmodels import rebuild_smollm2_hf  # noqa: E402
+from ctxq.gguf.reader import read_gguf  # noqa: E402
+from ctxq.testing.models import rebuild_smollm2_hf  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
 from .test_convert import compare, hf_ids, llama_logits, reference_logits  # noqa: E402
@@ -62,7 +62,7 @@ def test_peak_rss_is_a_few_tensors_not_the_model(smollm2_hf, tmp_path):
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so the child would report pytest's peak
     # base after the imports the conversion needs: the test is about the conversion streaming, not
     # about numpy's and llama.cpp's import size (which moved the peak by a few MB between machines)
-    code = ("import re, ctxq, ctxq.conversion, llama_cpp\n"
+    code = ("import re, ctxq, ctxq.conversion.convert, llama_cpp\n"
             "hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)) * 1024\n"
             "base = hwm()\n"
             f"ctxq.convert({str(smollm2_hf)!r}, 'f32', {str(out)!r})\n"

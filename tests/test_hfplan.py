@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("transformers", reason="random checkpoints need transformers (pip install ctxq[test])")
 
 from ctxq import convert  # noqa: E402
-from ctxq.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
-from ctxq.synthetic import GEOMETRIES, write_sparse_hf_checkpoint  # noqa: E402
-from ctxq.testmodels import rebuild_smollm2_hf  # noqa: E402
+from ctxq.planning.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
+from ctxq.testing.synthetic import GEOMETRIES, write_sparse_hf_checkpoint  # noqa: E402
+from ctxq.testing.models import rebuild_smollm2_hf  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
 from .test_convert import FAMILIES, make_tiny  # noqa: E402
@@ -59,6 +59,22 @@ def test_70b_config_recommends_a_type_that_fits(smollm2, tmp_path):
     assert all(c["quality"] for c in d["candidates"])
 
 
+def test_every_candidate_is_planned_with_the_given_options(tmp_path):
+    """-ctk/-ctv, -fa, -b/-ub and --simulate reach each candidate's plan, on devices resolved once."""
+    hf = write_sparse_hf_checkpoint(tmp_path / "hf8b", GEOMETRIES["llama3-8b"], rebuild_smollm2_hf())
+    r = plan_hf(hf, 16384, types=("Q8_0", "Q4_K_M"), simulate="8,8", type_k="q8_0", type_v="q4_0",
+                n_batch=1024, n_ubatch=256)
+    for c in r.candidates:
+        assert c.fits, c.why_not
+        p = c.plan
+        assert (p.type_k, p.type_v, p.flash_attn, p.n_batch, p.n_ubatch) == ("q8_0", "q4_0", True, 1024, 256)
+        assert [g.device.name for g in p.gpus] == ["RPC0[simulated]", "RPC1[simulated]"]
+    out = run_ctxq("plan", str(hf), "--ctx", "16384", "--simulate", "8,8", "-ctk", "q8_0", "-fa", "off", "--json")
+    assert out.returncode == 0, out.stderr
+    plans = [c["plan"] for c in json.loads(out.stdout)["candidates"] if c["plan"]]
+    assert plans and all((p["type_k"], p["type_v"], p["flash_attn"]) == ("q8_0", "f16", False) for p in plans)
+
+
 @pytest.mark.slow
 def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
     hf = rebuild_smollm2_hf()
@@ -66,7 +82,7 @@ def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
     r = run_ctxq("convert", str(hf), "auto", "--ctx", "65536", "--gpus", "4", "-o", str(out))
     assert r.returncode == 0, r.stderr
     assert "auto: F16" in r.stderr  # 270 MB of f16 weights and a 64k f16 cache fit in 4 GiB
-    from ctxq.modelinfo import model_info
+    from ctxq.gguf.info import model_info
 
     assert model_info(out).file_type == "F16"
     r = run_ctxq("convert", str(hf), "auto", "-o", str(tmp_path / "x.gguf"))

@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from ctxq.accuracy import check_cell
-from ctxq.errors import CtxqError, DoesNotFit, GGUFError
-from ctxq.gguf_file import read_gguf
-from ctxq.planner import llama_layer_counts, plan
+from ctxq.testing.accuracy import check_cell
+from ctxq.errors import CtxqError, DoesNotFit, GGUFError, InvalidOption
+from ctxq.gguf.reader import read_gguf
+from ctxq.planning.options import PlanOptions
+from ctxq.planning.planner import llama_layer_counts, plan
 from ctxq.rpc import start_workers
-from ctxq.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
 from .conftest import run_ctxq
 
@@ -93,6 +94,22 @@ def test_does_not_fit_names_the_fix(models):
 def test_quantized_v_needs_flash_attention(smollm2):
     with pytest.raises(CtxqError, match="flash attention"):
         plan(smollm2, 4096, devices=[], type_k="q8_0", type_v="q8_0", flash_attn=False)
+    # kv="auto" without flash attention searches only what can run without it
+    p = plan(smollm2, 4096, devices=[], flash_attn=False)
+    assert (p.type_k, p.type_v, p.flash_attn) == ("f16", "f16", False)
+
+
+def test_options_object_and_keywords_are_one_thing(smollm2):
+    opts = PlanOptions(kv="q8_0", n_ubatch=256, cpu_memory=8 * GiB)  # fixed: available memory moves
+    a = plan(smollm2, 2048, devices=[], options=opts)
+    b = plan(smollm2, n_ctx=2048, devices=[], kv="q8_0", n_ubatch=256, cpu_memory=8 * GiB)
+    assert a.to_dict() == b.to_dict() and (a.n_ctx, a.type_k, a.n_ubatch, a.n_batch) == (2048, "q8_0", 256, 2048)
+    assert plan(smollm2, devices=[]).n_ctx == 4096  # llama.cpp's default context when none is given
+    with pytest.raises(TypeError):
+        plan(smollm2, 2048, devices=[], n_ctxx=4096)
+    with pytest.raises(InvalidOption) as e:
+        plan(smollm2, 2048, devices=[], kv="q5_0")
+    assert e.value.option == "kv" and e.value.value == "q5_0"
 
 
 # --- the CLI ------------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ctxq import quantize as q
+from ctxq import tempfiles
+from ctxq.conversion import quantize as q
 from ctxq.errors import ConversionError
 from ctxq.models import models_dir
-from ctxq.testmodels import dequantized_smollm2_gguf, synthetic_imatrix_gguf, tiny_llama_gguf
+from ctxq.testing.models import dequantized_smollm2_gguf, synthetic_imatrix_gguf, tiny_llama_gguf
 
 # Measured on this model (docs/quantize.md): Q8_0 agrees on 95% of 291 positions with KL 0.004;
 # every disagreement is a near-tie (top-2 probabilities within 0.025), so thread-count rounding can
@@ -35,7 +36,7 @@ def f16(smollm2):
 @pytest.fixture(scope="module")
 def hf_dir(smollm2):
     """Where the rebuilt Hugging Face checkpoint lives, read before `home` changes CTXQ_HOME."""
-    from ctxq.smollm2_hf import smollm2_hf_dir
+    from ctxq.testing.smollm2_hf import smollm2_hf_dir
 
     return smollm2_hf_dir()
 
@@ -83,7 +84,7 @@ def test_hugging_face_route_matches_the_gguf_route(quantized, home, hf_dir, tmp_
     """The issue's path: SmolLM2 rebuilt as a Hugging Face checkpoint -> `ctxq.convert` (an f16
     GGUF, then this quantizer, then the f16 deleted) -> Q4_K_M gives the F16 GGUF route's numbers."""
     import ctxq
-    from ctxq.testmodels import rebuild_smollm2_hf
+    from ctxq.testing.models import rebuild_smollm2_hf
 
     out = tmp_path / "hf-Q4_K_M.gguf"
     r = ctxq.convert(rebuild_smollm2_hf(hf_dir), "q4_k_m", out)
@@ -120,7 +121,7 @@ def test_cache_hit_does_nothing_and_force_redoes(quantized, f16, home, tmp_path)
 def test_existing_file_is_not_overwritten_without_force(f16, home, tmp_path):
     dst = tmp_path / "mine.gguf"
     dst.write_bytes(b"user data")
-    with pytest.raises(ConversionError, match="exists and is not this conversion's cached result; pass --force"):
+    with pytest.raises(ConversionError, match="exists and is not this conversion's cached result; pass force=True"):
         q.quantize_gguf(f16, dst, "Q5_0", check=False)
     assert dst.read_bytes() == b"user data"
 
@@ -134,7 +135,7 @@ def test_requantizing_says_so(smollm2, home, tmp_path):
 
 def test_imatrix_types_refused_before_any_work(f16, home, tmp_path):
     t0 = time.perf_counter()
-    with pytest.raises(ConversionError, match="IQ2_XXS needs an importance matrix: pass --imatrix FILE"):
+    with pytest.raises(ConversionError, match="IQ2_XXS needs an importance matrix: pass imatrix=FILE"):
         q.quantize_gguf(f16, tmp_path / "x.gguf", "iq2_xxs")
     assert time.perf_counter() - t0 < 2 and list(tmp_path.iterdir()) == []
 
@@ -169,7 +170,7 @@ import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
 from pathlib import Path
 from ctxq.errors import CtxqError
-from ctxq.quantize import quantize_gguf
+from ctxq.conversion.quantize import quantize_gguf
 try:
     quantize_gguf(Path(sys.argv[1]), Path(sys.argv[2]), "Q8_0", check=False, force=True)
 except CtxqError as e:
@@ -182,7 +183,7 @@ def _start_mid_quantization(src: Path, dst: Path):
     """A process quantizing src to dst, returned once its worker has written a few MB."""
     proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(src), str(dst)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    part = dst.with_name(f".{dst.name}.part")
+    part = tempfiles.temp_path(dst, "quantize", pid=proc.pid)
     deadline = time.time() + 120
     while not (part.exists() and part.stat().st_size > 8 << 20):
         assert proc.poll() is None, proc.communicate()
@@ -200,10 +201,10 @@ def test_kill_9_leaves_nothing_and_the_rerun_completes(f16, home, tmp_path):
     proc.wait()
     gone, alive = psutil.wait_procs([worker], timeout=10)
     assert not alive, "the quantizer outlived ctxq"
-    assert not dst.exists()  # only the hidden temporary, which the rerun replaces
+    assert not dst.exists() and part.exists()  # only the killed run's temporary
     r = q.quantize_gguf(f16, dst, "Q8_0", check=False, force=True)  # the killed command, run again
     assert not r.cached and r.path == dst and dst.stat().st_size == r.size
-    assert not part.exists()
+    assert not part.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["k.gguf"]  # swept
 
 
 def test_ctrl_c_cancels_cleanly(f16, home, tmp_path):

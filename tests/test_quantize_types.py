@@ -7,10 +7,10 @@ import ctypes
 
 import pytest
 
-from ctxq import quantize as q
-from ctxq.backend import capture_log, lib_dir, llama_cpp
+from ctxq.conversion import quantize as q
+from ctxq.llama.backend import capture_log, lib_dir, llama_cpp
 from ctxq.errors import ConversionError, CtxqError
-from ctxq.testmodels import synthetic_imatrix_gguf, tiny_llama_gguf
+from ctxq.testing.models import synthetic_imatrix_gguf, tiny_llama_gguf
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_type_names_are_llama_cpps():
 def test_lean_worker_structures_match_llama_cpp_python(ours, theirs):
     """The lean worker binds libllama itself: its structures must be llama-cpp-python's, field for
     field (name, offset, size), or the quantizer would read the wrong parameters."""
-    from ctxq import quantize_worker as w
+    from ctxq.conversion import quantize_worker as w
 
     a, b = getattr(w, ours), getattr(llama_cpp(), theirs)
     layout = lambda s: [(n, getattr(s, n).offset, getattr(s, n).size) for n, *_ in s._fields_]  # noqa: E731
@@ -64,7 +64,7 @@ def test_lean_worker_structures_match_llama_cpp_python(ours, theirs):
 
 def test_lean_worker_defaults_are_llama_cpps():
     """Defaults read through the worker's own binding equal those read through llama-cpp-python."""
-    from ctxq import quantize_worker as w
+    from ctxq.conversion import quantize_worker as w
 
     lib = w.bind(str(lib_dir()))
     lc = llama_cpp()
@@ -96,7 +96,7 @@ def test_walk_every_type(tiny, tmp_path):
     for name in q.QUANT_TYPES:
         dst = tmp_path / f"tiny-{name}.gguf"
         if name in q.NEEDS_IMATRIX:
-            with pytest.raises(ConversionError, match=f"{name} needs an importance matrix: pass --imatrix"):
+            with pytest.raises(ConversionError, match=f"{name} needs an importance matrix: pass imatrix=FILE"):
                 q.quantize_gguf(model, dst, name, check=False)
             assert not dst.exists() and not list(tmp_path.glob(".*.part"))
         check = name in GATED  # the gate costs two model loads; the walk runs it on a few types
@@ -124,7 +124,7 @@ def test_walk_every_type(tiny, tmp_path):
 
 def test_imatrix_is_used_and_recorded(tiny, tmp_path):
     """With an imatrix the quantizer writes llama.cpp's provenance keys into the file, as its tool does."""
-    from ctxq.gguf_file import read_gguf
+    from ctxq.gguf.reader import read_gguf
 
     model, imatrix = tiny
     r = q.quantize_gguf(model, tmp_path / "t.gguf", "IQ4_XS", imatrix=imatrix, check=False)
@@ -136,7 +136,7 @@ def test_imatrix_is_used_and_recorded(tiny, tmp_path):
 
 def test_bad_options_are_one_line_errors(tiny, tmp_path):
     model, _ = tiny
-    with pytest.raises(CtxqError, match="unknown tensor type 'q9_9' for --output-tensor-type"):
+    with pytest.raises(CtxqError, match="unknown tensor type 'q9_9' for `output_tensor_type`"):
         q.quantize_gguf(model, tmp_path / "x.gguf", "Q4_0", output_tensor_type="q9_9")
     with pytest.raises(CtxqError, match="not a GGUF importance matrix"):
         q.quantize_gguf(model, tmp_path / "x.gguf", "IQ2_XS", imatrix=model)
@@ -146,7 +146,7 @@ def test_bad_options_are_one_line_errors(tiny, tmp_path):
 
 
 def test_pass_through_options_change_the_output(tiny, tmp_path):
-    from ctxq.gguf_file import read_gguf
+    from ctxq.gguf.reader import read_gguf
 
     model, _ = tiny
 
@@ -175,21 +175,25 @@ def test_progress_follows_the_tensor_lines(tiny, tmp_path):
 
 
 def test_a_second_writer_is_refused(tiny, tmp_path):
-    """Two ctxq processes never write the same destination: the temporary file is locked."""
-    import fcntl
-    import os
+    """Two ctxq processes never write the same destination: a live process's temporary says it is busy."""
+    import subprocess
+
+    from ctxq import tempfiles
 
     model, _ = tiny
     dst = tmp_path / "locked.gguf"
-    fd = os.open(dst.with_name(f".{dst.name}.part"), os.O_RDWR | os.O_CREAT)
+    other = subprocess.Popen(["sleep", "60"])  # a live process, standing for a running quantization
+    part = tempfiles.temp_path(dst, "quantize", pid=other.pid)
+    part.write_bytes(b"half a model")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # as a running quantization holds it
-        with pytest.raises(ConversionError, match=f"another ctxq process is writing {dst}"):
+        with pytest.raises(ConversionError, match=f"another ctxq process \\(pid {other.pid}\\) is writing {dst}"):
             q.quantize_gguf(model, dst, "Q4_0", check=False)
+        assert part.exists() and not dst.exists()
     finally:
-        os.close(fd)
-    assert not dst.exists()
-    assert q.quantize_gguf(model, dst, "Q4_0", check=False).path == dst  # once it is released
+        other.kill()
+        other.wait()
+    assert q.quantize_gguf(model, dst, "Q4_0", check=False).path == dst  # once it is gone
+    assert not part.exists()  # and its temporary was swept
 
 
 def test_cache_key_extra_stands_for_the_source(tiny, tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxq import runner
-from ctxq.testmodels import tiny_chat_llama_gguf
+from ctxq.runtime import runner
+from ctxq.testing.models import tiny_chat_llama_gguf
 
 from .conftest import run_ctxq
 
@@ -90,7 +90,7 @@ def test_dry_run_prints_the_plan_and_input_size(smollm2, tmp_path):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--split", "16:16"], "--split needs devices"),
+    (["--split", "16:16"], "-ts needs devices: give --gpus, --profile or --rpc"),
     (["--gpus", "8,8"], "llama.cpp sees 0"),
     (["-c", "4096", "-p", ""], "the input is empty"),
     (["-f", "/nonexistent/input.txt"], "cannot read /nonexistent/input.txt"),
@@ -134,6 +134,25 @@ def test_load_returns_a_ready_llama_and_prints_nothing(smollm2, capfd):
         llm.close()
     captured = capfd.readouterr()
     assert captured.out == "" and captured.err == ""  # llama.cpp's log is captured, not dumped
+
+
+def test_planned_values_cannot_be_changed_at_load(smollm2):
+    """Memory was sized for the plan: a keyword that would change it after the fact is refused, by name."""
+    import ctxq
+    from ctxq.errors import InvalidOption
+
+    p = ctxq.plan(smollm2, 1024, devices=[])
+    for key, value in (("n_ctx", 8192), ("type_k", 8), ("n_ubatch", 128)):
+        with pytest.raises(InvalidOption, match=f"plan with {key}={value}") as e:
+            runner.load_plan(p, **{key: value})
+        assert e.value.option == key
+    with pytest.raises(InvalidOption, match="`n_gpu_layers` is set by the plan"):
+        ctxq.load(smollm2, n_ctx=1024, n_gpu_layers=0)
+    llm = ctxq.load(smollm2, n_ctx=1024, n_batch=512, n_ubatch=128)  # plan options: they make the plan
+    try:
+        assert (llm.ctxq_plan.n_batch, llm.ctxq_plan.n_ubatch) == (512, 128) and llm.n_batch == 512
+    finally:
+        llm.close()
 
 
 def test_cuda_visible_devices_for_a_reordered_plan():

@@ -2,22 +2,26 @@
 
     import ctxq
     plan = ctxq.plan("model.gguf", n_ctx=65536, gpus=[16, 16, 16, 8, 8])
-    llm = ctxq.load("model.gguf", n_ctx=65536)
+    llm = ctxq.load("model.gguf", n_ctx=65536, kv="q8_0")
+
+`plan()` and `load()` take the plan's settings as keywords (the fields of `PlanOptions`, the same
+words as llama.cpp: n_ctx, type_k, flash_attn, n_batch, ...) or as one `options=PlanOptions(...)`.
 
 Names are imported lazily so that `import ctxq` stays fast and does not load llama.cpp.
 """
 
 from .errors import CtxqError
 
-__all__ = ["load", "plan", "convert", "inspect", "Plan", "Device", "CtxqError"]
+__all__ = ["load", "plan", "convert", "inspect", "Plan", "PlanOptions", "Device", "CtxqError"]
 
 _LAZY = {
-    "load": ("ctxq.runner", "load"),
-    "plan": ("ctxq.planner", "plan"),
-    "Plan": ("ctxq.planner", "Plan"),
-    "Device": ("ctxq.devices", "Device"),
-    "convert": ("ctxq.conversion", "convert"),
-    "inspect": ("ctxq.modelinfo", "model_info"),
+    "load": ("ctxq.runtime.runner", "load"),
+    "plan": ("ctxq.planning.planner", "plan"),
+    "Plan": ("ctxq.planning.plan", "Plan"),
+    "PlanOptions": ("ctxq.planning.options", "PlanOptions"),
+    "Device": ("ctxq.planning.devices", "Device"),
+    "convert": ("ctxq.conversion.convert", "convert"),
+    "inspect": ("ctxq.gguf.info", "model_info"),
 }
 
 

@@ -6,33 +6,20 @@ Errors meant for users (`CtxqError`) print as one line, `Error: ...`, and exit 1
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 import click
 
 from ..errors import CtxqError
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="ctxq")
-@click.option("-v", "--verbose", is_flag=True, help="Log what ctxq and llama.cpp do to stderr.")
-def cli(verbose: bool):
-    """ctxq: run long-context LLMs on the GPUs you own (llama.cpp underneath)."""
-    if verbose or os.environ.get("CTXQ_DEBUG"):
-        logging.basicConfig(level=logging.DEBUG if os.environ.get("CTXQ_DEBUG") else logging.INFO,
-                            format="%(name)s: %(message)s")
+from .errors import cli_message
+from .group import cli
 
 
 def _register() -> None:
-    from . import info  # noqa: F401  (each module adds its commands to `cli`)
-    for name in ("plan", "run", "serve", "convert", "worker"):
-        try:
-            __import__(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
+    # each module adds its commands to `cli`; a module that fails to import is an error, not a
+    # command that silently vanishes from --help
+    from . import cache, convert, info, plan, run, serve, worker  # noqa: F401
 
 
 _register()
@@ -52,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     except CtxqError as e:
         if os.environ.get("CTXQ_DEBUG"):
             raise
-        click.echo(f"Error: {e}", err=True)
+        click.echo(f"Error: {cli_message(e)}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)

@@ -6,8 +6,7 @@ import json
 
 import click
 
-GiB = 1024**3
-MiB = 1024**2
+from ..units import GiB, MiB
 
 
 def gib(n: int | float) -> str:
@@ -40,3 +39,24 @@ def table(rows: list[list[str]], header: list[str]) -> str:
         return "  ".join(out).rstrip()
 
     return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+
+def memory_table(memory) -> str:
+    """Planned against reported bytes per device (`runtime.generate.DeviceMemory` rows)."""
+    rows = [[m.name, human(m.planned), human(m.reported),
+             f"{(m.reported - m.planned) / m.planned * 100:+.0f}%" if m.planned else "-"] for m in memory]
+    return table(rows, ["device", "planned", "llama.cpp", "diff"])
+
+
+def reexec(value: str) -> None:
+    """Start this command again with the GPUs in the plan's order: CUDA reads CUDA_VISIBLE_DEVICES
+    only once per process (`ReorderNeeded.value`; `runner.reorder_env` is the handshake)."""
+    import os
+    import sys
+
+    from ..runtime.runner import reorder_env
+
+    click.echo(f"ctxq: reordering the GPUs: CUDA_VISIBLE_DEVICES={value}", err=True)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-c", "from ctxq.cli import main; main()", *sys.argv[1:]],
+              {**os.environ, **reorder_env(value)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from . import cli
+from .group import cli
 from .common import human
 from .plan import device_options
 
@@ -61,14 +61,14 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
     quantization such as q4_k_m, which is made from an f16/bf16 conversion. TYPE auto picks the
     type `ctxq plan MODEL --ctx N` recommends for the devices (--gpus/--profile/--rpc, or detected).
     """
-    from ..conversion import convert
+    from ..conversion.convert import convert
     from ..errors import CtxqError
 
     if type and type.lower() == "auto":
         if not n_ctx:
             raise CtxqError("convert MODEL auto needs --ctx N (the context that must fit) and the devices "
                             "(--gpus, --profile or --rpc; default: the GPUs present)")
-        from ..hfplan import plan_hf
+        from ..planning.hfplan import plan_hf
 
         r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc)
         if r.recommended is None:

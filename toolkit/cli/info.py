@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from . import cli
+from .group import cli
 from .common import echo_json, gib, human, mib, table
 
 
@@ -12,7 +12,7 @@ from .common import echo_json, gib, human, mib, table
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json: bool):
     """Show versions, the llama.cpp build (CUDA, RPC), devices, GPUs, CPU and RAM."""
-    from ..doctor import doctor as run_doctor
+    from ..llama.doctor import doctor as run_doctor
 
     r = run_doctor()
     if as_json:
@@ -45,7 +45,7 @@ def doctor(as_json: bool):
 @click.option("--json", "as_json", is_flag=True, help="Print the model's facts as JSON.")
 def inspect(model: str, as_json: bool):
     """Show a GGUF model's geometry, weights and KV-cache cost, read from its header only."""
-    from ..modelinfo import model_info
+    from ..gguf.info import model_info
 
     info = model_info(model)
     if as_json:

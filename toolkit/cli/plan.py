@@ -6,28 +6,9 @@ from pathlib import Path
 
 import click
 
-from . import cli
+from .group import cli
 from .common import GiB, echo_json, table
-
-
-def device_options(f):
-    """--gpus / --profile / --rpc, shared by plan, run and serve."""
-    f = click.option("--rpc", default=None, metavar="HOST:PORT[=GiB],…",
-                     help="ggml RPC workers; they come first in llama.cpp's device order.")(f)
-    f = click.option("--profile", default=None, help="A hardware profile in profiles/ (e.g. 3x16-2x8) or a .toml file.")(f)
-    f = click.option("--gpus", default=None, metavar="GiB,…",
-                     help="Describe GPUs instead of detecting them: 16,16,16,8,8 or 3x16,2x8.")(f)
-    return f
-
-
-def kv_options(f):
-    f = click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(["on", "off", "auto"]), default="auto",
-                     help="Flash attention (auto: on; a quantized V cache needs it).")(f)
-    f = click.option("-ctv", "--cache-type-v", "type_v", default=None, help="V cache type (f16, q8_0, q4_0).")(f)
-    f = click.option("-ctk", "--cache-type-k", "type_k", default=None, help="K cache type (f16, q8_0, q4_0).")(f)
-    f = click.option("--kv", default="auto", type=click.Choice(["auto", "f16", "q8_0", "q4_0"]),
-                     help="KV-cache type for K and V; auto chooses the best that fits.")(f)
-    return f
+from .options import device_options, plan_options  # noqa: F401 (`ctxq convert` takes device_options from here)
 
 
 def render_plan(p, *, title: str | None = None) -> str:
@@ -44,15 +25,17 @@ def render_plan(p, *, title: str | None = None) -> str:
         else:
             layers = "0"
         use = d.total / d.device.usable * 100 if d.device.usable else 0
-        rows.append([d.device.name, layers, f"{d.weights / GiB:.2f}", f"{d.kv / GiB:.2f}", f"{d.compute / GiB:.2f}",
-                     f"{d.margin / GiB:.2f}", f"{d.total / GiB:.2f}", f"{d.device.usable / GiB:.2f}", f"{use:.0f}%"])
-    head = ["device", "layers", "weights", "KV", "compute", "margin", "total", "capacity", "use"]
+        rows.append([d.device.name, layers] + [f"{v / GiB:.2f}" for v in (
+            d.weights, d.kv, d.compute, d.cuda_extra, d.margin, d.total, d.device.usable, d.free)] + [f"{use:.0f}%"])
+    head = ["device", "layers", "weights", "KV", "compute", "CUDA", "reserve", "total", "capacity", "free", "use"]
     lines = []
     if title:
         lines.append(title)
     lines.append(f"model {Path(p.model).name}: {p.n_layer} layers, context {p.n_ctx:,} tokens, "
                  f"KV {p.type_k}/{p.type_v}, flash attention {'on' if p.flash_attn else 'off'}")
-    lines.append(table(rows, head) + "\n(sizes in GiB; layers: count (range), +out = output head)")
+    lines.append(table(rows, head) + "\n(sizes in GiB; layers: count (range), +out = output head; CUDA: CUDA's own "
+                 "memory beyond the CPU backend's buffers:\n f16 K/V copies, offload copies, pool; reserve: kept free "
+                 "outside every buffer; free: what is left)")
     lines.append(f"llama.cpp flags: {p.llama_flags()}")
     if p.device_order:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
@@ -66,8 +49,8 @@ def render_plan(p, *, title: str | None = None) -> str:
 
 
 def svg(p) -> str:
-    """Per-device stacked bars: weights, KV, compute, margin against capacity."""
-    colors = {"weights": "#4e79a7", "KV": "#f28e2b", "compute": "#59a14f", "margin": "#bab0ac"}
+    """Per-device stacked bars: weights, KV, compute, CUDA's own, reserve against capacity."""
+    colors = {"weights": "#4e79a7", "KV": "#f28e2b", "compute": "#59a14f", "CUDA": "#e15759", "reserve": "#bab0ac"}
     devs = p.devices
     w_bar, gap, h, top = 60, 30, 300, 40
     scale = h / max(max(d.device.usable, d.total) for d in devs)
@@ -79,7 +62,8 @@ def svg(p) -> str:
         cap_y = top + h - d.device.usable * scale
         out.append(f'<rect x="{x}" y="{cap_y:.1f}" width="{w_bar}" height="{d.device.usable * scale:.1f}" fill="none" stroke="#333"/>')
         y = top + h
-        for name, val in (("weights", d.weights), ("KV", d.kv), ("compute", d.compute), ("margin", d.margin)):
+        for name, val in (("weights", d.weights), ("KV", d.kv), ("compute", d.compute), ("CUDA", d.cuda_extra),
+                          ("reserve", d.margin)):
             hh = val * scale
             y -= hh
             out.append(f'<rect x="{x}" y="{y:.1f}" width="{w_bar}" height="{hh:.1f}" fill="{colors[name]}">'
@@ -96,41 +80,21 @@ def svg(p) -> str:
 
 @cli.command("plan")
 @click.argument("model", required=False)
-@click.option("-c", "--ctx", "n_ctx", type=int, required=True, help="The context the input needs, in tokens.")
-@device_options
-@click.option("--simulate", default=None, metavar="GiB,…",
-              help="Plan for local RPC workers standing for GPUs of these sizes (no GPU margin).")
-@kv_options
-@click.option("--prefer", type=click.Choice(["quality", "speed"]), default="quality",
-              help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.")
-@click.option("-ts", "--split", default=None, help="Evaluate this split: ratios 16:16:16:8:8 or layer counts 19,19,19,10,14.")
-@click.option("-ub", "--ubatch", "n_ubatch", type=int, default=512, show_default=True)
-@click.option("-b", "--batch", "n_batch", type=int, default=2048, show_default=True)
-@click.option("--cpu-memory", type=float, default=None, help="Host RAM to plan with, GiB (default: available now).")
+@plan_options(for_plan=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--svg", "svg_path", type=click.Path(dir_okay=False), default=None, help="Write per-device bars to FILE.")
-def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, flash_attn, prefer, split, n_ubatch,
-             n_batch, cpu_memory, as_json, svg_path):
+def plan_cmd(model, options, as_json, svg_path):
     """Plan MODEL (a GGUF; default: the embedded SmolLM2) for a context of --ctx tokens.
 
     Chooses the KV-cache type, flash attention and the layers per device so that the whole context
-    fits, leftover layers on the CPU; never shrinks the context.
+    fits, leftover layers on the CPU; never shrinks the context. MODEL may also be a Hugging Face
+    model (a folder or a hub id): then each quantization type is planned and one recommended.
     """
-    from ..devices import Device
-    from ..planner import plan
+    from ..planning import planner
 
     if model is not None and not Path(model).is_file() and (Path(model).is_dir() or "/" in model):
-        return _plan_hf(model, n_ctx, gpus, profile, rpc, as_json, prefer)
-    devices = None
-    if simulate:
-        from ..devices import parse_gpus
-
-        devices = [Device(name=f"RPC{i}[simulated]", kind="rpc", total=d.total, usable=d.usable, bandwidth=None)
-                   for i, d in enumerate(parse_gpus(simulate))]
-    p = plan(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, devices=devices, kv=kv, type_k=type_k,
-             type_v=type_v, flash_attn={"on": True, "off": False, "auto": None}[flash_attn], split=split,
-             prefer=prefer, n_ubatch=n_ubatch, n_batch=n_batch,
-             cpu_memory=int(cpu_memory * GiB) if cpu_memory else None)
+        return _plan_hf(model, options, as_json, svg_path)
+    p = planner.plan(model, options=options)
     if svg_path:
         Path(svg_path).write_text(svg(p))
     if as_json:
@@ -140,7 +104,7 @@ def plan_cmd(model, n_ctx, gpus, profile, rpc, simulate, kv, type_k, type_v, fla
 
 
 def render_hf(r) -> str:
-    from ..hfplan import QUALITY_SOURCE
+    from ..planning.hfplan import QUALITY_SOURCE
 
     rows = []
     for c in r.candidates:
@@ -165,10 +129,12 @@ def render_hf(r) -> str:
     return "\n".join(out)
 
 
-def _plan_hf(model, n_ctx, gpus, profile, rpc, as_json, prefer):
-    from ..hfplan import plan_hf
+def _plan_hf(model, options, as_json, svg_path):
+    from ..planning import hfplan
 
-    r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, prefer=prefer)
+    if svg_path:  # one picture per plan; a table of candidates has several
+        raise click.ClickException("--svg draws one plan; plan the converted GGUF with it")
+    r = hfplan.plan_hf(model, options=options)
     if as_json:
         echo_json({"model": r.model, "n_ctx": r.n_ctx, "candidates": [
             {"type": c.type, "size": c.size, "fits": c.fits, "recommended": c.recommended,

@@ -1,70 +1,15 @@
-"""`ctxq run` and `ctxq serve`: execute the plan (`ctxq.runner`, `ctxq.server`)."""
+"""`ctxq run`: execute the plan on one input (`ctxq.runtime.runner`: prepare, then execute)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 
 import click
 
-from . import cli
-from .common import echo_json, human, table
-from .plan import device_options, kv_options, render_plan
-
-
-def plan_options(f):
-    """The options that make a plan, shared by run and serve (the same words as `ctxq plan`).
-    click lists options in the reverse order of application, so the last applied shows first."""
-    f = click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")(f)
-    f = click.option("-t", "--threads", "n_threads", type=int, default=None,
-                     help="CPU threads (default: every CPU this process may use).")(f)
-    f = click.option("-b", "--batch", "n_batch", type=int, default=2048, show_default=True)(f)
-    f = click.option("-ub", "--ubatch", "n_ubatch", type=int, default=512, show_default=True)(f)
-    f = click.option("--prefer", type=click.Choice(["quality", "speed"]), default="quality",
-                     help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.")(f)
-    f = kv_options(f)
-    f = click.option("--simulate", default=None, metavar="GiB,…",
-                     help="Run on local RPC worker processes standing for GPUs of these sizes.")(f)
-    f = device_options(f)
-    f = click.option("-ts", "--split", default="auto", show_default=True,
-                     help="auto (plan for the devices), ratios 16:16:16:8:8, or layer counts 19,19,19,10,14.")(f)
-    f = click.option("-c", "--ctx", "n_ctx", type=int, default=4096, show_default=True,
-                     help="Context in tokens; never shrunk to fit.")(f)
-    return f
-
-
-@contextlib.contextmanager
-def _devices(simulate, rpc):
-    """The --rpc endpoints to use: given ones, or local workers started for --simulate."""
-    if simulate and rpc:
-        raise click.UsageError("give --simulate or --rpc, not both")
-    if not simulate:
-        yield rpc
-        return
-    from ..rpc import start_workers
-
-    with start_workers(simulate) as workers:
-        yield workers.rpc
-
-
-def _plan(model, n_ctx, split, gpus, profile, rpc, kv, type_k, type_v, flash_attn, prefer, n_ubatch, n_batch):
-    from ..runner import make_plan
-
-    # The device order the plan chooses is applied through CUDA_VISIBLE_DEVICES in a fresh process
-    # (_reexec); that process plans again for the GPUs in their new order, without reordering.
-    reorder = os.environ.get("CTXQ_DEVICE_ORDER_APPLIED") is None
-    return make_plan(model, n_ctx, split=split, gpus=gpus, profile=profile, rpc=rpc, kv=kv, type_k=type_k,
-                     type_v=type_v, flash_attn={"on": True, "off": False, "auto": None}[flash_attn],
-                     prefer=prefer, n_ubatch=n_ubatch, n_batch=n_batch, reorder=reorder)
-
-
-def _reexec(value: str) -> None:
-    """Start this command again with the GPUs reordered: CUDA reads CUDA_VISIBLE_DEVICES only once."""
-    click.echo(f"ctxq: reordering the GPUs: CUDA_VISIBLE_DEVICES={value}", err=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": value, "CTXQ_DEVICE_ORDER_APPLIED": value}
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-c", "from ctxq.cli import main; main()", *sys.argv[1:]], env)
+from .group import cli
+from .common import echo_json, memory_table, reexec
+from .options import load_options, plan_options
+from .plan import render_plan
 
 
 def _read_input(prompt, file):
@@ -85,15 +30,10 @@ def _read_input(prompt, file):
     return None
 
 
-def _memory_table(memory) -> str:
-    rows = [[m.name, human(m.planned), human(m.reported),
-             f"{(m.reported - m.planned) / m.planned * 100:+.0f}%" if m.planned else "-"] for m in memory]
-    return table(rows, ["device", "planned", "llama.cpp", "diff"])
-
-
 @cli.command("run")
 @click.argument("model", required=False)
-@plan_options
+@plan_options()
+@load_options
 @click.option("-p", "--prompt", default=None, help="The input text.")
 @click.option("-f", "--file", "file", type=click.Path(dir_okay=False), default=None, help="Read the input from FILE.")
 @click.option("--chat", is_flag=True, help="Wrap the input as a user turn in the model's chat template.")
@@ -102,54 +42,36 @@ def _memory_table(memory) -> str:
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Sampling temperature; 0 is greedy.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (and the input's size) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (text, timings, memory) as JSON.")
-def run_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_v, flash_attn, prefer, n_ubatch,
-            n_batch, n_threads, seed, prompt, file, chat, system, n_predict, temp, dry_run, as_json):
+def run_cmd(model, options, n_threads, seed, prompt, file, chat, system, n_predict, temp, dry_run, as_json):
     """Run MODEL (a GGUF; default: the embedded SmolLM2) on a long input with --ctx tokens of context.
 
     The input (-p, -f or stdin) is tokenized and checked against the context first; then the plan
     is made for the devices present, the model loads as planned, the prompt is processed with a
     progress bar and the answer streams to stdout. Statistics go to stderr.
     """
-    from ..runner import ReorderNeeded, check_context, load_plan, generate, tokenize
+    from ..errors import ReorderNeeded
+    from ..runtime import runner
 
     text = _read_input(prompt, file)
     if text is None and not dry_run:
         raise click.UsageError("give the input: -p TEXT, -f FILE, or pipe it on stdin")
-    tokens = tokenize(model, text, chat=chat, system=system) if text is not None else None
-    if tokens is not None:
-        check_context(len(tokens), n_predict, n_ctx)
-    with _devices(simulate, rpc) as rpc_eps:
-        p = _plan(model, n_ctx, split, gpus, profile, rpc_eps, kv, type_k, type_v, flash_attn, prefer,
-                  n_ubatch, n_batch)
+    with runner.local_workers(options) as opts:
+        prepared = runner.prepare(model, text, chat=chat, system=system, n_predict=n_predict, options=opts)
         if dry_run:
-            if as_json:
-                echo_json({"n_prompt": len(tokens) if tokens else None, "plan": p.to_dict()})
-            else:
-                click.echo(render_plan(p))
-                if tokens is not None:
-                    click.echo(f"input: {len(tokens):,} tokens + {n_predict:,} to generate, "
-                               f"context {n_ctx:,}")
+            _print_dry_run(prepared, as_json)
             return
-        if rpc_eps:
+        if prepared.rpc:
             _one_line_on_worker_loss()
+        bar = None if as_json else _ProgressBar()
         try:
-            llm, memory, load_s = load_plan(p, rpc=rpc_eps, n_threads=n_threads, seed=seed)
+            r = runner.execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_loaded=_loaded,
+                               on_progress=bar, on_text=None if as_json else (lambda s: click.echo(s, nl=False)))
         except ReorderNeeded as e:
-            _reexec(e.value)
+            reexec(e.value)
             raise
-        click.echo(f"ctxq: {p.llama_flags()} ({p.reason}); loaded in {load_s:.1f} s", err=True)
-        bar = _ProgressBar(len(tokens)) if not as_json else None
-        on_text = None if as_json else (lambda s: click.echo(s, nl=False))
-        try:
-            g = generate(llm, tokens, n_predict=n_predict, temp=temp, on_progress=bar, on_text=on_text)
         finally:
-            llm.close()
             if bar:
                 bar.close()
-    from ..runner import RunResult
-
-    r = RunResult(text=g["text"], tokens=g["tokens"], n_prompt=len(tokens), load_s=load_s, prefill_s=g["prefill_s"],
-                  decode_s=g["decode_s"], ttft_s=g["ttft_s"], stop=g["stop"], plan=p, memory=memory)
     if as_json:
         echo_json(r.to_dict())
         return
@@ -157,24 +79,40 @@ def run_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_
     click.echo(f"prompt {r.n_prompt:,} tokens: prefill {r.prefill_s:.2f} s ({r.prefill_tps:.1f} tok/s), "
                f"time to first token {r.ttft_s:.2f} s; generated {r.n_generated} tokens "
                f"({r.decode_tps:.2f} tok/s, stop: {r.stop})", err=True)
-    click.echo(_memory_table(r.memory), err=True)
+    click.echo(memory_table(r.memory), err=True)
+
+
+def _loaded(p, load_s: float) -> None:
+    click.echo(f"ctxq: {p.llama_flags()} ({p.reason}); loaded in {load_s:.1f} s", err=True)
+
+
+def _print_dry_run(prepared, as_json: bool) -> None:
+    p, tokens = prepared.plan, prepared.tokens
+    if as_json:
+        echo_json({"n_prompt": len(tokens) if tokens else None, "plan": p.to_dict()})
+        return
+    click.echo(render_plan(p))
+    if tokens is not None:
+        click.echo(f"input: {len(tokens):,} tokens + {prepared.n_predict:,} to generate, context {p.n_ctx:,}")
 
 
 class _ProgressBar:
     """tqdm on stderr: tokens done / total and tokens/s."""
 
-    def __init__(self, total: int):
-        from tqdm import tqdm
-
-        # The rate shown is ctxq's (tokens done / seconds since prefill began), not tqdm's smoothed one.
-        self.bar = tqdm(total=total, desc="prefill", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens "
-                                   "[{elapsed}<{remaining}{postfix}]")
+    def __init__(self):
+        self.bar = None  # drawn at the first report, after the model has loaded
         self.closed = False
 
     def __call__(self, prog) -> None:
         if self.closed:
             return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            # The rate shown is ctxq's (tokens done / seconds since prefill began), not tqdm's smoothed one.
+            self.bar = tqdm(total=prog.total, desc="prefill", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens "
+                                       "[{elapsed}<{remaining}{postfix}]")
         self.bar.n = prog.done
         self.bar.set_postfix_str(f"{prog.tokens_per_s:.0f} tok/s", refresh=False)
         self.bar.refresh()
@@ -184,49 +122,13 @@ class _ProgressBar:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.bar.close()
-
-
-@cli.command("serve")
-@click.argument("model", required=False)
-@plan_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--api-key", default=None, envvar="CTXQ_API_KEY",
-              help="Require this bearer token on the API (also CTXQ_API_KEY).")
-@click.option("--alias", default=None, help="The model name the API reports (default: the file path).")
-def serve_cmd(model, n_ctx, split, gpus, profile, rpc, simulate, kv, type_k, type_v, flash_attn, prefer, n_ubatch,
-              n_batch, n_threads, seed, host, port, api_key, alias):
-    """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
-
-    Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health.
-    A request whose prompt does not fit in --ctx gets a 400 that says both numbers.
-    """
-    import uvicorn
-
-    from ..runner import ReorderNeeded
-    from ..server import create_app
-
-    with _devices(simulate, rpc) as rpc_eps:
-        p = _plan(model, n_ctx, split, gpus, profile, rpc_eps, kv, type_k, type_v, flash_attn, prefer,
-                  n_ubatch, n_batch)
-        try:
-            app, memory = create_app(p, api_key=api_key, rpc=rpc_eps, n_threads=n_threads, seed=seed, alias=alias)
-        except ReorderNeeded as e:
-            _reexec(e.value)
-            raise
-        click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
-        click.echo(_memory_table(memory), err=True)
-        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-            click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
-        click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+            if self.bar is not None:
+                self.bar.close()
 
 
 def _one_line_on_worker_loss() -> None:
     """llama.cpp aborts the process when an RPC worker goes away; say which one in one line instead."""
     import os
-    import sys
 
     from ..rpc import describe_abort, on_ggml_abort
 

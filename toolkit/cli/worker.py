@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 
 import click
 
-from . import cli
+from ..rpc import DEFAULT_PORT
+from ..units import default_threads
+from .group import cli
 from .common import gib
 
 
@@ -26,7 +29,7 @@ def _quiet_c_stdout(verbose: bool) -> None:
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (IPv4). Anything but loopback needs --allow-remote.")
-@click.option("-p", "--port", type=click.IntRange(0, 65535), default=50052, show_default=True,
+@click.option("-p", "--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True,
               help="Port to listen on (llama.cpp's rpc-server default); 0 picks a free one.")
 @click.option("-d", "--device", "devices", multiple=True,
               help="ggml device to serve (repeatable), e.g. CUDA0 or CPU. Default: every GPU, else the CPU.")
@@ -41,8 +44,8 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
 
     Other machines (or processes) use it with `--rpc HOST:PORT` on plan, run and serve.
     """
-    from .. import backend, rpc
-    from ..rpc_workers import catch_stop_signals, wait_for_signal
+    from ..llama import backend
+    from .. import rpc
 
     backend.require_rpc()
     host = rpc.check_bind_host(host, allow_remote)
@@ -53,8 +56,8 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
     info = {d.name: d for d in backend.ggml_devices()}
     verbose = bool(ctx.find_root().params.get("verbose"))
     _quiet_c_stdout(verbose)
-    stop = catch_stop_signals()  # before the endpoint is announced: a caller may signal at once
-    server = rpc.ServerThread(host, port, names, threads or rpc.default_threads(), cache_dir)
+    stop = rpc.catch_stop_signals()  # before the endpoint is announced: a caller may signal at once
+    server = rpc.ServerThread(host, port, names, threads or default_threads(), cache_dir)
     endpoint = server.start()
     click.echo(f"ctxq worker listening on {endpoint} (llama.cpp RPC protocol {rpc.RPC_PROTO_MAJOR}.x, "
                f"{server.threads} threads)")
@@ -62,8 +65,8 @@ def worker(ctx, host, port, devices, threads, cache_dir, allow_remote):
         d = info[n]
         click.echo(f"  {n:<8} {d.description}  {gib(d.free)} free of {gib(d.total)}")
     click.echo(f"use it with --rpc {endpoint}; Ctrl-C stops it")
-    sig = wait_for_signal(server, stop)
-    click.echo(f"ctxq worker on {endpoint} stopped ({'SIGINT' if sig == 2 else 'SIGTERM'})")
+    sig = rpc.wait_for_signal(server, stop)
+    click.echo(f"ctxq worker on {endpoint} stopped ({signal.Signals(sig).name})")
     sys.stdout.flush()
     sys.stderr.flush()
     # The server thread is blocked in C (accept) and cannot be joined; end the process here so

@@ -1,0 +1,239 @@
+"""The measuring half of scripts/gpu_check.sh (issue 14; docs/gpu.md): planner vs CUDA, in one timed run.
+
+    python3 scripts/gpu_check.py checks --out DIR [--deadline-s 480] [--stages doctor,cells,workers,speed]
+    python3 scripts/gpu_check.py table DIR/gpu_check.json       # the summary table again
+    python3 scripts/gpu_check.py smollm2-header OUT.gguf         # (prepare) SmolLM2's header + its size
+
+Stages, each with its own time budget (a stage that overruns is cut and recorded; the next still runs):
+doctor (`ctxq doctor --json`), cells (planned vs printed vs NVML, synthetic geometries), workers (five
+`ctxq worker` processes declared 16,16,16,8,8 GiB on one GPU), speed (SmolLM2 layout at ~60k tokens,
+`ctxq run` vs a plain `Llama`). Results go to DIR/gpu_check.json after every stage; a table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_nvml, gpu_stages, gpu_runs
+
+# name -> (cap, minimum) in seconds. The minimum of every later stage is held back for it, so an
+# early stage never eats a later one's time; the caps sum to what the checks take on an H100/H200
+# (estimates until the first run: docs/gpu.md).
+STAGES = {"doctor": (30, 10), "cells": (150, 60), "workers": (170, 60), "speed": (90, 40)}
+MIN_RUN_S = 10  # a stage allotted less than this is skipped, not started
+
+
+class StageTimeout(Exception):
+    """A stage ran out of its time between two of its steps."""
+
+
+@dataclass
+class Stage:
+    name: str
+    allotted_s: float
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(default=0.0)
+
+    def __post_init__(self):
+        self.started = self.clock()
+
+    def left(self) -> float:
+        return self.allotted_s - (self.clock() - self.started)
+
+    def check(self, need_s: float = 0.0) -> None:
+        """Raise StageTimeout when less than need_s is left (call between steps)."""
+        if self.left() < need_s:
+            raise StageTimeout(f"{self.name}: {self.allotted_s:.0f} s used up")
+
+
+def allot(names: list[str], left_s: float, index: int, stages: dict = STAGES) -> float:
+    """Seconds for stage names[index]: its cap, less what later stages need at least."""
+    cap, _ = stages[names[index]]
+    reserve = sum(stages[n][1] for n in names[index + 1:])
+    return max(0.0, min(cap, left_s - reserve))
+
+
+def run_stages(names: list[str], funcs: dict, total_s: float, out: Path, results: dict,
+               clock: Callable[[], float] = time.monotonic) -> dict:
+    """Run each stage with its allotment; record status ok / cut / error / skipped and its seconds."""
+    end = clock() + total_s
+    for i, name in enumerate(names):
+        s = allot(names, end - clock(), i)
+        rec = {"allotted_s": round(s, 1)}
+        if s < MIN_RUN_S:
+            rec.update(status="skipped", why=f"{end - clock():.0f} s left for this and later stages")
+        else:
+            st = Stage(name, s, clock)
+            try:
+                rec.update(status="ok", result=funcs[name](st, out))
+            except StageTimeout as e:
+                rec.update(status="cut", why=str(e), result=getattr(e, "partial", None))
+            except Exception as e:  # recorded; the next stage still runs
+                rec.update(status="cut" if "longer than" in str(e) else "error", why=f"{type(e).__name__}: {e}",
+                           result=getattr(e, "partial", None))
+            rec["took_s"] = round(clock() - st.started, 1)
+        results["stages"][name] = rec
+        write_json(out / "gpu_check.json", results)
+        print(f"gpu_check: stage {name}: {rec['status']} ({rec.get('took_s', 0)} of {rec['allotted_s']} s)"
+              + (f": {rec['why']}" if "why" in rec else ""), flush=True)
+    return results
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)  # a run killed mid-write leaves the previous complete file
+
+
+# --- the summary table -------------------------------------------------------------------------
+
+def summary(results: dict) -> str:
+    """The short table printed last: one block per stage that produced figures."""
+    from ctxq.cli.common import table
+
+    def mib(n):
+        return "-" if n is None else f"{n / 2**20:.0f}"
+
+    st = results.get("stages", {})
+    b = results.get("build") or {}
+    built = "reused from an earlier run" if b.get("reused") else f"{b.get('build_s', '?')} s (exit {b.get('rc', '?')})"
+    parts = [f"build: {built}" if b else "build: not recorded",
+             "stages: " + ", ".join(f"{k} {v['status']}" for k, v in st.items())]
+    doc = (st.get("doctor") or {}).get("result") or {}
+    if doc and not doc.get("nvidia_gpus"):
+        parts.append(f"GPU: none ({doc.get('nvml_error')})")
+    for g in doc.get("nvidia_gpus", []):
+        parts.append(f"GPU {g['index']}: {g['name']}, {g['free'] / 2**30:.1f} GiB free of {g['total'] / 2**30:.1f}"
+                     f"; llama.cpp CUDA {'yes' if doc.get('features', {}).get('cuda') else 'NO'}")
+    cell_res = (st.get("cells") or {}).get("result") or {}
+    cells = cell_res.get("rows", [])
+    if cell_res.get("errors"):
+        parts.append(f"{len(cell_res['errors'])} cells failed; the first: {cell_res['errors'][0]}")
+    if cells:
+        parts.append("planned vs printed vs NVML on CUDA0 (MiB; planned without / with the margin):\n" + table(
+            [[c["geometry"], c["kv"], c["n_ctx"], c["placement"], mib(c["gpu_planned_total"] - c["gpu_planned"]["margin"]),
+              mib(c["gpu_printed_total"]), mib(c["nvml_peak"]), mib(c["unaccounted"]), mib(c["gpu_planned_total"]),
+              {True: "yes", False: "NO", None: "-"}[c["fits"]]] for c in cells],
+            ["model", "KV", "n_ctx", "layers", "planned", "printed", "NVML peak", "unacct.", "plan+margin", "fits"]))
+    wres = (st.get("workers") or {}).get("result") or {}
+    for run in wres.get("runs", []):
+        rows = [[w["endpoint"], mib(w["declared"]), w["layers"], mib(w["planned_total"]), mib(w["printed"]),
+                 mib(w["nvml_peak"]), mib(w["headroom"]), {True: "EXCEEDED", False: "ok", None: "-"}[w["exceeded"]]]
+                for w in run.get("workers", [])]
+        head = (f"{run['geometry']} at {run['n_ctx']} ctx, {run.get('n_prompt', '?')} tokens prefilled, "
+                f"workers: {wres.get('worker_command', '?')}")
+        parts.append(f"{head}: {run.get('status', 'ok')}" + ("\n" + table(rows, [
+            "worker", "declared", "layers", "planned", "printed", "NVML peak", "headroom", "size"]) if rows else ""))
+    sp = (st.get("speed") or {}).get("result") or {}
+    if sp.get("ctxq") and sp.get("plain"):
+        c, p = sp["ctxq"], sp["plain"]
+        parts.append(table([[k, f"{c[k + '_tps']:.1f}", f"{p[k + '_tps']:.1f}",
+                             f"{c[k + '_tps'] / p[k + '_tps']:.3f}" if p[k + "_tps"] else "-"]
+                            for k in ("prefill", "decode")], [f"SmolLM2 layout, {c['n_prompt']} tokens", "ctxq run",
+                                                              "plain Llama", "ratio"])
+                     + f"\ntime to first token (ctxq run, {sp.get('n_ctx')} ctx): {c['ttft_s']:.2f} s")
+    return "\n\n".join(parts)
+
+
+# --- SmolLM2: carry the header, rebuild the file ---------------------------------------------------
+
+def smollm2_header(dest: Path, model=None) -> Path:
+    """SmolLM2's GGUF up to its tensor data (metadata, tokenizer, tensor table), and a .json with the
+    full file size, so that `rebuild_with_random_weights` can make a loadable file of the same layout."""
+    from ctxq.gguf.reader import read_gguf
+    from ctxq.models import resolve_model
+
+    src = read_gguf(resolve_model(model))
+    with open(src.path, "rb") as f:
+        dest.write_bytes(f.read(src.data_offset))
+    dest.with_suffix(".json").write_text(json.dumps({"file_size": src.file_size, "source": src.path.name}))
+    return dest
+
+
+def rebuild_with_random_weights(header: Path, dest: Path, seed: int = 0) -> Path:
+    """A full-size GGUF from a carried header: norms 1.0, quantized blocks with random values of about
+    SmolLM2's weight scale (|w| < 0.08), other types zero. Speed depends on types and shapes, not values;
+    random values keep the greedy decode from sitting on one token (all zeros would pick token 0, EOS)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType as T
+
+    from ctxq.gguf.reader import read_gguf
+
+    size = json.loads(header.with_suffix(".json").read_text())["file_size"]
+    dest.write_bytes(header.read_bytes())
+    with open(dest, "r+b") as f:
+        f.truncate(size)
+    g = read_gguf(dest, skip_arrays=True)
+    rng = np.random.default_rng(seed)
+    blocks = {T.Q4_1: ([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)], 0.01, -0.075),
+              T.Q8_0: ([("d", "<f2"), ("qs", "i1", 32)], 0.002, None)}
+    with open(dest, "r+b") as f:
+        for t in g.tensors:
+            f.seek(g.data_offset + t.offset)
+            if t.type == T.F32:
+                f.write(np.ones(t.n_elements, "<f4").tobytes())
+            elif t.type in blocks:
+                fields, d, m = blocks[T(t.type)]
+                a = np.zeros(t.nbytes // np.dtype(fields).itemsize, fields)
+                a["d"] = d
+                if m is not None:
+                    a["m"] = m
+                a["qs"] = rng.integers(0 if m is not None else -30, 256 if m is not None else 31, a["qs"].shape)
+                f.write(a.tobytes())
+    return dest
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("checks", help="run the stages (on the CUDA machine)")
+    c.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and the logs")
+    c.add_argument("--deadline-s", type=float, default=480, help="seconds for all stages together")
+    c.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {','.join(STAGES)}")
+    c.add_argument("--failed-build", action="store_true", help="record that the build failed; run nothing")
+    t = sub.add_parser("table", help="print the summary table of a gpu_check.json")
+    t.add_argument("json", type=Path)
+    h = sub.add_parser("smollm2-header", help="write SmolLM2's GGUF header (prepare step)")
+    h.add_argument("dest", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "table":
+        print(summary(json.loads(a.json.read_text())))
+        return 0
+    if a.cmd == "smollm2-header":
+        print(f"wrote {smollm2_header(a.dest)}")
+        return 0
+    names = [s.strip() for s in a.stages.split(",") if s.strip()]
+    unknown = [n for n in names if n not in STAGES]
+    if unknown:
+        ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+    if a.deadline_s < 0:
+        ap.error("--deadline-s must be 0 or more")
+    a.out.mkdir(parents=True, exist_ok=True)
+    build = a.out / "build.json"
+    results = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "deadline_s": a.deadline_s,
+               "build": json.loads(build.read_text()) if build.is_file() else None, "stages": {}}
+    if a.failed_build:
+        results["stages"] = {n: {"status": "skipped", "why": "the llama-cpp-python build failed"} for n in names}
+        write_json(a.out / "gpu_check.json", results)
+    else:
+        import gpu_runs
+        from gpu_stages import hide_gpu
+
+        hide_gpu()
+        run_stages(names, gpu_runs.STAGE_FUNCS, a.deadline_s, a.out, results)
+    print("\n" + summary(results), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import gpu_check  # one copy of the module: gpu_runs imports Stage and StageTimeout from it
+
+    sys.exit(gpu_check.main())

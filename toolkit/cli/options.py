@@ -1,0 +1,97 @@
+"""Click options shared by `ctxq plan`, `run` and `serve`.
+
+Each option's destination is the library's keyword (`-c/--ctx` -> n_ctx, `-ctk` -> type_k), and
+every default is None, "not given": `plan_options` gathers them into one `PlanOptions`, which the
+library resolves against its defaults (`ctxq.planning.options`). A command decorated with it takes
+`options` instead of the individual flags.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from ..planning.options import (DEFAULT_N_BATCH, DEFAULT_N_CTX, DEFAULT_N_UBATCH, DEFAULT_PREFER, KV_TYPES,
+                                PlanOptions)
+from ..units import GiB
+
+_ON_OFF = {"on": True, "off": False, "auto": None}
+
+
+def device_options(f):
+    """--gpus / --profile / --rpc (also used by `ctxq convert auto`)."""
+    f = click.option("--rpc", default=None, metavar="HOST:PORT[=GiB],…",
+                     help="ggml RPC workers; they come first in llama.cpp's device order.")(f)
+    f = click.option("--profile", default=None,
+                     help="A hardware profile in profiles/ (e.g. 3x16-2x8) or a .toml file.")(f)
+    f = click.option("--gpus", default=None, metavar="GiB,…",
+                     help="Describe GPUs instead of detecting them: 16,16,16,8,8 or 3x16,2x8.")(f)
+    return f
+
+
+def _plan_flags(for_plan: bool) -> list:
+    """The options in the order --help lists them."""
+    if for_plan:
+        ctx = click.option("-c", "--ctx", "n_ctx", type=int, required=True,
+                           help="The context the input needs, in tokens.")
+        split_help = "Evaluate this split: ratios 16:16:16:8:8 or layer counts 19,19,19,10,14."
+        simulate_help = "Plan for local RPC workers standing for GPUs of these sizes (no GPU margin)."
+    else:
+        ctx = click.option("-c", "--ctx", "n_ctx", type=int, default=None,
+                           help=f"Context in tokens; never shrunk to fit.  [default: {DEFAULT_N_CTX}]")
+        split_help = ("auto (plan for the devices), ratios 16:16:16:8:8, or layer counts 19,19,19,10,14.  "
+                      "[default: auto]")
+        simulate_help = "Run on local RPC worker processes standing for GPUs of these sizes."
+    flags = [
+        ctx,
+        click.option("-ts", "--split", default=None, help=split_help),
+        device_options,
+        click.option("--simulate", default=None, metavar="GiB,…", help=simulate_help),
+        click.option("--kv", default=None, type=click.Choice(["auto", *KV_TYPES]),
+                     help="KV-cache type for K and V; auto chooses the best that fits.  [default: auto]"),
+        click.option("-ctk", "--cache-type-k", "type_k", default=None, help="K cache type (f16, q8_0, q4_0)."),
+        click.option("-ctv", "--cache-type-v", "type_v", default=None, help="V cache type (f16, q8_0, q4_0)."),
+        click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(list(_ON_OFF)), default=None,
+                     callback=lambda ctx, param, v: _ON_OFF[v] if v else None,
+                     help="Flash attention (auto: on; a quantized V cache needs it).  [default: auto]"),
+        click.option("--prefer", type=click.Choice(["quality", "speed"]), default=None,
+                     help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.  "
+                          f"[default: {DEFAULT_PREFER}]"),
+        click.option("-ub", "--ubatch", "n_ubatch", type=int, default=None,
+                     help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
+        click.option("-b", "--batch", "n_batch", type=int, default=None,
+                     help=f"Tokens per decode call of the prefill.  [default: {DEFAULT_N_BATCH}]"),
+        click.option("--reserve", "reserve", type=float, default=None, metavar="GiB",
+                     callback=lambda ctx, param, v: None if v is None else int(v * GiB),
+                     help="Memory kept free on every GPU outside llama.cpp's buffers (CUDA context, cuBLAS, "
+                          "graphs).  [default: 0.75 for CUDA, 1.0 for other GPU backends]"),
+    ]
+    if for_plan:
+        flags.append(click.option("--cpu-memory", "cpu_memory", type=float, default=None,
+                                  callback=lambda ctx, param, v: int(v * GiB) if v else None,
+                                  help="Host RAM to plan with, GiB (default: available now)."))
+    return flags
+
+
+def plan_options(for_plan: bool = False):
+    """Add the options that make a plan; the command receives them as one `options: PlanOptions`.
+    for_plan: `ctxq plan`'s variant (--ctx required, --cpu-memory, a split to evaluate)."""
+    def decorate(f):
+        @functools.wraps(f)
+        def command(**kw):
+            return f(options=PlanOptions.take(kw), **kw)
+
+        for flag in reversed(_plan_flags(for_plan)):  # click lists options in reverse order of application
+            command = flag(command)
+        return command
+
+    return decorate
+
+
+def load_options(f):
+    """-t / --seed: how `run` and `serve` load the plan."""
+    f = click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")(f)
+    f = click.option("-t", "--threads", "n_threads", type=int, default=None,
+                     help="CPU threads (default: every CPU this process may use).")(f)
+    return f

@@ -1,0 +1,270 @@
+"""A strict, bounded reader for a GGUF file's header and tensor index.
+
+It reads only the key/value metadata and the tensor infos (never the weights), so a 40 GB
+file is read in milliseconds. Every length and count is checked against the file's size before
+anything is allocated, so a hostile or truncated file ends in a `GGUFError`, never a crash,
+a hang or a huge allocation. gguf's `GGUFReader` maps the whole file and trusts the counts,
+which is why ctxq does not use it here.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..errors import GGUFError
+from ..units import round_up
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT in ggml/include/gguf.h
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# GGUF value types (gguf.h, enum gguf_type) -> struct format; 8 = string, 9 = array.
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml order: shape[0] is the row length (ne0)
+    type: int  # ggml_type number
+    offset: int  # bytes from the start of the data section
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        try:
+            return GGMLQuantizationType(self.type).name
+        except ValueError:
+            return f"TYPE_{self.type}"
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    version: int
+    metadata: dict[str, object]
+    tensors: list[TensorInfo]
+    data_offset: int  # file offset of the tensor data section
+    file_size: int  # bytes
+    alignment: int = DEFAULT_ALIGNMENT
+    value_types: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key -> (gguf type, array elem type)
+    _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        if not self._by_name:
+            self._by_name = {t.name: t for t in self.tensors}
+        return self._by_name.get(name)
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+    @property
+    def arch(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GGUFError(f"{self.path}: no general.architecture key; not a model GGUF")
+        return arch
+
+    def arch_get(self, key: str, default=None):
+        """`<arch>.<key>`, e.g. arch_get("block_count")."""
+        return self.metadata.get(f"{self.arch}.{key}", default)
+
+
+def tensor_nbytes(type_: int, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor in ggml's layout (ggml_nbytes for a contiguous tensor)."""
+    try:
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_)]
+    except (ValueError, KeyError):
+        raise GGUFError(f"unknown ggml tensor type {type_}") from None
+    if shape[0] % block:
+        raise GGUFError(f"tensor row of {shape[0]} is not a multiple of the block size {block}")
+    n_rows = 1
+    for d in shape[1:]:
+        n_rows *= d
+    return shape[0] // block * type_size * n_rows
+
+
+_STRUCTS = {fmt: struct.Struct("<" + fmt) for fmt in {*_SCALAR.values(), "I", "Q"}}
+_U64 = _STRUCTS["Q"]
+
+
+class _Cursor:
+    """Bounded sequential reads from the start of a file; any overrun is a truncation. The bytes
+    read so far are kept in one growing buffer, so parsing is `unpack_from` on memory."""
+
+    def __init__(self, f, size: int, path: Path):
+        self.f, self.size, self.path = f, size, path
+        self.buf = bytearray()  # the file's bytes [0, len(buf))
+        self.pos = 0
+
+    def _truncated(self) -> GGUFError:
+        return GGUFError(f"{self.path}: truncated or corrupted GGUF (header ends past the end of the file)")
+
+    def _fill(self, end: int) -> None:
+        """Have bytes [0, end) in the buffer (end <= size, checked by the callers)."""
+        have = len(self.buf)
+        if end > have:
+            self.f.seek(have)
+            self.buf += self.f.read(min(self.size, max(end, 2 * have, 1 << 16)) - have)
+            if len(self.buf) < end:  # the file shrank while being read
+                raise GGUFError(f"{self.path}: truncated GGUF (read {len(self.buf)} of {end} bytes)")
+
+    def read(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise self._truncated()
+        self._fill(self.pos + n)
+        data = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return data
+
+    def unpack(self, fmt: str):
+        s = _STRUCTS[fmt]
+        if self.pos + s.size > self.size:
+            raise self._truncated()
+        self._fill(self.pos + s.size)
+        value = s.unpack_from(self.buf, self.pos)[0]
+        self.pos += s.size
+        return value
+
+    def peek_u32(self) -> int | None:
+        """The next uint32 without moving (an array's element type); None at the end of the file."""
+        if self.pos + 4 > self.size:
+            return None
+        self._fill(self.pos + 4)
+        return _STRUCTS["I"].unpack_from(self.buf, self.pos)[0]
+
+    def string(self) -> str:
+        n = self.unpack("Q")
+        raw = self.read(n)  # bounded by the file size
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        """Step over `count` strings without decoding them (a vocabulary: 100k+ of them)."""
+        buf, pos, size, u64 = self.buf, self.pos, self.size, _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                if pos + 8 > size:
+                    raise self._truncated()
+                self._fill(pos + 8)
+            pos += 8 + u64(buf, pos)[0]
+            if pos > size:
+                raise self._truncated()
+        self.pos = pos
+
+    def value(self, vtype: int, depth: int = 0, *, skip: bool = False):
+        """The value of type `vtype` at the cursor; with `skip`, an array's length instead of its items."""
+        if vtype in _SCALAR:
+            return self.unpack(_SCALAR[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            if depth > 0:
+                raise GGUFError(f"{self.path}: corrupted GGUF (nested arrays)")
+            etype = self.unpack("I")
+            count = self.unpack("Q")
+            if etype in _SCALAR:
+                width = _STRUCTS[_SCALAR[etype]].size
+                if skip:
+                    if count * width > self.size - self.pos:
+                        raise self._truncated()
+                    self.pos += count * width
+                    return _ArrayLen(count)
+                raw = self.read(count * width)  # bounded by the file size before reading
+                return list(struct.unpack(f"<{count}{_SCALAR[etype]}", raw)) if count else []
+            if etype == _STRING:
+                if count * 8 > self.size - self.pos:
+                    raise GGUFError(f"{self.path}: truncated or corrupted GGUF (array of {count} strings)")
+                if skip:
+                    self.skip_strings(count)
+                    return _ArrayLen(count)
+                return [self.string() for _ in range(count)]
+            raise GGUFError(f"{self.path}: corrupted GGUF (array of unknown type {etype})")
+        raise GGUFError(f"{self.path}: corrupted GGUF (unknown value type {vtype})")
+
+
+def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile:
+    """Read a GGUF file's metadata and tensor index; raise `GGUFError` on anything malformed.
+
+    `skip_arrays` leaves the tokenizer's arrays (vocabulary, merges) out of the metadata, keeping
+    only their length, which is what the planner needs.
+    """
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise GGUFError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise GGUFError(f"{path}: is a directory, not a GGUF file") from None
+    except OSError as e:
+        raise GGUFError(f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 4 or f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (wrong magic); expected a llama.cpp .gguf model")
+        cur = _Cursor(f, size, path)
+        cur.pos = 4
+        version = cur.unpack("I")
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
+        n_tensors = cur.unpack("Q")
+        n_kv = cur.unpack("Q")
+        # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
+        if n_kv * 12 + n_tensors * 24 > size:
+            raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
+                            f"cannot fit in {size} bytes)")
+        metadata: dict[str, object] = {}
+        value_types: dict[str, tuple[int, int | None]] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            vtype = cur.unpack("I")
+            if vtype == _ARRAY:
+                value_types[key] = (vtype, cur.peek_u32())
+            else:
+                value_types[key] = (vtype, None)
+            metadata[key] = cur.value(vtype, skip=skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
+        tensors: list[TensorInfo] = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.unpack("I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
+            shape = tuple(cur.unpack("Q") for _ in range(n_dims))
+            ttype = cur.unpack("I")
+            offset = cur.unpack("Q")
+            if any(d <= 0 for d in shape):
+                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has shape {shape})")
+            nbytes = tensor_nbytes(ttype, shape)
+            if offset % alignment:
+                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
+            tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
+        data_offset = round_up(cur.pos, alignment)
+        data_size = size - data_offset
+        for t in tensors:
+            if t.offset + t.nbytes > data_size:
+                raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
+                                f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
+                                "download or convert it again")
+        return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
+
+
+class _ArrayLen(int):
+    """Stands in for an array left out by `skip_arrays`: its value is the array's length."""

@@ -1,0 +1,151 @@
+"""Compute-buffer sizes, from llama.cpp's own graph allocator.
+
+A compute buffer is the peak of ggml-alloc's allocation over a worst-case graph: it depends on the
+graph's shapes in ways no short formula captures (in-place reuse, fused ops, per-architecture graphs).
+So ctxq asks llama.cpp: it writes a *derived* model, the same architecture keys and the same tensors
+for one layer of each kind (full attention, sliding window) with the data region left as a sparse
+hole, and makes a dry-run context (`no_alloc`) on the CPU backend. That takes milliseconds and
+gives the exact peak of one device's graph (`ComputePeaks`):
+
+- `layer_full`: a device holding layers but not the output head (vocabulary cut to 256; full and
+  sliding-window layers measured together in one derived model);
+- `output`: the device holding the output head (the real vocabulary).
+
+In a split graph devices also hold copies of the graph inputs; `memory.device_cost` adds those.
+Results are cached in memory per (model, parameters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import gguf
+
+from ..gguf.reader import GGUFFile, read_gguf
+from ..gguf.writer import write_sparse_gguf
+from ..models import ctxq_home
+
+log = logging.getLogger(__name__)
+
+_SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
+
+
+@dataclass(frozen=True)
+class ComputePeaks:
+    """Bytes of the compute buffer for one device, by what it holds."""
+
+    layer_full: int  # a device holding layers but not the output head (full and SWA layers measured together)
+    output: int  # the device that also holds the output head (peak over its layers and the head)
+
+
+def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
+    st = os.stat(src.path)
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v1"
+                         .encode()).hexdigest()[:20]
+    d = ctxq_home() / "derived"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{key}.gguf"
+
+
+def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
+                  swa: tuple[bool, ...] | None = None) -> Path:
+    """A GGUF with src's architecture keys and only the given layers (renumbered 0..), weights a hole.
+
+    `swa` gives the kept layers' sliding-window flags, written as the explicit per-layer pattern
+    array that llama_model_base::load_swa_pattern reads before any per-architecture default.
+    """
+    out = _derived_path(src, layers, small_vocab, swa)
+    if out.exists():
+        return out
+    n_vocab = _SMALL_VOCAB if small_vocab else _vocab_size(src)
+    remap = {il: i for i, il in enumerate(layers)}
+    specs = []
+    for t in src.tensors:
+        name, shape = t.name, t.shape
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            if il not in remap:
+                continue
+            name = f"blk.{remap[il]}." + name.split(".", 2)[2]
+        if small_vocab and name in ("token_embd.weight", "output.weight"):
+            shape = (shape[0], n_vocab)
+        specs.append((name, shape, t.type))
+    write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, swa=swa)
+    return out
+
+
+def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], *,
+                 layers: tuple[int, ...] | None = None, n_vocab: int | None = None,
+                 swa: tuple[bool, ...] | None = None) -> Path:
+    """src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a loadable
+    header-only GGUF at `out`; `layers` keeps those layers' entries of per-layer arrays."""
+    arch = src.arch
+    n_layer = int(src.arch_get("block_count"))
+    n_vocab = n_vocab or _vocab_size(src)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        for key, value in src.metadata.items():
+            if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
+                continue
+            if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
+                continue
+            vtype, etype = src.value_types[key]
+            if layers is not None and isinstance(value, list) and len(value) == n_layer:
+                value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
+            if key == f"{arch}.block_count" and layers is not None:
+                value = len(layers)
+            if key == f"{arch}.vocab_size":
+                value = n_vocab
+            w.add_key_value(key, value, gguf.GGUFValueType(vtype),
+                            sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
+        if swa is not None:
+            w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
+                            sub_type=gguf.GGUFValueType.BOOL)
+        if f"{arch}.vocab_size" not in src.metadata:
+            w.add_vocab_size(n_vocab)
+        w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
+
+    return write_sparse_gguf(out, arch, specs, metadata)
+
+
+def _vocab_size(g: GGUFFile) -> int:
+    toks = g.get("tokenizer.ggml.tokens")
+    if toks is not None:
+        return int(toks) if isinstance(toks, int) else len(toks)
+    t = g.tensor("token_embd.weight")
+    return t.shape[1]
+
+
+@lru_cache(maxsize=256)
+def _dry_run(path: str, n_ctx: int, n_ubatch: int, n_batch: int, type_k: str, type_v: str, flash_attn: bool) -> int:
+    from ..llama.measure import measure
+
+    m = measure(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
+                flash_attn=flash_attn, dry_run=True)
+    return sum(m.allocations.compute.values())
+
+
+def compute_peaks(src: GGUFFile, swa_layers: list[bool], *, n_ctx: int, n_ubatch: int, n_batch: int,
+                  type_k: str, type_v: str, flash_attn: bool) -> ComputePeaks:
+    """Peaks of one device's compute buffer, measured on llama.cpp's CPU backend in a dry run."""
+    first_full = next((i for i, s in enumerate(swa_layers) if not s), None)
+    first_swa = next((i for i, s in enumerate(swa_layers) if s), None)
+    has_swa = first_swa is not None
+    layers = tuple(sorted(i for i in (first_full, first_swa) if i is not None))
+    pattern = tuple(swa_layers[i] for i in layers) if has_swa else None
+    args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
+    full = _dry_run(str(write_derived(src, layers, False, pattern)), *args)
+    # Architectures with sliding windows build an iSWA graph that needs both kinds present
+    # (llama_model::build_graph asserts is_swa_any), so one derived model holds one layer of each
+    # and its peak stands for both kinds; with alternating patterns every device holds both anyway.
+    layer = _dry_run(str(write_derived(src, layers, True, pattern)), *args)
+    return ComputePeaks(layer_full=layer, output=full)
+
+
+def load_source(path: str | os.PathLike) -> GGUFFile:
+    return read_gguf(path, skip_arrays=True)

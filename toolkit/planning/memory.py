@@ -1,0 +1,165 @@
+"""The per-device memory model of a plan (all sizes in bytes), following llama.cpp's allocations:
+
+- weights: each layer's tensors on the device its layer is assigned to; token embeddings on the host;
+  the output head (output.weight, output_norm) on the device of layer n_layer (the last GPU in use,
+  or the host); tied embeddings get a second copy there (TENSOR_DUPLICATED in load_tensors).
+- KV cache: per layer on that layer's device (offload_kqv), kv_size = n_ctx padded to 256 cells,
+  sliding-window layers pad256(n_swa + n_ubatch) cells (llama_kv_cache_iswa), row sizes by type.
+- compute buffers: measured by llama.cpp itself on a derived one-layer model (`compute.py`), plus the
+  graph-input copies that each device holds when the graph is split.
+- host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the
+  logits buffer (n_vocab floats per sequence).
+- CUDA's own memory (`cuda.py`), on devices whose backend is CUDA: the f16 K/V copies of flash
+  attention over a quantized cache and, on the first CUDA device, the copies of CPU-resident weights
+  and KV that the scheduler offloads for prompt processing (both in the compute buffer); the memory
+  pool's high-water; a reserve for what lives outside every buffer (context, cuBLAS, graphs).
+
+`planner` searches over layer assignments with these costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import compute as compute_mod
+from . import cuda as cuda_mod
+from .devices import Device
+from .options import PlanOptions
+from .plan import DevicePlan
+from ..gguf.info import ModelInfo, kv_bytes
+from ..units import GiB, MiB, round_up
+
+KV_PAD = 256  # llama_context pads the KV cache to 256 cells (llama_kv_cache::get_padding)
+RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
+HOST_MARGIN = 1 * GiB  # the Python process, llama.cpp's own heap and the OS page cache for mmap
+# llama.cpp keeps this many copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES).
+SCHED_COPIES = 4
+
+
+@dataclass
+class Costs:
+    """Per-layer and per-device costs for one (n_ctx, KV types, flash attention) choice."""
+
+    info: ModelInfo
+    layer_weights: list[int]
+    layer_kv: list[int]
+    output_weights: int
+    peaks: compute_mod.ComputePeaks
+    inputs: int  # one copy of the split-graph inputs (masks + residual), as the host builds and devices receive them
+    resid: int  # the residual stream, f32 [n_embd, n_ubatch]
+    logits: int
+    f16_cache: bool = True
+    swa_mask_overlap: int = 0
+    cuda: cuda_mod.LayerTable | None = None  # CUDA's per-layer terms, when a device's backend is CUDA
+    reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
+
+
+def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
+    """Cells of layer il's KV cache (llama_context pads n_ctx to 256; SWA layers hold a window)."""
+    size = round_up(n_ctx, KV_PAD)
+    if info.swa_layers[il] and info.n_swa:
+        return min(size, round_up(info.n_swa + n_ubatch, KV_PAD))
+    return size
+
+
+def layer_kv_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
+    """Bytes of each layer's KV cache."""
+    return [kv_cells(info, n_ctx, n_ubatch, il) * (kv_bytes(type_k, info.n_embd_k_gqa(il))
+                                                  + kv_bytes(type_v, info.n_embd_v_gqa(il)))
+            for il in range(info.n_layer)]
+
+
+def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cuda: bool = False) -> Costs:
+    """The costs for resolved options `opts` with these KV types; src is the model's GGUF header.
+    cuda: some device is a CUDA card (its terms are computed once here)."""
+    n_ctx, n_ubatch, flash_attn = opts.n_ctx, opts.n_ubatch, opts.flash_attn
+    layer_kv = layer_kv_bytes(info, n_ctx, n_ubatch, type_k, type_v)
+    out_w = info.output_bytes + (info.token_embd_bytes if info.output_tied else 0)
+    peaks = compute_mod.compute_peaks(src, info.swa_layers, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=opts.n_batch,
+                                      type_k=type_k, type_v=type_v, flash_attn=flash_attn)
+    n_kv = round_up(n_ctx, KV_PAD)
+    # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
+    # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
+    # iSWA models carry a second one over the window's cells) and the residual stream (f32 [n_embd, n_ubatch]).
+    mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
+    mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
+    resid = info.n_embd * n_ubatch * 4
+    return Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
+                 resid=resid, logits=info.n_vocab * 4,
+                 f16_cache=type_k == "f16" and type_v == "f16",
+                 swa_mask_overlap=n_kv * n_ubatch * (2 if flash_attn else 4) if any(info.swa_layers) else 0,
+                 cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
+                                           flash_attn=flash_attn) if cuda else None,
+                 reserve=opts.reserve)
+
+
+def reserve(c: Costs, dev: Device) -> int:
+    """Bytes a GPU keeps free outside every buffer: the caller's, else the device's (a profile), else
+    its backend's (cuda.cuda_reserve)."""
+    for r in (c.reserve, dev.reserve):
+        if r is not None:
+            return r
+    return cuda_mod.cuda_reserve(dev.backend)
+
+
+def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Device, *, first_cuda: bool = False,
+                n_cpu_slots: int = 0) -> DevicePlan:
+    """What a device holding `layers` (and the output head if has_output) needs, when n_used devices
+    hold layers; first_cuda: it is the first CUDA device in llama.cpp's order (the op-offload target),
+    with the first n_cpu_slots layer slots on the CPU."""
+    dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
+    dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
+    dp.kv = sum(c.layer_kv[i] for i in layers)
+    if n_used <= 1:  # one device, no pipeline: the graph's own peak (measured as such)
+        dp.compute = c.peaks.output if has_output else c.peaks.layer_full
+    elif has_output and not layers:  # the output head alone: no attention, so no mask copies (measured)
+        dp.compute = c.peaks.output + 3 * c.resid
+    elif has_output:  # with an f16 cache the output device also keeps 3 residual-sized tensors (measured, RPC)
+        dp.compute = c.peaks.output + SCHED_COPIES * c.inputs + (3 * c.resid if c.f16_cache else 0)
+    else:
+        # iSWA graphs: the derived model's peak already holds one full-size mask that the split graph
+        # receives as an input copy instead (measured on Gemma 2 at 4k-64k: the error grew by exactly
+        # one f16 mask per token without this)
+        dp.compute = c.peaks.layer_full + SCHED_COPIES * c.inputs - c.swa_mask_overlap
+    if dev.kind != "gpu":
+        dp.margin = RPC_MARGIN
+        return dp
+    dp.margin = reserve(c, dev)
+    if dev.backend == "cuda" and c.cuda is not None:
+        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin)
+        dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
+    return dp
+
+
+def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
+    """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU)."""
+    n = c.info.n_layer
+    layers = range(0, min(n_cpu_layers, n))
+    has_out = n_cpu_layers == n + 1
+    dp = DevicePlan(cpu, list(layers) + ([n] if has_out else []))
+    dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.layer_weights[i] for i in layers) \
+        + (c.info.output_bytes if has_out else 0)
+    dp.kv = sum(c.layer_kv[i] for i in layers)
+    if n_used == 0:
+        dp.compute = c.peaks.output
+    else:
+        # the host builds the inputs of a split graph; with CPU layers it also runs them
+        copies = SCHED_COPIES if n_used > 1 else 1
+        dp.compute = copies * c.inputs + c.resid
+    dp.compute += c.logits
+    dp.margin = HOST_MARGIN
+    return dp
+
+
+def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int) -> float | None:
+    """Decode tokens/s if each token reads every weight and the whole KV cache once (a full context),
+    device after device at its memory bandwidth. An estimate, not a measurement."""
+    secs = 0.0
+    for dp in [*gpus, host]:
+        read = dp.weights + dp.kv - (token_embd if dp is host else 0)  # embeddings: one row per token
+        if read <= 0:
+            continue
+        if not dp.device.bandwidth:
+            return None
+        secs += read / dp.device.bandwidth
+    return 1.0 / secs if secs > 0 else None

@@ -1,0 +1,106 @@
+"""The settings that make a plan, in one object: `PlanOptions`.
+
+Every field defaults to None, "not given", so a caller's choice stays visible until `resolved()`
+fills the rest from the defaults below, once (a flag or keyword > a profile > these defaults; the
+profile supplies devices and host memory, see `devices.resolve_devices`). `ctxq plan`, `ctxq run`,
+`ctxq serve`, `ctxq.plan()` and `ctxq.load()` all build one of these; the field names are the
+keywords and the command-line flags' destinations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from ..errors import InvalidOption
+
+DEFAULT_N_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
+DEFAULT_N_BATCH = 2048  # common_params.n_batch
+DEFAULT_N_UBATCH = 512  # common_params.n_ubatch
+DEFAULT_PREFER = "quality"
+DEFAULT_KV = "auto"
+KV_TYPES = ("f16", "q8_0", "q4_0")  # the search order of kv="auto"
+PREFER = ("quality", "speed")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What to plan for. None everywhere means "not given"; see `resolved()` for the defaults.
+
+    n_ctx: tokens of context (never shrunk to fit). kv: "auto" searches f16 / q8_0 / q4_0, a type
+    name fixes K and V (type_k / type_v override one of them). flash_attn: None is on (a quantized V
+    cache needs it). split: None or "auto" searches; "16:16:16:8:8" (ratios, as llama.cpp's
+    tensor_split) or "19,19,19,10,14" (layer counts) evaluates that split. prefer: "quality" keeps KV
+    at q8_0 or better when layers can go to the CPU instead; "speed" the reverse. reorder: let the
+    plan change the GPUs' order. Devices: gpus ("16,16,16,8,8", "3x16,2x8" or GiB sizes), profile
+    (a name in profiles/ or a .toml), rpc (ggml RPC workers, "HOST:PORT[=GiB],..."), simulate (RPC
+    devices of these GiB sizes, no GPU margin); none given: the devices llama.cpp sees.
+    cpu_memory: bytes of host RAM to plan with (default: the profile's, else available now).
+    reserve: bytes kept free on every GPU outside llama.cpp's buffers (default: the backend's, 768 MiB
+    for CUDA, see planning/cuda.py; a profile may set it per card).
+    """
+
+    n_ctx: int | None = None
+    n_batch: int | None = None
+    n_ubatch: int | None = None
+    kv: str | None = None
+    type_k: str | None = None
+    type_v: str | None = None
+    flash_attn: bool | None = None
+    split: str | list | tuple | None = None
+    prefer: str | None = None
+    reorder: bool | None = None
+    gpus: str | list | tuple | None = None
+    profile: str | None = None
+    rpc: object = None  # a spec string, or endpoints (`ctxq.rpc.RpcEndpoint`)
+    simulate: str | list | tuple | None = None
+    cpu_memory: int | None = None
+    reserve: int | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def take(cls, kwargs: dict, base: PlanOptions | None = None) -> PlanOptions:
+        """`base` (or none) updated with the keywords in `kwargs` that name a field, which are removed
+        from `kwargs`; a keyword given as None keeps the base's value."""
+        given = {k: kwargs.pop(k) for k in cls.names() if k in kwargs}
+        return (base or cls()).updated(**given)
+
+    def updated(self, **given) -> PlanOptions:
+        """A copy with the given (not None) values replacing these."""
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
+    def resolved(self) -> PlanOptions:
+        """Defaults filled in and every value checked; raises InvalidOption naming the keyword."""
+        kv = self.kv or DEFAULT_KV
+        prefer = self.prefer or DEFAULT_PREFER
+        r = replace(self, n_ctx=self.n_ctx or DEFAULT_N_CTX, n_batch=self.n_batch or DEFAULT_N_BATCH,
+                    n_ubatch=self.n_ubatch or DEFAULT_N_UBATCH, kv=kv, prefer=prefer,
+                    flash_attn=True if self.flash_attn is None else self.flash_attn,
+                    split=None if self.split in (None, "auto") else self.split,
+                    reorder=True if self.reorder is None else self.reorder)
+        for name in ("n_ctx", "n_batch", "n_ubatch"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidOption(f"{name} must be positive, got {value}", option=name, value=value)
+        if self.reserve is not None and self.reserve < 0:
+            raise InvalidOption(f"reserve must be 0 or more bytes, got {self.reserve}", option="reserve",
+                                value=self.reserve)
+        if prefer not in PREFER:
+            raise InvalidOption(f"`prefer` must be quality or speed, not {prefer!r}", option="prefer", value=prefer)
+        if kv not in (DEFAULT_KV, *KV_TYPES):
+            raise InvalidOption(f"`kv` must be auto, f16, q8_0 or q4_0, not {kv!r}", option="kv", value=kv)
+        for other in ("rpc", "gpus", "profile"):  # simulated devices stand for all of them
+            if self.simulate is not None and getattr(self, other):
+                raise InvalidOption(f"give `simulate` or `{other}`, not both", option="simulate", value=self.simulate)
+        return r
+
+    def kv_candidates(self) -> list[tuple[str, str]]:
+        """(type_k, type_v) pairs to try, in the order of preference."""
+        if self.type_k or self.type_v or self.kv not in (None, DEFAULT_KV):
+            fixed = self.kv if self.kv not in (None, DEFAULT_KV) else "f16"
+            return [(self.type_k or fixed, self.type_v or fixed)]
+        if self.flash_attn is False:  # a quantized V cache needs flash attention
+            return [("f16", "f16")]
+        return [(t, t) for t in KV_TYPES]

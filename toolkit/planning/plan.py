@@ -1,0 +1,111 @@
+"""The plan: what each device holds (bytes) and the llama.cpp settings that load it as planned.
+
+`Llama(model, **plan.llama_kwargs())` loads a plan; `plan.llama_flags()` is the same plan as
+llama.cpp command-line flags. Made by `ctxq.planning.planner.plan()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .devices import Device
+
+
+@dataclass
+class DevicePlan:
+    """What one device holds; sizes in bytes."""
+
+    device: Device
+    layers: list[int]  # layer indices; n_layer stands for the output head
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0  # the compute buffer as the CPU backend sizes it (llama.cpp's own dry run)
+    cuda_copies: int = 0  # what CUDA's compute buffer adds (f16 K/V copies, op-offload copies; cuda.py)
+    cuda_pool: int = 0  # CUDA's memory pool high-water, outside every buffer (cuda.py)
+    margin: int = 0  # kept free: a GPU's reserve, an RPC worker's rounding, the host's process and OS
+
+    @property
+    def cuda_extra(self) -> int:
+        """CUDA's own bytes beyond what the CPU backend shows: the table's CUDA column."""
+        return self.cuda_copies + self.cuda_pool
+
+    @property
+    def buffers(self) -> int:
+        """What llama.cpp's log should report for this device (model + KV + compute buffers)."""
+        return self.weights + self.kv + self.compute + self.cuda_copies
+
+    @property
+    def total(self) -> int:
+        return self.buffers + self.cuda_pool + self.margin
+
+    @property
+    def free(self) -> int:
+        return self.device.usable - self.total
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(cuda_extra=self.cuda_extra, buffers=self.buffers, total=self.total, free=self.free)
+        return d
+
+
+@dataclass
+class Plan:
+    """A runnable plan: `Llama(model, **plan.llama_kwargs())` loads it as planned."""
+
+    model: str
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    type_k: str
+    type_v: str
+    flash_attn: bool
+    n_gpu_layers: int
+    tensor_split: list[int]  # integer layer counts per GPU device, in llama.cpp's device order
+    gpus: list[DevicePlan]  # in llama.cpp's order (after any reordering)
+    host: DevicePlan
+    n_layer: int
+    swa_full: bool = False  # sliding-window layers keep only their window (llama.cpp defaults to full)
+    device_order: list[int] | None = None  # indices into the given devices when reordered
+    reason: str = ""
+    est_decode_tps: float | None = None  # an estimate from memory bandwidth, not a measurement
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def devices(self) -> list[DevicePlan]:
+        return [*self.gpus, self.host]
+
+    @property
+    def cpu_layers(self) -> int:
+        return self.n_layer + 1 - self.n_gpu_layers
+
+    def llama_kwargs(self) -> dict:
+        """Keyword arguments for `llama_cpp.Llama`."""
+        import llama_cpp
+        from gguf.constants import GGMLQuantizationType as T
+
+        kw = dict(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
+                  n_gpu_layers=self.n_gpu_layers, split_mode=llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+                  type_k=int(T[self.type_k.upper()]), type_v=int(T[self.type_v.upper()]),
+                  flash_attn=self.flash_attn, offload_kqv=True, swa_full=self.swa_full)
+        if self.gpus:
+            kw["tensor_split"] = [float(c) for c in self.tensor_split]
+            kw["main_gpu"] = 0
+        return kw
+
+    def llama_flags(self) -> str:
+        """The same plan as llama.cpp command-line flags."""
+        flags = f"-c {self.n_ctx} -b {self.n_batch} -ub {self.n_ubatch} -ngl {self.n_gpu_layers}"
+        if self.gpus:
+            flags += " -sm layer -ts " + ",".join(str(c) for c in self.tensor_split)
+        flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
+        if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
+            flags += " --swa-full"
+        return flags
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("gpus", "host")}
+        d["gpus"] = [g.to_dict() for g in self.gpus]
+        d["host"] = self.host.to_dict()
+        d["llama_flags"] = self.llama_flags()
+        d["cpu_layers"] = self.cpu_layers
+        return d

@@ -1,0 +1,301 @@
+"""`ctxq plan`: fit a required context onto devices, the way llama.cpp will allocate it.
+
+The costs of each device come from `memory` (llama.cpp's allocations, in bytes). The search holds
+n_ctx fixed, tries KV types in the order a policy prefers, and for each finds the most layers the
+devices can hold (leftover layers go to the CPU, as llama.cpp puts the first n_layer + 1 -
+n_gpu_layers layers there), balanced by free memory, over the distinct device orders. The split
+goes to llama.cpp as integer layer counts, which it reproduces exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import numpy as np
+
+from . import compute as compute_mod
+from .devices import Device, cpu_device, resolve_devices
+from .memory import Costs, costs, device_cost, estimate_tps, host_cost, layer_kv_bytes
+from .options import KV_TYPES, PlanOptions
+from .plan import DevicePlan, Plan
+from ..errors import DoesNotFit, InvalidOption
+from ..gguf.info import ModelInfo, model_info
+from ..units import GiB
+
+__all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
+
+
+# --- the search ---------------------------------------------------------------------------------
+
+def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float):
+    """Place the top `n_gpu_layer_slots` layer slots (output head included) on devs, filling from the
+    last device backwards, each up to cap_frac of its usable memory. None if they do not all fit."""
+    n = c.info.n_layer
+    counts = [0] * len(devs)
+    hi = n + 1  # slots [lo, hi) remain; slot n is the output head
+    lo_bound = n + 1 - n_gpu_layer_slots
+    first = _first_cuda(devs)
+    for d in range(len(devs) - 1, -1, -1):
+        if hi <= lo_bound:
+            break
+        budget = devs[d].usable * cap_frac
+        take = 0
+        while hi - take - 1 >= lo_bound:
+            start = hi - take - 1
+            has_out = hi == n + 1
+            layers = range(start, min(hi, n))
+            # as in a split; _layout costs the final one exactly
+            dp = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first, n_cpu_slots=lo_bound)
+            if dp.total > budget:
+                break
+            take += 1
+        counts[d] = take
+        hi -= take
+    if hi > lo_bound:
+        return None
+    return counts
+
+
+def _layout(c: Costs, devs: list[Device], counts: list[int]) -> list[DevicePlan]:
+    """Each device's plan for `counts` layer slots per device, the last slot being the output head."""
+    n = c.info.n_layer
+    n_used = sum(1 for k in counts if k)
+    n_cpu_slots = start = n + 1 - sum(counts)
+    first = _first_cuda(devs)
+    out = []
+    for i, (dev, k) in enumerate(zip(devs, counts)):
+        has_out = k > 0 and start + k - 1 == n
+        layers = range(start, min(start + k, n))
+        # a device without layers still gets the op-offload copies when it is the first CUDA device
+        out.append(device_cost(c, layers, has_out, n_used, dev, first_cuda=i == first, n_cpu_slots=n_cpu_slots)
+                   if k or i == first else DevicePlan(dev, []))
+        start += k
+    return out
+
+
+def _first_cuda(devs: list[Device]) -> int | None:
+    """The first CUDA device in llama.cpp's order: the scheduler offloads host-resident weights to the
+    first backend whose offload_op accepts them, and RPC devices (placed first) have none."""
+    return next((i for i, d in enumerate(devs) if d.backend == "cuda"), None)
+
+
+def _orders(devs: list[Device], allow_reorder: bool) -> list[list[int]]:
+    base = list(range(len(devs)))
+    if not allow_reorder or len(devs) > 8:
+        return [base]
+    seen, orders = set(), [base]
+    seen.add(tuple(devs[i].usable for i in base))
+    for perm in itertools.permutations(base):
+        sig = tuple(devs[i].usable for i in perm)
+        if sig not in seen:
+            seen.add(sig)
+            orders.append(list(perm))
+    return orders
+
+
+def _best_split(c: Costs, devs: list[Device], allow_reorder: bool):
+    """(n_gpu_slots, order, counts): the device order that holds the most layer slots, and those
+    slots balanced over its devices."""
+    n = c.info.n_layer
+    best = None
+    for order in _orders(devs, allow_reorder):
+        ds = [devs[i] for i in order]
+        lo, hi = 0, n + 1  # most slots that fit at full capacity
+        if _fill(c, ds, 0, 1.0) is None:
+            continue
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _fill(c, ds, mid, 1.0) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        if best is None or lo > best[0]:
+            best = (lo, order)
+    if best is None:
+        return None
+    slots, order = best
+    ds = [devs[i] for i in order]
+    # Balance: first as llama.cpp would by default (layers in proportion to memory), kept when every
+    # device holds its share; else the smallest common fill fraction that still places every slot.
+    prop = _proportional(ds, slots)
+    if _counts_fit(c, ds, prop):
+        return slots, order, prop
+    f_lo, f_hi = 0.0, 1.0
+    counts = _fill(c, ds, slots, 1.0)
+    for _ in range(20):
+        mid = (f_lo + f_hi) / 2
+        k = _fill(c, ds, slots, mid)
+        if k is not None:
+            f_hi, counts = mid, k
+        else:
+            f_lo = mid
+    return slots, order, counts
+
+
+def _proportional(devs: list[Device], slots: int) -> list[int]:
+    """Slots in proportion to usable memory, by largest remainder."""
+    total = sum(d.usable for d in devs) or 1
+    exact = [slots * d.usable / total for d in devs]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(devs)), key=lambda i: exact[i] - counts[i], reverse=True)[:slots - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _counts_fit(c: Costs, devs: list[Device], counts: list[int]) -> bool:
+    return all(dp.total <= dp.device.usable for dp in _layout(c, devs, counts))
+
+
+# --- public entry points ------------------------------------------------------------------------
+
+def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, devices: list[Device] | None = None,
+         options: PlanOptions | None = None, **settings) -> Plan:
+    """Plan n_ctx tokens of context for `model` (default: the embedded SmolLM2).
+
+    `settings` are `PlanOptions` fields by keyword (gpus, profile, rpc, simulate, kv, type_k, type_v,
+    flash_attn, split, prefer, n_batch, n_ubatch, cpu_memory, reorder), over `options` if given.
+    `devices`: ready `Device` objects (e.g. RPC workers) instead of gpus / profile / rpc / detection.
+    Raises DoesNotFit naming the smallest change that would fit.
+    """
+    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
+    if devices is None:
+        devices, cpu = resolve_devices(opts)
+    else:
+        cpu = cpu_device(opts.cpu_memory)
+    return plan_for(model, devices, cpu, opts)
+
+
+def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
+    """The plan for resolved options on devices already resolved (`devices.resolve_devices`)."""
+    from ..models import resolve_model
+
+    path = resolve_model(model)
+    src = compute_mod.load_source(path)
+    info = model_info(src)
+    candidates = opts.kv_candidates()
+    _check_reserve(devices, opts)
+    cuda = any(d.backend == "cuda" for d in devices)
+    for tk, tv in candidates:
+        for name, t in (("type_k", tk), ("type_v", tv)):
+            if t not in info.kv_bytes_per_token:
+                raise InvalidOption(f"KV type {t} cannot hold this model's rows ({info.head_dim_k}-wide heads); "
+                                    f"use one of {', '.join(info.kv_bytes_per_token)}", option=name, value=t)
+        if not opts.flash_attn and tv != "f16":  # llama_init_from_model refuses a quantized V without it
+            raise InvalidOption(f"type_v={tv} needs flash attention; drop flash_attn=False or use type_v=f16",
+                                option="type_v", value=tv)
+    if opts.split is not None:
+        tk, tv = candidates[0]
+        return _evaluate_split(costs(info, src, opts, tk, tv, cuda), str(path), devices, cpu, opts, tk, tv)
+    plans, hosts = [], []
+    for tk, tv in candidates:
+        c = costs(info, src, opts, tk, tv, cuda)
+        p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
+        hosts.append((host, tv))
+        if p is not None:
+            plans.append(p)
+    if not plans:
+        raise _does_not_fit(cpu, hosts, opts.n_ctx)
+    return _choose(plans, info, devices, opts, len(candidates) > 1)
+
+
+def _check_reserve(devices: list[Device], opts: PlanOptions) -> None:
+    """A reserve must leave room for something on every GPU it applies to."""
+    for d in devices:
+        r = opts.reserve if opts.reserve is not None else d.reserve
+        if d.kind == "gpu" and r is not None and r >= d.usable:
+            raise InvalidOption(f"a reserve of {r / GiB:.2f} GiB leaves nothing of {d.name}'s {d.usable / GiB:.2f} GiB; "
+                                "give a smaller `reserve`", option="reserve", value=r, limit=d.usable)
+
+
+def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
+    """(the best plan with these KV types or None if the host cannot hold the rest, the host's plan)."""
+    n = c.info.n_layer
+    slots, order, counts = _best_split(c, devices, opts.reorder) if devices else (0, [], [])
+    gplans = _layout(c, [devices[i] for i in order], counts) if devices else []
+    host = host_cost(c, n + 1 - slots, sum(1 for k in counts if k), cpu)
+    if host.total > host.device.usable:
+        return None, host
+    p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
+             flash_attn=opts.flash_attn, n_gpu_layers=slots, tensor_split=counts, gpus=gplans, host=host,
+             n_layer=n, device_order=order if order != list(range(len(devices))) else None)
+    p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes)
+    return p, host
+
+
+def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: PlanOptions, searched: bool) -> Plan:
+    """The plan the policy prefers, with the reason."""
+    full = [p for p in plans if p.cpu_layers == 0 or not devices]
+    if full:
+        chosen = full[0]
+        why = "all layers on the GPUs" if devices else "no GPUs: everything on the CPU"
+    elif opts.prefer == "quality":
+        good = [p for p in plans if p.type_v != "q4_0"] or plans
+        chosen = max(good, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
+        why = f"{chosen.cpu_layers} layers on the CPU; KV kept at {chosen.type_k} for quality"
+    else:
+        chosen = max(plans, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
+        why = f"{chosen.cpu_layers} layers on the CPU with the smallest KV type that minimises them"
+    if chosen.type_k != "f16" and searched:
+        kv_f16 = sum(layer_kv_bytes(info, opts.n_ctx, opts.n_ubatch, "f16", "f16"))
+        kv_got = chosen.host.kv + sum(g.kv for g in chosen.gpus)
+        why += (f"; f16 KV ({kv_f16 / GiB:.1f} GiB) does not fit at {opts.n_ctx} tokens, "
+                f"{chosen.type_k} ({kv_got / GiB:.1f} GiB) does")
+    chosen.reason = why
+    return chosen
+
+
+def _does_not_fit(cpu: Device, hosts: list[tuple[DevicePlan, str]], n_ctx: int) -> DoesNotFit:
+    host_need = min((h.total for h, _ in hosts), default=0)
+    if hosts and host_need > cpu.usable:
+        short = host_need - cpu.usable
+        kv_hint = "" if any(tv == "q4_0" for _, tv in hosts) else "use type_k=q4_0 type_v=q4_0, "
+        return DoesNotFit(f"{n_ctx} tokens do not fit: the CPU needs {host_need / GiB:.1f} GiB for the layers "
+                          f"the GPUs cannot hold, {cpu.usable / GiB:.1f} GiB is available",
+                          f"add {short / GiB:.1f} GiB of GPU memory, {kv_hint}or use a smaller quantization "
+                          "of the model", option="n_ctx", value=n_ctx)
+    return DoesNotFit(f"{n_ctx} tokens do not fit on these devices",
+                      "use a smaller quantization, a smaller n_ctx, or more GPU memory", option="n_ctx", value=n_ctx)
+
+
+def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions,
+                    tk: str, tv: str) -> Plan:
+    """The plan for a split the caller gave: ratios as llama.cpp takes them, or layer counts."""
+    split = opts.split
+    if not devices:
+        raise InvalidOption("a `split` needs devices: give `gpus`, `profile` or `rpc`", option="split", value=split)
+    parts = split if isinstance(split, (list, tuple)) else str(split).replace(":", ",").split(",")
+    try:
+        vals = [float(x) for x in parts]
+    except ValueError:
+        raise InvalidOption(f"`split` {split!r}: give ratios like 16:16:16:8:8 or layer counts like 19,19,19,10,14",
+                            option="split", value=split) from None
+    if len(vals) != len(devices):
+        raise InvalidOption(f"`split` has {len(vals)} values for {len(devices)} devices", option="split", value=split,
+                            limit=len(devices))
+    n = c.info.n_layer
+    counts = llama_layer_counts(vals, n + 1, n + 1)
+    gplans = _layout(c, devices, counts)
+    host = host_cost(c, 0, sum(1 for k in counts if k), cpu)
+    p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
+             flash_attn=opts.flash_attn, n_gpu_layers=n + 1, tensor_split=counts, gpus=gplans, host=host, n_layer=n,
+             reason="the split you gave")
+    over = [g for g in gplans if g.total > g.device.usable]
+    if over:
+        p.notes.append("does not fit: " + ", ".join(
+            f"{g.device.name} needs {g.total / GiB:.2f} GiB of {g.device.usable / GiB:.2f}" for g in over))
+    p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes)
+    return p
+
+
+def llama_layer_counts(split: list[float], n_gpu_layers: int, n_layer_all_plus_1: int) -> list[int]:
+    """How many layer slots llama.cpp puts on each device for a tensor_split (llama_model::load_tensors):
+    cumulative float32 fractions, then upper_bound of (il - i_gpu_start) / act_gpu_layers."""
+    splits = np.cumsum(np.asarray(split, dtype=np.float32), dtype=np.float32)
+    splits = (splits / splits[-1]).astype(np.float32)
+    act = min(n_gpu_layers, n_layer_all_plus_1)
+    counts = [0] * len(split)
+    for j in range(act):
+        x = np.float32(j) / np.float32(act)
+        counts[int(np.searchsorted(splits, x, side="right"))] += 1
+    return counts

@@ -1,0 +1,276 @@
+"""Execute a plan: `ctxq.load()` returns a ready `llama_cpp.Llama`; `run()` = `prepare()` + `execute()`.
+
+The plan a user sees (`ctxq plan`) is the object loaded here: `Llama(model, **plan.llama_kwargs())`.
+`prepare()` tokenizes and checks the input before anything loads, then plans (all a dry run needs);
+`execute()` loads the plan, prefills with a progress callback and generates with a text callback,
+returning one `RunResult`. The library prints nothing: llama.cpp's log goes to the
+`ctxq.llama_cpp` logger and what it allocated is read from that log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator
+
+from ..errors import CtxqError, DoesNotFit, InvalidOption, ReorderNeeded
+from ..llama import backend
+from ..planning.options import PlanOptions
+from ..planning.plan import Plan
+from ..units import default_threads
+from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, generate,  # noqa: F401
+                       tokenize)
+
+log = logging.getLogger(__name__)
+
+# The device-order handshake: `ctxq run` restarts itself with CUDA_VISIBLE_DEVICES in the plan's GPU
+# order and this variable set to the same value; that process plans for the GPUs as they now are.
+ORDER_APPLIED = "CTXQ_DEVICE_ORDER_APPLIED"
+
+
+def reorder_env(value: str) -> dict[str, str]:
+    """The environment that applies a plan's GPU order (`ReorderNeeded.value`) to a new process."""
+    return {"CUDA_VISIBLE_DEVICES": value, ORDER_APPLIED: value}
+
+
+# --- planning and loading ---------------------------------------------------------------------
+
+def make_plan(model=None, n_ctx: int | None = None, *, options: PlanOptions | None = None, **settings) -> Plan:
+    """`planner.plan` for a run: in a process that a reordering restarted, the GPUs are already in
+    the plan's order, so the plan keeps them as they are."""
+    from ..planning.planner import plan
+
+    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings)
+    if opts.reorder is None and os.environ.get(ORDER_APPLIED) is not None:
+        opts = replace(opts, reorder=False)
+    return plan(model, options=opts)
+
+
+@contextlib.contextmanager
+def local_workers(options: PlanOptions) -> Iterator[PlanOptions]:
+    """`options` with `simulate` replaced by local RPC workers of those sizes (`rpc`), for the block."""
+    if options.simulate is None:
+        yield options
+        return
+    options.resolved()  # refuses a simulate given with other devices before anything starts
+    from ..rpc import start_workers
+
+    with start_workers(options.simulate) as workers:
+        yield replace(options, simulate=None, rpc=workers.rpc)
+
+
+def llama_params(p: Plan, *, n_threads: int | None = None, seed: int | None = None) -> dict:
+    """The `Llama(...)` keyword arguments for a plan (ctxq never renames llama.cpp's words)."""
+    kw = p.llama_kwargs()
+    threads = n_threads or default_threads()
+    kw.update(n_threads=threads, n_threads_batch=threads, verbose=False, logits_all=False)
+    if seed is not None:
+        kw["seed"] = seed
+    return kw
+
+
+def cuda_visible_devices(order: list[int], current: str | None = None) -> str:
+    """The CUDA_VISIBLE_DEVICES value that presents the GPUs in `order` (indices into the GPUs this
+    process sees, which `current` — the variable's present value — may already have narrowed)."""
+    visible = [v.strip() for v in current.split(",")] if current else [str(i) for i in range(max(order) + 1)]
+    return ",".join(visible[i] for i in order)
+
+
+def _check_devices(p: Plan) -> None:
+    """Refuse to run a plan for devices llama.cpp does not have (a what-if plan from `gpus`)."""
+    if not p.gpus:
+        return
+    present = [d for d in backend.ggml_devices() if d.type not in ("cpu", "accel")]
+    if len(present) < len(p.gpus):
+        raise CtxqError(f"the plan places layers on {len(p.gpus)} devices but llama.cpp sees {len(present)} "
+                        f"({', '.join(d.name for d in present) or 'only the CPU'}); "
+                        "`ctxq plan` shows what-if plans, `simulate` runs on local RPC workers")
+
+
+def _apply_order(p: Plan, rpc) -> None:
+    """Register RPC workers in the plan's order and check the GPU order can be honoured."""
+    from ..rpc import add_servers, parse_rpc
+
+    eps = parse_rpc(rpc) if rpc else []
+    order = p.device_order
+    if order and eps:
+        if sorted(order[:len(eps)]) != list(range(len(eps))):
+            raise CtxqError("the plan mixes the order of RPC workers and local GPUs, which llama.cpp cannot do "
+                            "(RPC devices always come first); plan with reorder=False")
+        eps = [eps[i] for i in order[:len(eps)]]  # RPC devices take llama.cpp's order from registration
+        order = [i - len(eps) for i in order[len(eps):]] or None
+    if eps:
+        add_servers(eps)
+    if order and order != sorted(order):
+        value = cuda_visible_devices(order, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if os.environ.get(ORDER_APPLIED) != value:
+            raise ReorderNeeded(value)
+
+
+def prepare_devices(p: Plan, rpc=None) -> None:
+    """Before loading: register RPC workers in the plan's order, check GPU order and presence."""
+    _apply_order(p, rpc)
+    _check_devices(p)
+
+
+def _refuse_replanning(p: Plan, llama_kwargs: dict) -> None:
+    """Memory was sized for the plan's values: a keyword that would change one after the fact is refused."""
+    planned = p.llama_kwargs()
+    for key, value in llama_kwargs.items():
+        if key not in planned:
+            continue
+        if key in PlanOptions.names():
+            raise InvalidOption(f"{key} is set by the plan ({getattr(p, key)!r}, memory was sized for it); "
+                                f"plan with {key}={value!r} instead", option=key, value=value)
+        raise InvalidOption(f"`{key}` is set by the plan (memory was sized for it); change the plan's "
+                            "settings instead", option=key, value=value)
+
+
+def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | None = None, **llama_kwargs):
+    """`(Llama, memory, seconds)` for a plan: load it as planned and compare memory with llama.cpp's log.
+    `llama_kwargs` go to `Llama` (e.g. embedding=True); the planned ones (n_ctx, type_k, ...) are refused."""
+    _refuse_replanning(p, llama_kwargs)
+    prepare_devices(p, rpc)
+    lc = backend.llama_cpp()
+    kw = llama_params(p, n_threads=n_threads, seed=seed)
+    kw.update(llama_kwargs)
+    t0 = time.perf_counter()
+    with backend.capture_log() as lines:
+        try:
+            llm = lc.Llama(str(p.model), **kw)
+        except ValueError as e:  # llama-cpp-python's words for a failed model or context
+            tail = [l.strip() for l in lines if l.strip()][-1:]
+            raise CtxqError(f"llama.cpp could not load {Path(p.model).name} as planned ({e}"
+                            f"{': ' + tail[0] if tail else ''}); its log is on the ctxq.llama_cpp logger") from None
+    load_s = time.perf_counter() - t0
+    if llm.n_ctx() < p.n_ctx:  # llama.cpp must never hold less than the plan promised
+        llm.close()
+        raise CtxqError(f"llama.cpp made a context of {llm.n_ctx()} tokens, not the {p.n_ctx} planned")
+    return llm, memory_report(p, backend.parse_allocations(lines)), load_s
+
+
+def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
+    """Planned against reported bytes per device. Host buffers ("CPU", "CPU_Mapped", "CPU_REPACK",
+    "CUDA_Host" pinned memory) count for the host; a device buffer matches by name, else by position."""
+    names = sorted({n for d in (alloc.model, alloc.kv, alloc.compute, alloc.output) for n in d})
+    host_names = [n for n in names if n.startswith("CPU") or n.endswith("_Host")]
+    dev_names = [n for n in names if n not in host_names]
+    out = []
+    for i, dp in enumerate(p.gpus):
+        # RPC buffers are named "RPC<device on that worker>[host:port]": match the endpoint first
+        by_ep = [n for n in dev_names if dp.device.endpoint and n.endswith(f"[{dp.device.endpoint}]")]
+        name = by_ep[0] if by_ep else dp.device.name if dp.device.name in dev_names else (
+            dev_names[i] if i < len(dev_names) else None)
+        out.append(DeviceMemory(dp.device.name, dp.buffers, alloc.total(name) if name else 0))
+    out.append(DeviceMemory(p.host.device.name, p.host.buffers,
+                            sum(alloc.total(n) for n in host_names)))
+    return out
+
+
+def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: Plan | None = None,
+         options: PlanOptions | None = None, n_threads: int | None = None, seed: int | None = None, **kwargs):
+    """A ready `llama_cpp.Llama` for `model` (default: the embedded SmolLM2) holding `n_ctx` tokens,
+    configured from the plan for the devices present (or `gpus`/`profile`/`rpc`).
+
+    Keywords that are `PlanOptions` fields (kv, type_k, flash_attn, n_batch, profile, rpc, ...) make
+    the plan; the rest go to `Llama` unchanged. The plan is `llm.ctxq_plan`, planned-vs-reported
+    memory `llm.ctxq_memory`. Raises `DoesNotFit` when the context fits nowhere. A plan that
+    reorders the GPUs needs CUDA_VISIBLE_DEVICES set before CUDA starts; in a process where it has
+    started, load() falls back to the best plan for the present order (and says so in the log).
+    """
+    opts = PlanOptions.take(kwargs, options).updated(n_ctx=n_ctx, split=split, gpus=gpus)
+    if opts.simulate is not None:
+        raise InvalidOption("`simulate` starts workers for one run; start them with ctxq.rpc.start_workers() "
+                            "and pass rpc=workers.rpc", option="simulate", value=opts.simulate)
+    given = plan is not None
+    if plan is None:
+        plan = make_plan(model, options=opts)
+    try:
+        llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
+    except ReorderNeeded as e:
+        # CUDA is initialised in this process (planning asked it for its devices), so the better order
+        # cannot be applied here; the plan for llama.cpp's own order is next best, if it fits.
+        if given:
+            raise
+        try:
+            plan = make_plan(model, options=replace(opts, reorder=False))
+        except DoesNotFit:
+            raise e from None
+        log.warning("%s; using the plan for the present order instead", e)
+        llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
+    llm.ctxq_plan, llm.ctxq_memory = plan, memory
+    return llm
+
+
+# --- a run: prepare, then execute ---------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """What `execute()` runs: the plan and the input's tokens, checked against its context.
+    `tokens` is None when no input was given (a dry run of the plan alone)."""
+
+    plan: Plan
+    tokens: list[int] | None
+    n_predict: int
+    rpc: object = None  # the RPC workers the plan uses, registered at load
+
+
+def prepare(model=None, prompt: str | list[dict] | None = None, *, tokens: list[int] | None = None,
+            chat: bool = False, system: str | None = None, n_predict: int = 256, plan: Plan | None = None,
+            options: PlanOptions | None = None, **settings) -> Prepared:
+    """Tokenize `prompt` (or take `tokens`), check it fits with `n_predict` more, then plan (or take
+    `plan`): nothing loads. `settings` are `PlanOptions` fields (n_ctx, kv, gpus, ...)."""
+    from ..models import resolve_model
+
+    opts = (options or PlanOptions()).updated(**settings)
+    path = resolve_model(model if plan is None else plan.model)
+    if tokens is None and prompt is not None:
+        tokens = tokenize(path, prompt, chat=chat, system=system)
+    if tokens is not None:
+        check_context(len(tokens), n_predict, plan.n_ctx if plan is not None else opts.resolved().n_ctx)
+    if plan is None:
+        plan = make_plan(path, options=opts)
+    return Prepared(plan, tokens, n_predict, opts.rpc)
+
+
+def execute(prepared: Prepared, *, temp: float = 0.8, seed: int | None = None, n_threads: int | None = None,
+            on_loaded: Callable[[Plan, float], None] | None = None,
+            on_progress: Callable[[Progress], None] | None = None,
+            on_text: Callable[[str], None] | None = None) -> RunResult:
+    """Load the prepared plan, prefill (reporting `on_progress`) and generate (streaming `on_text`).
+    `on_loaded(plan, seconds)` is called once the model has loaded."""
+    if prepared.tokens is None:
+        raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
+    llm, memory, load_s = load_plan(prepared.plan, rpc=prepared.rpc, n_threads=n_threads, seed=seed)
+    try:
+        if on_loaded:
+            on_loaded(prepared.plan, load_s)
+        r = generate(llm, prepared.tokens, n_predict=prepared.n_predict, temp=temp, on_progress=on_progress,
+                     on_text=on_text)
+    finally:
+        llm.close()
+    return replace(r, load_s=load_s, plan=prepared.plan, memory=memory)
+
+
+def run(model=None, prompt: str | list[dict] | None = None, *, tokens: list[int] | None = None, chat: bool = False,
+        system: str | None = None, n_predict: int = 256, temp: float = 0.8, seed: int | None = None,
+        n_threads: int | None = None, plan: Plan | None = None, options: PlanOptions | None = None,
+        on_plan: Callable[[Plan, int], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
+        on_text: Callable[[str], None] | None = None, **settings) -> RunResult:
+    """Tokenize and check the input, plan, load, prefill and generate; the result holds the text,
+    timings and per-device memory. `settings` are `PlanOptions` fields (n_ctx, split, gpus, kv, ...);
+    `simulate` runs on local RPC workers for the call. `on_plan(plan, n_prompt)` is called before
+    the model loads."""
+    if tokens is None and prompt is None:
+        raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
+    with local_workers((options or PlanOptions()).updated(**settings)) as opts:
+        prepared = prepare(model, prompt, tokens=tokens, chat=chat, system=system, n_predict=n_predict, plan=plan,
+                           options=opts)
+        if on_plan:
+            on_plan(prepared.plan, len(prepared.tokens))
+        return execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_progress=on_progress,
+                       on_text=on_text)

@@ -1,0 +1,112 @@
+"""The planner against llama.cpp's real allocations: one cell = one model, devices, context, KV type.
+
+`check_cell()` plans with `ctxq.planning.planner`, then loads the model for real in a child process (on the
+CPU, or split over local ggml RPC workers standing for GPUs), reads llama.cpp's own log lines
+(model / KV / compute buffer sizes and `layer N assigned to device D`) and compares them per device.
+The margin the planner keeps free is not an allocation and is left out of the comparison.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..llama import backend
+from ..planning.devices import Device
+from ..planning.planner import Plan, plan
+from ..units import GiB, MiB
+
+TARGET_REL, TARGET_ABS = 0.01, 32 * MiB  # every device within 1.0 % or 32 MiB (the planner issue)
+
+
+@dataclass
+class DeviceCheck:
+    name: str
+    planned: dict  # weights / kv / compute, bytes
+    real: dict
+
+    @property
+    def planned_total(self) -> int:
+        return sum(self.planned.values())
+
+    @property
+    def real_total(self) -> int:
+        return sum(self.real.values())
+
+    @property
+    def error(self) -> int:
+        return self.planned_total - self.real_total
+
+    @property
+    def ok(self) -> bool:
+        return abs(self.error) <= max(TARGET_REL * self.real_total, TARGET_ABS)
+
+
+@dataclass
+class CellResult:
+    label: str
+    devices: list[DeviceCheck]
+    layers_match: bool
+    layer_mismatch: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.layers_match and all(d.ok for d in self.devices)
+
+    @property
+    def worst(self) -> DeviceCheck:
+        return max(self.devices, key=lambda d: abs(d.error))
+
+
+def _measure_child(model: str, kwargs: dict) -> dict:
+    """In the child: load for real, return llama.cpp's allocations as plain dicts."""
+    from ..llama.measure import measure
+
+    m = measure(model, **kwargs)
+    a = m.allocations
+    return {"model": a.model, "kv": a.kv, "compute": a.compute, "output": a.output, "layers": a.layers}
+
+
+def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
+               label: str = "", n_ubatch: int = 512) -> CellResult:
+    """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios."""
+    from ..rpc import run_supervised
+
+    if sizes_gib:
+        devices = [Device(name=f"RPC{i}", kind="rpc", total=int(s * GiB), usable=int(s * GiB))
+                   for i, s in enumerate(sizes_gib)]
+        p: Plan = plan(model, n_ctx, devices=devices, kv=type_kv, split=":".join(f"{s:g}" for s in sizes_gib),
+                       n_ubatch=n_ubatch)
+    else:
+        p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch)
+    kw = dict(n_ctx=n_ctx, n_gpu_layers=p.n_gpu_layers, type_k=p.type_k, type_v=p.type_v,
+              flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full)
+    if sizes_gib:
+        kw["tensor_split"] = [float(s) for s in sizes_gib]  # the ratios, as a user would give them
+    real = run_supervised(_measure_child, model, kw, rpc=workers.endpoints if workers else (),
+                          workers=workers, timeout=900)
+    checks = []
+    # llama.cpp names RPC buffers "RPC<d>[host:port]" (d: the device on that worker), in worker order
+    endpoints = workers.endpoints if workers else []
+    for i, g in enumerate(p.gpus):
+        name = f"RPC0[{endpoints[i]}]" if i < len(endpoints) else f"RPC{i}"
+        checks.append(DeviceCheck(g.device.name, {"weights": g.weights, "kv": g.kv, "compute": g.compute},
+                                  {"weights": real["model"].get(name, 0), "kv": real["kv"].get(name, 0),
+                                   "compute": real["compute"].get(name, 0)}))
+    h = p.host
+    # CPU_REPACK holds re-laid-out copies of weights that stay mapped from the file (CPU_Mapped);
+    # the model's own bytes are the mapped and plain CPU buffers.
+    host_model = sum(v for k, v in real["model"].items() if k.startswith("CPU") and k != "CPU_REPACK")
+    host_out = sum(real["output"].values())
+    checks.append(DeviceCheck("CPU", {"weights": h.weights, "kv": h.kv, "compute": h.compute},
+                              {"weights": host_model, "kv": sum(v for k, v in real["kv"].items() if k.startswith("CPU")),
+                               "compute": sum(v for k, v in real["compute"].items() if k.startswith("CPU")) + host_out}))
+    # layer assignment: the plan's device for each layer slot vs llama.cpp's log
+    want = {il: f"RPC{i}" for i, g in enumerate(p.gpus) for il in g.layers}  # device names: RPC<i>
+    want.update({il: "CPU" for il in h.layers})
+    got = {il: re.sub(r"\[.*", "", d) for il, d in real["layers"].items()}
+    mismatch = [f"layer {il}: plan {want.get(il)}, llama.cpp {d}" for il, d in sorted(got.items()) if want.get(il) != d]
+    return CellResult(label, checks, not mismatch and len(got) == p.n_layer + 1, "; ".join(mismatch[:3]))
+
+
