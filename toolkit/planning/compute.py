@@ -41,6 +41,7 @@ class ComputePeaks:
 
     layer_full: int  # a device holding layers but not the output head (full and SWA layers measured together)
     output: int  # the device that also holds the output head (peak over its layers and the head)
+    layer_steady: int  # like layer_full, with two layers of each kind: the graph inputs stay alive across layers
 
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
@@ -144,7 +145,13 @@ def compute_peaks(src: GGUFFile, swa_layers: list[bool], *, n_ctx: int, n_ubatch
     # (llama_model::build_graph asserts is_swa_any), so one derived model holds one layer of each
     # and its peak stands for both kinds; with alternating patterns every device holds both anyway.
     layer = _dry_run(str(write_derived(src, layers, True, pattern)), *args)
-    return ComputePeaks(layer_full=layer, output=full)
+    # A one-layer graph frees its inputs after its only layer; a device holding many layers keeps them
+    # alive from one layer to the next, so its steady peak is measured on two layers of each kind.
+    two = tuple(sorted([i for i, s in enumerate(swa_layers) if not s][:2]
+                       + [i for i, s in enumerate(swa_layers) if s][:2]))
+    two_pattern = tuple(swa_layers[i] for i in two) if has_swa else None
+    steady = _dry_run(str(write_derived(src, two, True, two_pattern)), *args)
+    return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
 
 
 def load_source(path: str | os.PathLike) -> GGUFFile:

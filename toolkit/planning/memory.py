@@ -45,11 +45,11 @@ class Costs:
     layer_kv: list[int]
     output_weights: int
     peaks: compute_mod.ComputePeaks
-    inputs: int  # one copy of the split-graph inputs (masks + residual), as the host builds and devices receive them
+    inputs: int  # one copy of the split-graph inputs (masks, residual, indices), as the host builds them
     resid: int  # the residual stream, f32 [n_embd, n_ubatch]
     logits: int
-    f16_cache: bool = True
-    swa_mask_overlap: int = 0
+    head: int = 0  # the output device's peak at the head, before input copies
+    flash_attn: bool = True
     cuda: cuda_mod.LayerTable | None = None  # CUDA's per-layer terms, when a device's backend is CUDA
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
 
@@ -80,17 +80,43 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     n_kv = round_up(n_ctx, KV_PAD)
     # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
     # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
-    # iSWA models carry a second one over the window's cells) and the residual stream (f32 [n_embd, n_ubatch]).
+    # iSWA models carry a second one over the window's cells), the residual stream (f32 [n_embd, n_ubatch])
+    # and the KV cache's index inputs (index_inputs).
     mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
     mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
-    return Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks, inputs=mask + resid,
+    return Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks,
+                 inputs=mask + resid + index_inputs(info, n_ubatch, flash_attn, type_k, type_v),
                  resid=resid, logits=info.n_vocab * 4,
-                 f16_cache=type_k == "f16" and type_v == "f16",
-                 swa_mask_overlap=n_kv * n_ubatch * (2 if flash_attn else 4) if any(info.swa_layers) else 0,
+                 # result_output f32 [n_vocab, n_ubatch] (the reserve outputs every token) and up to 3
+                 # residual-sized tensors beside it (Phi-3-mini 4k-32k: 3; Llama-3: 1), measured on RPC
+                 head=info.n_vocab * n_ubatch * 4 + 3 * resid, flash_attn=flash_attn,
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve)
+
+
+def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:
+    """One copy of the graph inputs besides the masks and the residual (scripts/underestimates.py).
+
+    Per KV cache (iSWA models have two, llama_kv_cache_iswa): `attn_inp_k_idxs` I64 [n_ubatch] and
+    `attn_inp_v_idxs` I64 [n_ubatch], or [n_ubatch * n_embd_v_gqa_max] when the V cache is transposed
+    (flash attention off; llama_kv_cache::build_input_v_idxs); with a quantized cache the Hadamard
+    rotations `attn_inp_k_rot` f32 [nrot, nrot] (nrot: the largest power of two >= 64 dividing the K head
+    size) and `attn_inp_v_rot` f32 [64, 64] (llama_kv_cache::build_input_k_rot / build_input_v_rot).
+    Plus `inp_pos` and `out_ids`, I32 [n_ubatch] each (llm_graph_input_pos, llm_graph_input_out_ids).
+    """
+    n_caches = 2 if any(info.swa_layers) else 1
+    v_rows = 1 if flash_attn else max(info.n_embd_v_gqa(il) for il in range(info.n_layer))
+    per_cache = n_ubatch * 8 * (1 + v_rows)
+    if type_k != "f16" and info.head_dim_k % 64 == 0:
+        nrot = 64
+        while info.head_dim_k % (nrot * 2) == 0:
+            nrot *= 2
+        per_cache += nrot * nrot * 4
+    if type_v != "f16" and info.head_dim_v % 64 == 0:
+        per_cache += 64 * 64 * 4
+    return n_caches * per_cache + 2 * n_ubatch * 4
 
 
 def reserve(c: Costs, dev: Device) -> int:
@@ -105,22 +131,12 @@ def reserve(c: Costs, dev: Device) -> int:
 def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Device, *, first_cuda: bool = False,
                 n_cpu_slots: int = 0) -> DevicePlan:
     """What a device holding `layers` (and the output head if has_output) needs, when n_used devices
-    hold layers; first_cuda: it is the first CUDA device in llama.cpp's order (the op-offload target),
-    with the first n_cpu_slots layer slots on the CPU."""
+    hold layers and the first n_cpu_slots layer slots sit on the CPU; first_cuda: it is the first CUDA
+    device in llama.cpp's order (the op-offload target)."""
     dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
     dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
-    if n_used <= 1:  # one device, no pipeline: the graph's own peak (measured as such)
-        dp.compute = c.peaks.output if has_output else c.peaks.layer_full
-    elif has_output and not layers:  # the output head alone: no attention, so no mask copies (measured)
-        dp.compute = c.peaks.output + 3 * c.resid
-    elif has_output:  # with an f16 cache the output device also keeps 3 residual-sized tensors (measured, RPC)
-        dp.compute = c.peaks.output + SCHED_COPIES * c.inputs + (3 * c.resid if c.f16_cache else 0)
-    else:
-        # iSWA graphs: the derived model's peak already holds one full-size mask that the split graph
-        # receives as an input copy instead (measured on Gemma 2 at 4k-64k: the error grew by exactly
-        # one f16 mask per token without this)
-        dp.compute = c.peaks.layer_full + SCHED_COPIES * c.inputs - c.swa_mask_overlap
+    dp.compute = _device_compute(c, bool(layers), has_output, n_used, pipeline=n_cpu_slots == 0)
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
@@ -129,6 +145,28 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin)
         dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
+
+
+def _device_compute(c: Costs, has_layers: bool, has_output: bool, n_used: int, pipeline: bool) -> int:
+    """A device's compute buffer (scripts/underestimates.py checks each branch against llama.cpp on 37 cells).
+
+    With several devices the graph is split and each device receives its split's inputs; with pipeline
+    parallelism (llama_context: only when every layer is offloaded) it keeps SCHED_COPIES of them alive,
+    else one. The steady peak already holds one copy."""
+    if n_used <= 1:  # one device, no split: the graph's own peak (measured as such)
+        return c.peaks.output if has_output else c.peaks.layer_full
+    copies = SCHED_COPIES if pipeline else 1
+    if has_output and not has_layers:  # the output head alone: no attention, so no mask copies
+        if not c.flash_attn:  # the one-layer peak is its KQ matrix, which this device never computes
+            return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
+        return c.peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
+    steady = c.peaks.layer_steady + (copies - 1) * c.inputs
+    if not has_output:
+        return steady
+    head = c.head + copies * c.inputs
+    if c.peaks.output <= c.peaks.layer_full:  # the head does not raise the one-layer peak
+        return max(steady, head)
+    return max(steady, head, c.peaks.output + copies * c.inputs)  # e.g. Mistral-Nemo-12B at 4k
 
 
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
@@ -142,10 +180,10 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.kv = sum(c.layer_kv[i] for i in layers)
     if n_used == 0:
         dp.compute = c.peaks.output
-    else:
-        # the host builds the inputs of a split graph; with CPU layers it also runs them
-        copies = SCHED_COPIES if n_used > 1 else 1
-        dp.compute = copies * c.inputs + c.resid
+    elif len(layers):  # it runs those layers: their peak and one copy of the inputs (no pipeline parallelism)
+        dp.compute = c.peaks.layer_full + c.inputs
+    else:  # the host builds the inputs of a split graph
+        dp.compute = (SCHED_COPIES if n_used > 1 else 1) * c.inputs + c.resid
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp

@@ -69,21 +69,23 @@ def _measure_child(model: str, kwargs: dict) -> dict:
 
 
 def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
-               label: str = "", n_ubatch: int = 512) -> CellResult:
-    """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios."""
+               label: str = "", n_ubatch: int = 512, flash_attn: bool | None = None,
+               search: bool = False) -> CellResult:
+    """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios
+    (or, with `search`, RPC devices of those sizes that the planner fills, leaving the rest on the CPU)."""
     from ..rpc import run_supervised
 
     if sizes_gib:
         devices = [Device(name=f"RPC{i}", kind="rpc", total=int(s * GiB), usable=int(s * GiB))
                    for i, s in enumerate(sizes_gib)]
-        p: Plan = plan(model, n_ctx, devices=devices, kv=type_kv, split=":".join(f"{s:g}" for s in sizes_gib),
-                       n_ubatch=n_ubatch)
+        p: Plan = plan(model, n_ctx, devices=devices, kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                       split=None if search else ":".join(f"{s:g}" for s in sizes_gib))
     else:
-        p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch)
+        p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn)
     kw = dict(n_ctx=n_ctx, n_gpu_layers=p.n_gpu_layers, type_k=p.type_k, type_v=p.type_v,
               flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full)
-    if sizes_gib:
-        kw["tensor_split"] = [float(s) for s in sizes_gib]  # the ratios, as a user would give them
+    if sizes_gib:  # the ratios, as a user would give them, or the plan's layer counts
+        kw["tensor_split"] = [float(c) for c in p.tensor_split] if search else [float(s) for s in sizes_gib]
     real = run_supervised(_measure_child, model, kw, rpc=workers.endpoints if workers else (),
                           workers=workers, timeout=900)
     checks = []
