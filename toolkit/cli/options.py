@@ -114,7 +114,12 @@ def echo_session_log() -> None:
 
     class Echo(logging.Handler):
         def emit(self, record):
-            click.echo(f"ctxq: {cli_message(CtxqError(record.getMessage()))}", err=True)
+            import sys
+
+            from tqdm import tqdm
+
+            # tqdm.write: a line of its own even while the prefill bar is drawn (a save happens mid-prefill)
+            tqdm.write(f"ctxq: {cli_message(CtxqError(record.getMessage()))}", file=sys.stderr)
 
     logger = logging.getLogger("ctxq.runtime.session")
     if not any(type(h).__name__ == "Echo" for h in logger.handlers):
