@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
