@@ -97,8 +97,13 @@ def load_options(f):
     return f
 
 
-def session_option(f):
-    """--session FILE|auto: the saved state of the input's document (`ctxq.runtime.session`)."""
+def session_option(f=None, *, serve: bool = False):
+    """--session: the saved state of the input's document (`ctxq.runtime.session`); FILE|auto for
+    `run`, FILE for `serve` (which restores and does not save)."""
+    if serve:
+        return click.option("--session", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+                            help="Start with the document a `ctxq run --session FILE` saved in the cache (when it "
+                                 "matches the model and these settings).")
     return click.option("--session", default=None, metavar="FILE|auto",
                         help="Restore the document's saved state from FILE when it matches, else process it and "
                              "save it there; auto: a file in ctxq's session cache (least recently used evicted "

@@ -18,7 +18,7 @@ from .options import echo_session_log, load_options, plan_options, session_optio
 @click.option("--api-key", default=None, envvar="CTXQ_API_KEY",
               help="Require this bearer token on the API (also CTXQ_API_KEY).")
 @click.option("--alias", default=None, help="The model name the API reports (default: the file path).")
-@session_option
+@session_option(serve=True)
 def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, session):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
