@@ -95,3 +95,39 @@ def load_options(f):
     f = click.option("-t", "--threads", "n_threads", type=int, default=None,
                      help="CPU threads (default: every CPU this process may use).")(f)
     return f
+
+
+def session_option(f=None, *, serve: bool = False):
+    """--session: the saved state of the input's document (`ctxq.runtime.session`); FILE|auto for
+    `run`, FILE for `serve` (which restores and does not save)."""
+    if serve:
+        return click.option("--session", default=None, metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+                            help="Start with the document a `ctxq run --session FILE` saved in the cache (when it "
+                                 "matches the model and these settings).")
+    return click.option("--session", default=None, metavar="FILE|auto",
+                        help="Restore the document's saved state from FILE when it matches, else process it and "
+                             "save it there; auto: a file in ctxq's session cache (least recently used evicted "
+                             "beyond CTXQ_SESSION_CACHE_GIB, default 20).")(f)
+
+
+def echo_session_log() -> None:
+    """Show the session's one-line reports (restored, saved, not used and why) on stderr in flag terms."""
+    import logging
+
+    from ..errors import CtxqError
+    from .errors import cli_message
+
+    class Echo(logging.Handler):
+        def emit(self, record):
+            import sys
+
+            from tqdm import tqdm
+
+            # tqdm.write: a line of its own even while the prefill bar is drawn (a save happens mid-prefill)
+            tqdm.write(f"ctxq: {cli_message(CtxqError(record.getMessage()))}", file=sys.stderr)
+
+    logger = logging.getLogger("ctxq.runtime.session")
+    if not any(type(h).__name__ == "Echo" for h in logger.handlers):
+        logger.addHandler(Echo(logging.INFO))
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -8,26 +8,25 @@ import click
 
 from .group import cli
 from .common import echo_json, memory_table, reexec
-from .options import load_options, plan_options
+from .options import echo_session_log, load_options, plan_options, session_option
 from .plan import render_plan
 
 
 def _read_input(prompt, file):
-    if prompt is not None and file is not None:
-        raise click.UsageError("give -p TEXT or -f FILE, not both")
+    """(document, prompt): -f FILE is the document and -p TEXT follows it; stdin when neither is given."""
     if file is not None:
         try:
             with open(file, encoding="utf-8", errors="replace") as fh:
-                return fh.read()
+                return fh.read(), prompt
         except OSError as e:
             from ..errors import CtxqError
 
             raise CtxqError(f"cannot read {file}: {e.strerror}") from None
     if prompt is not None:
-        return prompt
+        return None, prompt
     if not sys.stdin.isatty():
-        return sys.stdin.read() or None  # nothing piped (e.g. /dev/null) is no input
-    return None
+        return None, sys.stdin.read() or None  # nothing piped (e.g. /dev/null) is no input
+    return None, None
 
 
 @cli.command("run")
@@ -35,28 +34,39 @@ def _read_input(prompt, file):
 @plan_options()
 @load_options
 @click.option("-p", "--prompt", default=None, help="The input text.")
-@click.option("-f", "--file", "file", type=click.Path(dir_okay=False), default=None, help="Read the input from FILE.")
+@click.option("-f", "--file", "file", type=click.Path(dir_okay=False), default=None,
+              help="Read the input from FILE; with -p, FILE comes first and the prompt after it.")
+@session_option
 @click.option("--chat", is_flag=True, help="Wrap the input as a user turn in the model's chat template.")
 @click.option("--system", default=None, help="A system message (with --chat).")
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Tokens to generate.")
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Sampling temperature; 0 is greedy.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (and the input's size) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (text, timings, memory) as JSON.")
-def run_cmd(model, options, n_threads, seed, prompt, file, chat, system, n_predict, temp, dry_run, as_json):
+def run_cmd(model, options, n_threads, seed, prompt, file, session, chat, system, n_predict, temp, dry_run,
+            as_json):
     """Run MODEL (a GGUF; default: the embedded SmolLM2) on a long input with --ctx tokens of context.
 
     The input (-p, -f or stdin) is tokenized and checked against the context first; then the plan
     is made for the devices present, the model loads as planned, the prompt is processed with a
     progress bar and the answer streams to stdout. Statistics go to stderr.
+
+    With -f FILE -p TEXT the file is read first and the prompt follows after a blank line (with
+    --chat, both are one user turn, the file at its start). --session saves the state of the input
+    up to the file's end; a later run with the same file, model and settings restores it and
+    processes only the prompt.
     """
     from ..errors import ReorderNeeded
     from ..runtime import runner
 
-    text = _read_input(prompt, file)
-    if text is None and not dry_run:
+    document, text = _read_input(prompt, file)
+    if text is None and document is None and not dry_run:
         raise click.UsageError("give the input: -p TEXT, -f FILE, or pipe it on stdin")
+    if session is not None:
+        echo_session_log()
     with runner.local_workers(options) as opts:
-        prepared = runner.prepare(model, text, chat=chat, system=system, n_predict=n_predict, options=opts)
+        prepared = runner.prepare(model, text, document=document, chat=chat, system=system, n_predict=n_predict,
+                                  session=session, options=opts)
         if dry_run:
             _print_dry_run(prepared, as_json)
             return
@@ -76,7 +86,8 @@ def run_cmd(model, options, n_threads, seed, prompt, file, chat, system, n_predi
         echo_json(r.to_dict())
         return
     click.echo("")
-    click.echo(f"prompt {r.n_prompt:,} tokens: prefill {r.prefill_s:.2f} s ({r.prefill_tps:.1f} tok/s), "
+    cached = f" ({r.n_cached:,} restored from the session)" if r.n_cached else ""
+    click.echo(f"prompt {r.n_prompt:,} tokens{cached}: prefill {r.prefill_s:.2f} s ({r.prefill_tps:.1f} tok/s), "
                f"time to first token {r.ttft_s:.2f} s; generated {r.n_generated} tokens "
                f"({r.decode_tps:.2f} tok/s, stop: {r.stop})", err=True)
     click.echo(memory_table(r.memory), err=True)

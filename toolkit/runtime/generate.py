@@ -9,6 +9,7 @@ samples tokens and streams their text through a callback; it returns a `RunResul
 from __future__ import annotations
 
 import codecs
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -53,6 +54,7 @@ class RunResult:
     decode_s: float  # from the first generated token to the last
     ttft_s: float  # prefill start to the first generated token
     stop: str  # "eos" (an end-of-generation token) or "length" (n_predict reached)
+    n_cached: int = 0  # prompt tokens restored from a saved session, not evaluated
     load_s: float = 0.0
     plan: Plan | None = None
     memory: list[DeviceMemory] = field(default_factory=list)
@@ -63,7 +65,8 @@ class RunResult:
 
     @property
     def prefill_tps(self) -> float:
-        return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens evaluated (those a session restored are not) per second."""
+        return (self.n_prompt - self.n_cached) / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -74,7 +77,8 @@ class RunResult:
     def to_dict(self) -> dict:
         return {"text": self.text, "n_prompt": self.n_prompt, "n_generated": self.n_generated, "stop": self.stop,
                 "load_s": self.load_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
-                "ttft_s": self.ttft_s, "prefill_tps": self.prefill_tps, "decode_tps": self.decode_tps,
+                "ttft_s": self.ttft_s, "n_cached": self.n_cached, "prefill_tps": self.prefill_tps,
+                "decode_tps": self.decode_tps,
                 "memory": [vars(m) for m in self.memory], "plan": self.plan.to_dict() if self.plan else None}
 
 
@@ -96,9 +100,19 @@ def chat_prompt(model_or_llm, text: str | list[dict], system: str | None = None)
     return r.prompt, bool(r.added_special)
 
 
-def tokenize(model, text: str, *, chat: bool = False, system: str | None = None) -> list[int]:
-    """Tokens of `text` (as llama-cpp-python's completion does: BOS if the vocabulary wants it, special
-    tokens parsed), from a vocabulary-only load that allocates no weights."""
+SEPARATOR = "\n\n"  # between a document and the question asked after it
+
+
+def input_text(prompt: str | None, document: str | None = None) -> str | None:
+    """The text of a run's input: the document first (the part a session saves), then the prompt."""
+    if document is None:
+        return prompt
+    return document + SEPARATOR + prompt if prompt else document
+
+
+@contextlib.contextmanager
+def _vocab(model):
+    """The model's vocabulary alone (a vocab-only load allocates no weights)."""
     from llama_cpp import _internals
 
     from ..models import resolve_model
@@ -113,13 +127,44 @@ def tokenize(model, text: str, *, chat: bool = False, system: str | None = None)
         except ValueError:
             raise CtxqError(f"llama.cpp cannot read the vocabulary of {path}; check it with `ctxq inspect`") from None
     try:
-        add_bos = True
-        if chat:
-            text, has_bos = chat_prompt(m, text, system)
-            add_bos = not has_bos
-        return m.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+        yield m
     finally:
         m.close()
+
+
+def _encode(m, text: str | list[dict], chat: bool, system: str | None) -> tuple[list[int], str, bool]:
+    """(tokens, the text tokenized, whether BOS was added) as llama-cpp-python's completion does:
+    BOS if the vocabulary wants it and the chat template has not put it, special tokens parsed."""
+    add_bos = True
+    if chat:
+        text, has_bos = chat_prompt(m, text, system)
+        add_bos = not has_bos
+    return m.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True), text, add_bos
+
+
+def input_tokens(model, prompt: str | list[dict] | None, *, document: str | None = None, chat: bool = False,
+                 system: str | None = None) -> tuple[list[int], int]:
+    """(tokens, n_document): the input's tokens (the document first, then the prompt after a blank
+    line; with `chat` both are one user turn in the chat template, the document at its start) and how
+    many of them stay the same whatever follows the document: the part a session saves. That part
+    ends where the tokens of the input cut after the document stop agreeing with the whole's.
+    Without a document the prompt's text is the document; a list of messages is saved whole."""
+    head = document if document is not None else prompt if isinstance(prompt, str) else None
+    whole = input_text(prompt, document) if head is not None else prompt
+    with _vocab(model) as m:
+        tokens, text, add_bos = _encode(m, whole, chat, system)
+        at = text.rfind(whole) if head is not None else -1  # where the user's text starts in a chat prompt
+        if at < 0 or at + len(head) == len(text):
+            return tokens, len(tokens)
+        cut = m.tokenize(text[:at + len(head)].encode("utf-8"), add_bos=add_bos, special=True)
+    return tokens, next((i for i, (a, b) in enumerate(zip(tokens, cut)) if a != b), min(len(tokens), len(cut)))
+
+
+def tokenize(model, text: str | list[dict], *, chat: bool = False, system: str | None = None) -> list[int]:
+    """Tokens of `text` (as llama-cpp-python's completion does: BOS if the vocabulary wants it, special
+    tokens parsed), from a vocabulary-only load that allocates no weights."""
+    with _vocab(model) as m:
+        return _encode(m, text, chat, system)[0]
 
 
 def check_context(n_prompt: int, n_predict: int, n_ctx: int) -> None:
@@ -131,21 +176,31 @@ def check_context(n_prompt: int, n_predict: int, n_ctx: int) -> None:
 
 
 def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8, top_k: int = 40,
-             top_p: float = 0.95, min_p: float = 0.05,
+             top_p: float = 0.95, min_p: float = 0.05, n_cached: int = 0, keep: int | None = None,
+             on_keep: Callable[[list[int]], None] | None = None,
              on_progress: Callable[[Progress], None] | None = None,
              on_text: Callable[[str], None] | None = None) -> RunResult:
     """Evaluate `tokens` in n_batch chunks (reporting progress), then sample up to `n_predict` tokens
-    from the loaded `llm`. temp 0 is greedy. The result holds no plan: `runner.execute` adds it."""
+    from the loaded `llm`. temp 0 is greedy. The result holds no plan: `runner.execute` adds it.
+
+    `n_cached`: llm already holds the first n_cached tokens (a restored session). `keep`: the chunks
+    stop once at this token, where `on_keep(tokens[:keep])` is called (to save a session); a run
+    with and without a session thus evaluates the same batches, so they give the same tokens."""
     lc = backend.llama_cpp()
     total = len(tokens)
-    llm.reset()
+    if not n_cached:
+        llm.reset()
     t0 = time.perf_counter()
     if on_progress:
-        on_progress(Progress(0, total, 0.0))
-    for i in range(0, total, llm.n_batch):  # Llama.eval would cut the same n_batch chunks itself
-        llm.eval(tokens[i:i + llm.n_batch])
-        if on_progress:
-            on_progress(Progress(min(i + llm.n_batch, total), total, time.perf_counter() - t0))
+        on_progress(Progress(n_cached, total, 0.0))
+    stops = sorted({n_cached, total} | ({keep} if keep is not None and n_cached < keep < total else set()))
+    for start, end in zip(stops, stops[1:]):
+        for i in range(start, end, llm.n_batch):  # Llama.eval would cut the same n_batch chunks itself
+            llm.eval(tokens[i:min(i + llm.n_batch, end)])
+            if on_progress:
+                on_progress(Progress(min(i + llm.n_batch, end), total, time.perf_counter() - t0))
+        if end == keep and on_keep:
+            on_keep(tokens[:keep])
     t1 = time.perf_counter()
     out: list[int] = []
     parts: list[str] = []
@@ -176,4 +231,4 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
         if on_text:
             on_text(tail)
     return RunResult(text="".join(parts), tokens=out, n_prompt=total, prefill_s=t1 - t0, decode_s=t_last - t_first,
-                     ttft_s=t_first - t0, stop=stop)
+                     ttft_s=t_first - t0, stop=stop, n_cached=n_cached)

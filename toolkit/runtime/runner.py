@@ -22,8 +22,9 @@ from ..llama import backend
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
 from ..units import default_threads
+from .session import restore_session, save_for_run, session_path
 from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, generate,  # noqa: F401
-                       tokenize)
+                       input_tokens, tokenize)
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
 
 
 def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: Plan | None = None,
-         options: PlanOptions | None = None, n_threads: int | None = None, seed: int | None = None, **kwargs):
+         options: PlanOptions | None = None, n_threads: int | None = None, seed: int | None = None,
+         session=None, **kwargs):
     """A ready `llama_cpp.Llama` for `model` (default: the embedded SmolLM2) holding `n_ctx` tokens,
     configured from the plan for the devices present (or `gpus`/`profile`/`rpc`).
 
@@ -181,6 +183,8 @@ def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: P
     memory `llm.ctxq_memory`. Raises `DoesNotFit` when the context fits nowhere. A plan that
     reorders the GPUs needs CUDA_VISIBLE_DEVICES set before CUDA starts; in a process where it has
     started, load() falls back to the best plan for the present order (and says so in the log).
+    `session`: a file `ctxq.runtime.session.save_session` wrote; its state is restored when it
+    matches (`llm.ctxq_session` tokens), so a prompt that starts with its tokens evaluates only the rest.
     """
     opts = PlanOptions.take(kwargs, options).updated(n_ctx=n_ctx, split=split, gpus=gpus)
     if opts.simulate is not None:
@@ -203,6 +207,7 @@ def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: P
         log.warning("%s; using the plan for the present order instead", e)
         llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
     llm.ctxq_plan, llm.ctxq_memory = plan, memory
+    llm.ctxq_session = restore_session(llm, session, plan) if session is not None else 0
     return llm
 
 
@@ -217,24 +222,35 @@ class Prepared:
     tokens: list[int] | None
     n_predict: int
     rpc: object = None  # the RPC workers the plan uses, registered at load
+    keep: int | None = None  # the tokens up to the document's end: evaluated first, and saved by `session`
+    session: str | Path | None = None  # a session file, or "auto" (ctxq's session cache)
 
 
-def prepare(model=None, prompt: str | list[dict] | None = None, *, tokens: list[int] | None = None,
-            chat: bool = False, system: str | None = None, n_predict: int = 256, plan: Plan | None = None,
-            options: PlanOptions | None = None, **settings) -> Prepared:
-    """Tokenize `prompt` (or take `tokens`), check it fits with `n_predict` more, then plan (or take
-    `plan`): nothing loads. `settings` are `PlanOptions` fields (n_ctx, kv, gpus, ...)."""
+def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str | None = None,
+            tokens: list[int] | None = None, chat: bool = False, system: str | None = None, n_predict: int = 256,
+            session=None, plan: Plan | None = None, options: PlanOptions | None = None, **settings) -> Prepared:
+    """Tokenize the input (`document`, then `prompt` after a blank line; or take `tokens`), check it
+    fits with `n_predict` more, then plan (or take `plan`): nothing loads. `settings` are `PlanOptions`
+    fields (n_ctx, kv, gpus, ...). `session`: a file (or "auto") that holds, or will hold, the state
+    of the input up to the end of the document (`generate.input_tokens`)."""
     from ..models import resolve_model
 
     opts = (options or PlanOptions()).updated(**settings)
     path = resolve_model(model if plan is None else plan.model)
-    if tokens is None and prompt is not None:
-        tokens = tokenize(path, prompt, chat=chat, system=system)
+    keep = None
+    if tokens is None and (prompt is not None or document is not None):
+        tokens, keep = input_tokens(path, prompt, document=document, chat=chat, system=system)
     if tokens is not None:
         check_context(len(tokens), n_predict, plan.n_ctx if plan is not None else opts.resolved().n_ctx)
+    if tokens is not None and (session is not None or document is not None):
+        # The document is evaluated first whether or not a session is saved, so runs with and without
+        # one evaluate the same batches; the last token is always evaluated (its logits start the answer).
+        keep = min(len(tokens) if keep is None else keep, len(tokens) - 1)
+    else:
+        keep = None
     if plan is None:
         plan = make_plan(path, options=opts)
-    return Prepared(plan, tokens, n_predict, opts.rpc)
+    return Prepared(plan, tokens, n_predict, opts.rpc, keep, session)
 
 
 def execute(prepared: Prepared, *, temp: float = 0.8, seed: int | None = None, n_threads: int | None = None,
@@ -245,31 +261,43 @@ def execute(prepared: Prepared, *, temp: float = 0.8, seed: int | None = None, n
     `on_loaded(plan, seconds)` is called once the model has loaded."""
     if prepared.tokens is None:
         raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
-    llm, memory, load_s = load_plan(prepared.plan, rpc=prepared.rpc, n_threads=n_threads, seed=seed)
+    p, tokens, keep = prepared.plan, prepared.tokens, prepared.keep
+    llm, memory, load_s = load_plan(p, rpc=prepared.rpc, n_threads=n_threads, seed=seed)
     try:
         if on_loaded:
-            on_loaded(prepared.plan, load_s)
-        r = generate(llm, prepared.tokens, n_predict=prepared.n_predict, temp=temp, on_progress=on_progress,
-                     on_text=on_text)
+            on_loaded(p, load_s)
+        t0 = time.perf_counter()
+        n_cached = 0
+        if prepared.session is not None:
+            n_cached = restore_session(llm, session_path(prepared.session, p, tokens[:keep]), p, tokens)
+        restore_s = time.perf_counter() - t0
+        r = generate(llm, tokens, n_predict=prepared.n_predict, temp=temp, n_cached=n_cached, keep=keep,
+                     on_keep=None if prepared.session is None else
+                     lambda head: save_for_run(llm, prepared.session, head, p),
+                     on_progress=on_progress, on_text=on_text)
     finally:
         llm.close()
-    return replace(r, load_s=load_s, plan=prepared.plan, memory=memory)
+    # time to first token counts the restore: it replaces (part of) the prefill
+    return replace(r, load_s=load_s, plan=p, memory=memory, ttft_s=r.ttft_s + restore_s)
 
 
-def run(model=None, prompt: str | list[dict] | None = None, *, tokens: list[int] | None = None, chat: bool = False,
-        system: str | None = None, n_predict: int = 256, temp: float = 0.8, seed: int | None = None,
-        n_threads: int | None = None, plan: Plan | None = None, options: PlanOptions | None = None,
+def run(model=None, prompt: str | list[dict] | None = None, *, document: str | None = None,
+        tokens: list[int] | None = None, chat: bool = False, system: str | None = None, n_predict: int = 256,
+        temp: float = 0.8, seed: int | None = None, n_threads: int | None = None, session=None,
+        plan: Plan | None = None, options: PlanOptions | None = None,
         on_plan: Callable[[Plan, int], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
         on_text: Callable[[str], None] | None = None, **settings) -> RunResult:
     """Tokenize and check the input, plan, load, prefill and generate; the result holds the text,
     timings and per-device memory. `settings` are `PlanOptions` fields (n_ctx, split, gpus, kv, ...);
     `simulate` runs on local RPC workers for the call. `on_plan(plan, n_prompt)` is called before
-    the model loads."""
-    if tokens is None and prompt is None:
+    the model loads. `document` comes first, `prompt` after it; `session` (a file or "auto") saves the
+    state up to the document's end, and a later run with the same document restores it instead of
+    evaluating it again."""
+    if tokens is None and prompt is None and document is None:
         raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
     with local_workers((options or PlanOptions()).updated(**settings)) as opts:
-        prepared = prepare(model, prompt, tokens=tokens, chat=chat, system=system, n_predict=n_predict, plan=plan,
-                           options=opts)
+        prepared = prepare(model, prompt, document=document, tokens=tokens, chat=chat, system=system,
+                           n_predict=n_predict, session=session, plan=plan, options=opts)
         if on_plan:
             on_plan(prepared.plan, len(prepared.tokens))
         return execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_progress=on_progress,

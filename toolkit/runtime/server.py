@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..planning.planner import Plan
 from .runner import chat_prompt, load_plan
+from .session import restore_session
 from ..units import MiB
 
 log = logging.getLogger(__name__)
@@ -125,9 +126,10 @@ def _proxy(llm, alias: str):
 
 
 def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int | None = None,
-               seed: int | None = None, alias: str | None = None):
+               seed: int | None = None, alias: str | None = None, session=None):
     """(app, memory report): llama-cpp-python's server routes over the plan's model, loaded as
-    `ctxq run` loads it. One app per process: llama-cpp-python keeps the model in a module global."""
+    `ctxq run` loads it. One app per process: llama-cpp-python keeps the model in a module global.
+    `session`: a saved session file to start from (restored when it matches this model and plan)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
     from llama_cpp.server import app as server_app
@@ -136,6 +138,8 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     from starlette_context.plugins import RequestIdPlugin
 
     llm, memory, _ = load_plan(p, rpc=rpc, n_threads=n_threads, seed=seed)
+    if session is not None:
+        restore_session(llm, session, p)
     alias = alias or Path(p.model).name
     # The same assembly as llama_cpp.server.app.create_app, with ctxq's model instead of a second load.
     server_app.set_server_settings(ServerSettings(api_key=api_key, interrupt_requests=False))
