@@ -27,8 +27,8 @@ def validate(path: str, data) -> dict:
     except ValidationError as e:
         message, param = validation_error(e.errors(include_url=False, include_input=False))
         raise reject(400, message, param=param, code="invalid_value") from None
-    if chat and not data["messages"]:
-        raise reject(400, "`messages` is empty; send at least one message", param="messages", code="invalid_value")
+    if chat and not data.get("messages"):
+        raise reject(400, "`messages` is missing or empty; send at least one message", param="messages", code="invalid_value")
     if not chat and isinstance(data.get("prompt"), list) and len(data["prompt"]) > 1:
         raise reject(400, f"`prompt` holds {len(data['prompt'])} prompts; this server takes one per request",
                        param="prompt", code="invalid_value")
