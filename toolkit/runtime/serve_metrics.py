@@ -87,20 +87,26 @@ def metered(llm, metrics: Metrics, should_stop):
     generate = llm.generate
 
     def wrapper(tokens, *args, **kwargs):
+        # counted as the tokens come: a stream whose client left is never resumed, and its
+        # generator may be closed (running a `finally`) only at the next garbage collection
         tokens = list(tokens)
         reused = reused_prefix(llm, tokens) if llm.n_tokens else 0
-        start = first = time.perf_counter()
-        n = 0
+        last = time.perf_counter()
+        prompt_counted = False
         try:
             for token in generate(tokens, *args, **kwargs):
-                if n == 0:
-                    first = time.perf_counter()
-                n += 1
+                now = time.perf_counter()
+                if prompt_counted:
+                    metrics.generated(0, 0, 1, 0.0, now - last)
+                else:  # the first token comes with the prompt's evaluation
+                    metrics.generated(len(tokens), reused, 1, now - last, 0.0)
+                    prompt_counted = True
+                last = now
                 yield token
                 if should_stop():
                     return
         finally:
-            end = time.perf_counter()
-            metrics.generated(len(tokens), reused, n, first - start, end - first if n else 0.0)
+            if not prompt_counted:
+                metrics.generated(len(tokens), reused, 0, time.perf_counter() - last, 0.0)
 
     return wrapper
