@@ -71,7 +71,8 @@ def serving(model: Path, log: Path, *args: str):
         yield base, log
     finally:
         if proc.poll() is None:
-            stop(proc)
+            code = stop(proc)
+            assert code == 0, f"ctxq serve exited {code} after Ctrl-C: {log.read_text()[-2000:]}"
 
 
 @pytest.fixture(scope="module")
