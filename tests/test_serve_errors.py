@@ -96,3 +96,23 @@ def test_numbers_in_context_errors_and_server_healthy_after(server):
     # the body limit reached through a streamed (chunked) upload too
     r = httpx.post(base + CHAT, content=iter([b'{"messages": "', b"x" * 20000, b'"}']), headers=AUTH, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_while_loading_health_and_api_answer_503(smollm2):
+    """In process, on the real app before and after its load (the console script's window is short)."""
+    from starlette.testclient import TestClient
+
+    from ctxq.runtime import runner, server
+
+    app, load = server.create_app(runner.make_plan(smollm2, N_CTX), api_key=KEY, alias="tiny-chat")
+    with TestClient(app) as client:
+        h = client.get("/health")
+        assert h.status_code == 503 and h.json()["status"] == "loading"
+        r = client.post(COMPLETIONS, json={"prompt": "Hi"}, headers=AUTH)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+        assert r.json()["error"]["code"] == "server_loading"
+        assert client.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-chat"
+        load()
+        assert client.get("/health").json()["status"] == "ready"
+        r = client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH)
+        assert r.status_code == 200 and r.json()["model"] == "tiny-chat"

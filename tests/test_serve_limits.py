@@ -91,3 +91,13 @@ def test_time_limit_ends_the_generation_and_health_shows_the_queue(limited):
     assert answers["queued"].status_code == 200
     assert any(h["status"] == "busy" and h["queue"] == 1 and h["processing"] == 1 for h in healths), healths
     assert _health(base)["status"] == "ready"
+
+
+def test_client_gone_during_a_plain_request_frees_the_model(server):
+    base = server[0]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(base + "/v1/completions", json=ENDLESS, headers=AUTH, timeout=1.5)
+    left = time.monotonic()
+    while _health(base)["status"] != "ready":
+        assert time.monotonic() - left < 10, "the model was not freed after the client left"
+        time.sleep(0.05)
