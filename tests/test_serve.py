@@ -201,3 +201,30 @@ def test_metrics_count_requests_tokens_and_reused_prefix(server):
     assert 2 <= grew("ctxq_tokens_predicted_total") <= 6
     assert after["ctxq_predicted_tokens_seconds"] > 0 and after["ctxq_prompt_tokens_seconds"] > 0
     assert after["ctxq_requests_queued"] == 0 and after["ctxq_requests_processing"] == 0
+
+
+def test_limit_flags_reach_serve_limits(monkeypatch):
+    """Option plumbing only: the library calls are patched to record what reaches them."""
+    from click.testing import CliRunner
+
+    from ctxq.cli import cli
+    from ctxq.errors import InvalidOption
+    from ctxq.runtime import runner, server
+    from ctxq.runtime.serve_limits import ServeLimits
+    from ctxq.units import MiB
+
+    seen = []
+
+    def create_app(p, **kwargs):
+        seen.append(kwargs["limits"])
+        raise SystemExit(3)
+
+    monkeypatch.setattr(runner, "make_plan", lambda model, options: None)
+    monkeypatch.setattr(server, "create_app", create_app)
+    r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-body", "2", "--max-queue", "0", "--timeout", "30",
+                                 "--shutdown-timeout", "5"])
+    assert r.exit_code == 3 and seen[-1] == ServeLimits(max_body=2 * MiB, max_queue=0, timeout=30,
+                                                         shutdown_timeout=5)
+    assert CliRunner().invoke(cli, ["serve", "m.gguf"]).exit_code == 3 and seen[-1] == ServeLimits()
+    r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-queue", "-1"])
+    assert isinstance(r.exception, InvalidOption) and r.exception.option == "max_queue" and len(seen) == 2

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import click
 
+from ..runtime.serve_limits import ServeLimits
+from ..units import MiB
 from . import cli
 from .common import memory_table, reexec
 from .options import load_options, plan_options
+
+_LIMITS = ServeLimits()  # the defaults
 
 
 @cli.command("serve")
@@ -18,14 +22,18 @@ from .options import load_options, plan_options
 @click.option("--api-key", default=None, envvar="CTXQ_API_KEY",
               help="Require this bearer token on the API (also CTXQ_API_KEY).")
 @click.option("--alias", default=None, help="The model name the API reports (default: the file's name).")
-@click.option("--max-body", "max_body", type=float, default=64, show_default=True, metavar="MiB",
-              help="Largest request body; larger ones get 413.")
-@click.option("--max-queue", "max_queue", type=int, default=32, show_default=True,
-              help="Requests waiting behind the one generating; more get 503 with Retry-After.")
-@click.option("--timeout", "timeout", type=float, default=600, show_default=True, metavar="SECONDS",
-              help="Time limit of a request, waiting included; its generation then ends (finish_reason length).")
-@click.option("--shutdown-timeout", "shutdown_timeout", type=float, default=20, show_default=True,
-              metavar="SECONDS", help="On SIGTERM or Ctrl-C, how long running requests may still take.")
+@click.option("--max-body", "max_body", type=float, default=None, metavar="MiB",
+              callback=lambda ctx, param, v: None if v is None else int(v * MiB),
+              help=f"Largest request body; larger ones get 413.  [default: {_LIMITS.max_body // MiB}]")
+@click.option("--max-queue", "max_queue", type=int, default=None,
+              help=f"Requests waiting behind the one generating; more get 503 with Retry-After.  "
+                   f"[default: {_LIMITS.max_queue}]")
+@click.option("--timeout", "timeout", type=float, default=None, metavar="SECONDS",
+              help="Time limit of a request, waiting included; its generation then ends (finish_reason "
+                   f"length).  [default: {_LIMITS.timeout:g}]")
+@click.option("--shutdown-timeout", "shutdown_timeout", type=float, default=None, metavar="SECONDS",
+              help=f"On SIGTERM or Ctrl-C, how long running requests may still take.  "
+                   f"[default: {_LIMITS.shutdown_timeout:g}]")
 def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
               shutdown_timeout):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
@@ -36,11 +44,9 @@ def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, max_b
     """
     from ..errors import ReorderNeeded
     from ..runtime import runner, server
-    from ..runtime.serve_limits import ServeLimits
-    from ..units import MiB
 
-    limits = ServeLimits(max_body=int(max_body * MiB), max_queue=max_queue, timeout=timeout,
-                         shutdown_timeout=shutdown_timeout)
+    given = dict(max_body=max_body, max_queue=max_queue, timeout=timeout, shutdown_timeout=shutdown_timeout)
+    limits = ServeLimits(**{k: v for k, v in given.items() if v is not None})
     with runner.local_workers(options) as opts:
         p = runner.make_plan(model, options=opts)
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,

@@ -5,7 +5,7 @@ streaming, embeddings, tokenize), registered again with FastAPI's plain route cl
 error reaches ctxq's handlers (`serve_errors`: OpenAI's shape, no tracebacks or paths); the model is
 loaded by `runner.load_plan`, exactly as `ctxq run` loads it, in `create_app`'s `load`. ctxq adds:
 
-- `serve_limits.Gate`: the API key, request checks (fields, model name, prompt and max_tokens
+- `serve_gate.Gate`: the API key, request checks (fields, model name, prompt and max_tokens
   against the context), a bounded queue, a time limit per request, stopping a generation whose
   client left, and a graceful shutdown;
 - `/health` (loading / ready / busy / stopping, with the queue; no key needed), `/metrics`
@@ -20,7 +20,8 @@ from pathlib import Path
 from ..planning.planner import Plan
 from .runner import load_plan
 from .serve_errors import reject
-from .serve_limits import Gate, ServeLimits, Service
+from .serve_gate import Gate, Service
+from .serve_limits import ServeLimits
 from .serve_metrics import Metrics
 
 log = logging.getLogger(__name__)
