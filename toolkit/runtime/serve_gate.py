@@ -44,7 +44,7 @@ class Service:
         self._waiters: set = set()
         self._loop = None
         self.started = int(time.time())  # /v1/models' `created`
-        self._seconds = 1.0  # running mean of a request's time on the model, for Retry-After
+        self._seconds = 1.0  # running mean of a request's time on the model (s), for Retry-After
 
     def ready(self, llm) -> None:
         from .serve_metrics import metered
@@ -70,6 +70,37 @@ class Service:
         self.shutdown_deadline = time.monotonic() + self.limits.shutdown_timeout
         if self._loop is not None:
             self._loop.call_soon_threadsafe(lambda: [scope.cancel() for scope in list(self._waiters)])
+
+    async def take(self, start: float) -> Run:
+        """The model for a request that came at `start`, after waiting in the queue at most until
+        its time limit; `give_back` it."""
+        import anyio
+
+        self._loop = asyncio.get_running_loop()
+        if self.slot.locked() and self.waiting >= self.limits.max_queue:
+            raise reject(503, f"the server is busy: {self.waiting} requests are waiting (max_queue); try again "
+                         "later", retry_after=self.retry_after(), code="server_overloaded")
+        self.waiting += 1
+        try:
+            with anyio.move_on_after(max(0.0, start + self.limits.timeout - time.monotonic())) as waited:
+                self._waiters.add(waited)
+                await self.slot.acquire()
+        finally:
+            self.waiting -= 1
+            self._waiters.discard(waited)
+        if waited.cancelled_caught:
+            if self.status == "stopping":
+                raise reject(503, "the server is shutting down; try again later", retry_after=5,
+                             code="server_stopping")
+            raise reject(503, f"the request waited {self.limits.timeout:g} s for the model, its time limit "
+                         "(timeout)", retry_after=self.retry_after(), code="server_overloaded")
+        self.current = Run(start + self.limits.timeout, self)
+        return self.current
+
+    def give_back(self, start: float) -> None:
+        self.current = None
+        self.slot.release()
+        self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - start)
 
 
 class Gate:
@@ -138,14 +169,11 @@ class Gate:
         checks.check_model(data, svc.alias, svc.names)
         n = await run_in_threadpool(checks.prompt_tokens, svc.llm, data, scope["path"])
         checks.check_context(n, data, svc.n_ctx)
-        await self._wait_for_slot(start)
-        run = svc.current = Run(start + svc.limits.timeout, svc)
+        run = await svc.take(start)
         try:
             await self._run(scope, receive, send, json.dumps(data).encode(), run)
         finally:
-            svc.current = None
-            svc.slot.release()
-            svc._seconds = 0.8 * svc._seconds + 0.2 * (time.monotonic() - start)
+            svc.give_back(start)
 
     async def _body(self, receive) -> bytes | None:
         chunks, size, more = [], 0, True
@@ -160,30 +188,6 @@ class Gate:
                 raise reject(413, f"the request body is over {self.service.limits.max_body} bytes, this server's "
                              "limit (max_body)", code="request_too_large")
         return b"".join(chunks)
-
-    async def _wait_for_slot(self, start: float) -> None:
-        """Take the model, waiting in the queue at most until the request's time limit."""
-        import anyio
-
-        svc = self.service
-        svc._loop = asyncio.get_running_loop()
-        if svc.slot.locked() and svc.waiting >= svc.limits.max_queue:
-            raise reject(503, f"the server is busy: {svc.waiting} requests are waiting (max_queue); try again "
-                         "later", retry_after=svc.retry_after(), code="server_overloaded")
-        svc.waiting += 1
-        try:
-            with anyio.move_on_after(max(0.0, start + svc.limits.timeout - time.monotonic())) as waited:
-                svc._waiters.add(waited)
-                await svc.slot.acquire()
-        finally:
-            svc.waiting -= 1
-            svc._waiters.discard(waited)
-        if waited.cancelled_caught:
-            if svc.status == "stopping":
-                raise reject(503, "the server is shutting down; try again later", retry_after=5,
-                             code="server_stopping")
-            raise reject(503, f"the request waited {svc.limits.timeout:g} s for the model, its time limit "
-                         "(timeout)", retry_after=svc.retry_after(), code="server_overloaded")
 
     async def _run(self, scope, receive, send, body: bytes, run: Run):
         """The app on the checked body; a client that disconnects ends the generation."""
