@@ -49,6 +49,7 @@ CASES = [
     ("tokenize-malformed", "POST", "/extras/tokenize", b"{bad", AUTH, 400, BAD, "invalid_json"),
     ("oversized-body", "POST", CHAT, {"messages": [{"role": "user", "content": "x" * 20000}]}, AUTH, 413, BAD,
      "request_too_large"),
+    ("tokenize-oversized", "POST", "/extras/tokenize", {"input": "x" * 20000}, AUTH, 413, BAD, "request_too_large"),
     ("unknown-model", "POST", CHAT, {"model": "gpt-4", "messages": HI}, AUTH, 404, BAD, "model"),
     ("unknown-route", "GET", "/v1/nothing", None, AUTH, 404, BAD, "not_found"),
     ("embeddings", "POST", "/v1/embeddings", {"input": "Hi"}, AUTH, 404, BAD, "not_found"),
@@ -94,8 +95,9 @@ def test_numbers_in_context_errors_and_server_healthy_after(server):
     r = httpx.post(base + COMPLETIONS, json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     # the body limit reached through a streamed (chunked) upload too
-    r = httpx.post(base + CHAT, content=iter([b'{"messages": "', b"x" * 20000, b'"}']), headers=AUTH, timeout=60)
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    for path in (CHAT, "/extras/tokenize"):
+        r = httpx.post(base + path, content=iter([b'{"input": "', b"x" * 20000, b'"}']), headers=AUTH, timeout=60)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 def test_while_loading_health_and_api_answer_503(smollm2):

@@ -138,6 +138,11 @@ class Gate:
         if svc.status in ("loading", "stopping") and scope["path"] not in ALWAYS:
             msg = "the model is loading" if svc.status == "loading" else "the server is shutting down"
             return await send_error(send, 503, f"{msg}; try again later", retry_after=5, code=f"server_{svc.status}")
+        limit = svc.limits.max_body
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return await send_rejection(send, _too_large(limit))
+        receive = _bounded(receive, limit)  # a body sent without its length (chunked) is counted
         if scope["method"] == "POST" and scope["path"] in GENERATE:
             try:
                 return await self._generate(scope, receive, send)
@@ -175,22 +180,20 @@ class Gate:
         finally:
             svc.give_back(start)
 
-    async def _body(self, receive) -> bytes | None:
-        chunks, size, more = [], 0, True
+    @staticmethod
+    async def _body(receive) -> bytes | None:
+        chunks, more = [], True
         while more:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return None
             chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
             more = msg.get("more_body", False)
-            if size > self.service.limits.max_body:
-                raise reject(413, f"the request body is over {self.service.limits.max_body} bytes, this server's "
-                             "limit (max_body)", code="request_too_large")
         return b"".join(chunks)
 
     async def _run(self, scope, receive, send, body: bytes, run: Run):
-        """The app on the checked body; a client that disconnects ends the generation."""
+        """The app on the checked body; a client that disconnects ends the generation. One task
+        reads the connection and tells every reader of a disconnect (two readers would race)."""
         import anyio
 
         gone = anyio.Event()
@@ -217,3 +220,23 @@ class Gate:
                 await self.app(scope, replay, send)
             finally:
                 tg.cancel_scope.cancel()
+
+
+def _too_large(limit: int):
+    return reject(413, f"the request body is over {limit} bytes, this server's limit (max_body)",
+                  code="request_too_large")
+
+
+def _bounded(receive, limit: int):
+    """`receive` that answers 413 (raises it) once the body grows past `limit` bytes."""
+    size = 0
+
+    async def bounded():
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise _too_large(limit)
+        return message
+
+    return bounded
