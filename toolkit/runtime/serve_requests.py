@@ -6,6 +6,8 @@ llama-cpp-python, whose handlers would answer it with a 500.
 
 from __future__ import annotations
 
+import json
+
 from .runner import chat_prompt
 from .serve_errors import reject, validation_error
 
@@ -21,6 +23,11 @@ def validate(path: str, data) -> dict:
 
     if not isinstance(data, dict):
         raise reject(400, "the body must be a JSON object", code="invalid_value")
+    try:  # JSON may escape half a UTF-16 pair ("\udc00"); no text made of it can be tokenized
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise reject(400, "the body holds a lone UTF-16 surrogate (an escape like \\udc00 without its pair); "
+                     "text must be valid Unicode", code="invalid_value") from None
     chat = path == CHAT
     try:
         (CreateChatCompletionRequest if chat else CreateCompletionRequest).model_validate(data)
@@ -71,9 +78,26 @@ def check_grammar(llm, data: dict) -> None:
     llama_cpp.llama_sampler_free(sampler)
 
 
-def prompt_tokens(llm, data: dict, path: str) -> int:
-    """Tokens the request's prompt will take, as llama-cpp-python will build it; the grammar checked."""
+def check_with_model(llm, data: dict) -> None:
+    """What only the loaded model can tell: the grammar, token ids in `logit_bias`, and logprobs
+    (llama-cpp-python computes them only for a model loaded with logits_all=True, which a plan
+    does not do: it would keep n_ctx x n_vocab floats)."""
     check_grammar(llm, data)
+    if data.get("logit_bias_type") != "tokens":
+        outside = [k for k in data.get("logit_bias") or {} if not 0 <= int(k) < llm.n_vocab()]
+        if outside:
+            raise reject(400, f"`logit_bias` names token {outside[0]}, outside the vocabulary (0 to "
+                         f"{llm.n_vocab() - 1})", param="logit_bias", code="invalid_value")
+    chat_logprobs = data.get("logprobs") is True and data.get("top_logprobs") is not None
+    completion_logprobs = "messages" not in data and data.get("logprobs") is not None
+    if (chat_logprobs or completion_logprobs) and not llm._logits_all:
+        raise reject(400, "this server does not return logprobs (the model is not loaded with logits_all=True)",
+                     param="logprobs", code="invalid_value")
+
+
+def prompt_tokens(llm, data: dict, path: str) -> int:
+    """Tokens the request's prompt will take, as llama-cpp-python will build it; `check_with_model` first."""
+    check_with_model(llm, data)
     if path == CHAT:
         msgs = data["messages"]
         try:  # the GGUF's template; a model without one is measured on its plain text
