@@ -144,6 +144,7 @@ def test_api_key_is_required(server):
     assert r.status_code == 401  # an unauthenticated caller learns nothing about the context
 
 
+@pytest.mark.slow
 def test_16_concurrent_requests_all_answered(server):
     def ask(i):
         with _client(server[0]) as c:
