@@ -77,6 +77,8 @@ class Service:
         import anyio
 
         self._loop = asyncio.get_running_loop()
+        if self.status == "stopping":  # the signal came while this request was being read
+            raise _stopping()
         if self.slot.locked() and self.waiting >= self.limits.max_queue:
             raise reject(503, f"the server is busy: {self.waiting} requests are waiting (max_queue); try again "
                          "later", retry_after=self.retry_after(), code="server_overloaded")
@@ -90,8 +92,7 @@ class Service:
             self._waiters.discard(waited)
         if waited.cancelled_caught:
             if self.status == "stopping":
-                raise reject(503, "the server is shutting down; try again later", retry_after=5,
-                             code="server_stopping")
+                raise _stopping()
             raise reject(503, f"the request waited {self.limits.timeout:g} s for the model, its time limit "
                          "(timeout)", retry_after=self.retry_after(), code="server_overloaded")
         self.current = Run(start + self.limits.timeout, self)
@@ -220,6 +221,10 @@ class Gate:
                 await self.app(scope, replay, send)
             finally:
                 tg.cancel_scope.cancel()
+
+
+def _stopping():
+    return reject(503, "the server is shutting down; try again later", retry_after=5, code="server_stopping")
 
 
 def _too_large(limit: int):
