@@ -14,7 +14,6 @@ loaded by `runner.load_plan`, exactly as `ctxq run` loads it, in `create_app`'s 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from ..planning.planner import Plan
@@ -23,8 +22,6 @@ from .serve_errors import reject
 from .serve_gate import Gate, Service
 from .serve_limits import ServeLimits
 from .serve_metrics import Metrics
-
-log = logging.getLogger(__name__)
 
 # answered by ctxq: llama-cpp-python's /v1/models waits for the model's lock, and its /v1/embeddings
 # needs a model loaded with embedding=True, which a plan for generation is not
