@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,37 +26,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+def wait_ready(proc, base: str, log: Path, seconds: float = 120) -> None:
+    """Until /health says the model is loaded (it answers 503 "loading" before)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"ctxq serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"ctxq serve did not become ready within {seconds} s: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+
+
+def start(model: Path, log: Path, *args: str):
+    """(process, base URL): `ctxq serve MODEL ARGS` on a free port of 127.0.0.1, not yet ready."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    exe = Path(sys.executable).with_name("ctxq")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(exe), "serve", str(smollm2), "-c", str(N_CTX), "--port", str(port),
-                                 "--api-key", KEY, "--seed", "1"], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("ctxq")), "serve", str(model),
+                                 "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT,
                                 env={k: v for k, v in os.environ.items() if k != "CTXQ_DEBUG"})
-    base = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def stop(proc) -> int:
+    proc.send_signal(signal.SIGINT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ctxq serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"ctxq serve did not answer /health within 120 s: {log.read_text()[-2000:]}")
-            time.sleep(0.3)
+        return proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail("ctxq serve did not stop within 30 s of Ctrl-C")
+
+
+@contextlib.contextmanager
+def serving(model: Path, log: Path, *args: str):
+    """(base URL, log) of a ready `ctxq serve`, stopped with Ctrl-C afterwards."""
+    proc, base = start(model, log, *args)
+    try:
+        wait_ready(proc, base, log)
         yield base, log
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            code = stop(proc)
+            assert code == 0, f"ctxq serve exited {code} after Ctrl-C: {log.read_text()[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def server(smollm2, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--seed", "1") as running:
+        yield running
 
 
 def _client(base):
@@ -65,7 +89,8 @@ def _client(base):
 def test_health_and_startup_report(server):
     base, log = server
     h = httpx.get(base + "/health").json()  # no key needed
-    assert h["status"] == "ok" and h["n_ctx"] == N_CTX and f"-c {N_CTX}" in h["plan"]
+    assert h["status"] == "ready" and h["n_ctx"] == N_CTX and f"-c {N_CTX}" in h["plan"]
+    assert h["queue"] == 0 and h["processing"] == 0
     text = log.read_text()
     assert "serving on http://127.0.0.1:" in text and "planned" in text and "llama.cpp" in text
 
@@ -119,6 +144,7 @@ def test_api_key_is_required(server):
     assert r.status_code == 401  # an unauthenticated caller learns nothing about the context
 
 
+@pytest.mark.slow
 def test_16_concurrent_requests_all_answered(server):
     def ask(i):
         with _client(server[0]) as c:
@@ -132,3 +158,74 @@ def test_16_concurrent_requests_all_answered(server):
     assert [s for s, _ in results] == [200] * 16
     assert all(b["choices"][0]["message"]["content"] for _, b in results)
     assert len({b["id"] for _, b in results}) == 16
+
+
+def metrics(base: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}, the Prometheus text parsed line by line."""
+    r = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_model_is_named_by_the_files_name_never_its_path(server, smollm2):
+    with _client(server[0]) as c:
+        listed = c.get("/v1/models").json()
+        plain = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        named = c.post("/v1/chat/completions", json={"model": smollm2.name, "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+    assert [m["id"] for m in listed["data"]] == [smollm2.name]
+    assert plain.json()["model"] == smollm2.name and named.json()["model"] == smollm2.name
+    for r in (plain, named):
+        assert str(smollm2.parent) not in r.text
+
+
+def test_metrics_count_requests_tokens_and_reused_prefix(server):
+    before = metrics(server[0])
+    prompt = "The history of the Roman Empire begins with the founding of the city. " * 4
+    with _client(server[0]) as c:
+        for _ in range(2):  # the second finds the first's prompt in the KV cache
+            assert c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3,
+                                                   "temperature": 0}).status_code == 200
+    after = metrics(server[0])
+
+    def grew(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew('ctxq_requests_total{status="200"}') == 3  # the completions and the first /metrics
+    assert grew("ctxq_prompt_tokens_total") > 2 * 40  # 4 x 13 words
+    assert grew("ctxq_prompt_tokens_reused_total") >= 40
+    assert 2 <= grew("ctxq_tokens_predicted_total") <= 6
+    assert after["ctxq_predicted_tokens_seconds"] > 0 and after["ctxq_prompt_tokens_seconds"] > 0
+    assert after["ctxq_requests_queued"] == 0 and after["ctxq_requests_processing"] == 0
+
+
+def test_limit_flags_reach_serve_limits(monkeypatch):
+    """Option plumbing only: the library calls are patched to record what reaches them."""
+    from click.testing import CliRunner
+
+    from ctxq.cli import cli
+    from ctxq.errors import InvalidOption
+    from ctxq.runtime import runner, server
+    from ctxq.runtime.serve_limits import ServeLimits
+    from ctxq.units import MiB
+
+    seen = []
+
+    def create_app(p, **kwargs):
+        seen.append(kwargs["limits"])
+        raise SystemExit(3)
+
+    monkeypatch.setattr(runner, "make_plan", lambda model, options: None)
+    monkeypatch.setattr(server, "create_app", create_app)
+    r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-body", "2", "--max-queue", "0", "--timeout", "30",
+                                 "--shutdown-timeout", "5"])
+    assert r.exit_code == 3 and seen[-1] == ServeLimits(max_body=2 * MiB, max_queue=0, timeout=30,
+                                                         shutdown_timeout=5)
+    assert CliRunner().invoke(cli, ["serve", "m.gguf"]).exit_code == 3 and seen[-1] == ServeLimits()
+    r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-queue", "-1"])
+    assert isinstance(r.exception, InvalidOption) and r.exception.option == "max_queue" and len(seen) == 2

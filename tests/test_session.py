@@ -268,7 +268,8 @@ def test_server_reuses_the_document_across_questions(smollm2):
 
     from ctxq.runtime import server
 
-    app, _ = server.create_app(runner.make_plan(smollm2, **SERVE_PLAN))
+    app, load = server.create_app(runner.make_plan(smollm2, **SERVE_PLAN))
+    load()
     llm = _served_llm()
     with TestClient(app) as client:
         before = _prompt_evals(llm)
@@ -297,7 +298,8 @@ def test_server_started_from_a_session_does_not_prefill_the_document(smollm2, tm
                        **SERVE_PLAN)
     n_doc = session.read_metadata(path)["n_tokens"]
     assert n_doc > 0.98 * saved.n_prompt
-    app, _ = server.create_app(runner.make_plan(smollm2, **SERVE_PLAN), session=path)
+    app, load = server.create_app(runner.make_plan(smollm2, **SERVE_PLAN), session=path)
+    load()  # restores the session before the API lets a request in
     llm = _served_llm()
     assert llm.n_tokens == n_doc
     with TestClient(app) as client:

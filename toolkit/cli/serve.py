@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import click
 
+from ..runtime.serve_limits import ServeLimits
+from ..units import MiB
 from .group import cli
 from .common import memory_table, reexec
 from .options import echo_session_log, load_options, plan_options, session_option
+
+_LIMITS = ServeLimits()  # the defaults
 
 
 @cli.command("serve")
@@ -17,34 +21,52 @@ from .options import echo_session_log, load_options, plan_options, session_optio
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", default=None, envvar="CTXQ_API_KEY",
               help="Require this bearer token on the API (also CTXQ_API_KEY).")
-@click.option("--alias", default=None, help="The model name the API reports (default: the file path).")
+@click.option("--alias", default=None, help="The model name the API reports (default: the file's name).")
+@click.option("--max-body", "max_body", type=float, default=None, metavar="MiB",
+              callback=lambda ctx, param, v: None if v is None else int(v * MiB),
+              help=f"Largest request body; larger ones get 413.  [default: {_LIMITS.max_body // MiB}]")
+@click.option("--max-queue", "max_queue", type=int, default=None,
+              help=f"Requests waiting behind the one generating; more get 503 with Retry-After.  "
+                   f"[default: {_LIMITS.max_queue}]")
+@click.option("--timeout", "timeout", type=float, default=None, metavar="SECONDS",
+              help="Time limit of a request, waiting included; its generation then ends (finish_reason "
+                   f"length).  [default: {_LIMITS.timeout:g}]")
+@click.option("--shutdown-timeout", "shutdown_timeout", type=float, default=None, metavar="SECONDS",
+              help=f"On SIGTERM or Ctrl-C, how long running requests may still take.  "
+                   f"[default: {_LIMITS.shutdown_timeout:g}]")
 @session_option(serve=True)
-def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, session):
+def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
+              shutdown_timeout, session):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
-    Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health.
-    A request whose prompt does not fit in --ctx gets a 400 that says both numbers.
+    Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health, /metrics.
+    Errors come in OpenAI's shape; a request whose prompt or max_tokens does not fit in --ctx gets a
+    400 that says the numbers. Limits and the error table: docs/serve.md.
     --session FILE starts from a state `ctxq run --session` saved: a request that starts with its
     tokens (the same document, first) processes only what follows.
     """
-    import uvicorn
-
     from ..errors import ReorderNeeded
     from ..runtime import runner, server
 
+    given = dict(max_body=max_body, max_queue=max_queue, timeout=timeout, shutdown_timeout=shutdown_timeout)
+    limits = ServeLimits(**{k: v for k, v in given.items() if v is not None})
     if session is not None:
         echo_session_log()
     with runner.local_workers(options) as opts:
         p = runner.make_plan(model, options=opts)
+        app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
+                                      alias=alias, limits=limits, session=session)
+        click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
+
+        def ready(memory):
+            click.echo(memory_table(memory), err=True)
+            click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
+
+        click.echo(f"ctxq: loading the model; http://{host}:{port}/health says when it is ready", err=True)
         try:
-            app, memory = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
-                                            alias=alias, session=session)
+            server.serve(app, load, host=host, port=port, on_ready=ready)
         except ReorderNeeded as e:
             reexec(e.value)
             raise
-        click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
-        click.echo(memory_table(memory), err=True)
-        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-            click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
-        click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,111 +1,32 @@
-"""`ctxq serve`: llama-cpp-python's OpenAI-compatible server app, configured from a plan.
+"""`ctxq serve`: llama-cpp-python's OpenAI-compatible routes over the plan's model, as a service.
 
 The routes are llama-cpp-python's own (`llama_cpp.server.app.router`: chat and text completions,
-streaming, models, tokenize); the model is loaded by `runner.load_plan`, exactly as `ctxq run` loads
-it, and ctxq adds:
+streaming, embeddings, tokenize), registered again with FastAPI's plain route class so that every
+error reaches ctxq's handlers (`serve_errors`: OpenAI's shape, no tracebacks or paths); the model is
+loaded by `runner.load_plan`, exactly as `ctxq run` loads it, in `create_app`'s `load`. ctxq adds:
 
-- `/health`: 200 with the model and context once the model is loaded (no API key needed);
-- a context check: a completion or chat request whose prompt does not fit is answered 400 with
-  both numbers before it reaches the model. llama-cpp-python raises only inside the handler, and
-  for a streaming request that happens after the 200 has been sent;
-- requests are served one at a time in arrival order (`interrupt_requests=False`: by default a new
-  request would cut a streaming one short).
+- `serve_gate.Gate`: the API key, request checks (fields, model name, prompt and max_tokens
+  against the context), a bounded queue, a time limit per request, stopping a generation whose
+  client left, and a graceful shutdown;
+- `/health` (loading / ready / busy / stopping, with the queue; no key needed), `/metrics`
+  (Prometheus text, `serve_metrics`), and `/v1/models` answered without waiting for the model.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 
 from ..planning.planner import Plan
-from .runner import chat_prompt, load_plan
+from .runner import load_plan
 from .session import restore_session
-from ..units import MiB
+from .serve_errors import reject
+from .serve_gate import Gate, Service
+from .serve_limits import ServeLimits
+from .serve_metrics import Metrics
 
-log = logging.getLogger(__name__)
-
-CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/engines/copilot-codex/completions")
-MAX_BODY = 64 * MiB  # bytes: a full 128k-token prompt is well under this
-
-
-def _prompt_tokens(llm, body: dict, path: str) -> int | None:
-    """Tokens the request's prompt will take, as llama-cpp-python will build it; None if unknown."""
-    if path.endswith("/chat/completions"):
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            return None
-        try:  # the GGUF's template; a model without one is measured on its plain text
-            prompt, has_bos = chat_prompt(llm, msgs)
-        except Exception:
-            prompt, has_bos = "\n".join(str(m.get("content") or "") for m in msgs if isinstance(m, dict)), False
-        return len(llm.tokenize(prompt.encode("utf-8"), add_bos=not has_bos, special=True))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = prompt[0] if prompt else ""
-    if isinstance(prompt, list):  # already token ids
-        return len(prompt)
-    if not isinstance(prompt, str):
-        return None
-    return len(llm.tokenize(prompt.encode("utf-8"), special=True)) + (1 if body.get("suffix") else 0)
-
-
-class ContextGuard:
-    """ASGI middleware: a 400 with the numbers for prompts that do not fit in the context."""
-
-    def __init__(self, app, get_llm, n_ctx: int, api_key: str | None = None):
-        self.app, self.get_llm, self.n_ctx, self.api_key = app, get_llm, n_ctx, api_key
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in CHECKED_PATHS:
-            return await self.app(scope, receive, send)
-        if self.api_key is not None:  # unauthenticated requests get the app's own 401, not our numbers
-            auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode(errors="replace")
-            scheme, _, credentials = auth.partition(" ")
-            if scheme.lower() != "bearer" or credentials.strip() != self.api_key:
-                return await self.app(scope, receive, send)
-        chunks, more, size = [], True, 0
-        while more:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            more = msg.get("more_body", False)
-            if size > MAX_BODY:
-                return await _error(send, 413, f"request body over {MAX_BODY} bytes", "request_too_large")
-        body = b"".join(chunks)
-        n = None
-        try:
-            data = json.loads(body or b"{}")
-            if isinstance(data, dict):
-                from starlette.concurrency import run_in_threadpool
-
-                n = await run_in_threadpool(_prompt_tokens, self.get_llm(), data, scope["path"])
-        except (ValueError, TypeError, AttributeError):
-            n = None  # malformed bodies get llama-cpp-python's own 422
-        if n is not None and n >= self.n_ctx:
-            return await _error(send, 400, f"this request's prompt is {n} tokens but the context holds "
-                                f"{self.n_ctx}; shorten it, or restart the server with a larger n_ctx",
-                                "context_length_exceeded", extra={"prompt_tokens": n, "n_ctx": self.n_ctx})
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
-async def _error(send, status: int, message: str, code: str, extra: dict | None = None):
-    err = {"message": message, "type": "invalid_request_error", "param": None, "code": code, **(extra or {})}
-    payload = json.dumps({"error": err}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
+# answered by ctxq: llama-cpp-python's /v1/models waits for the model's lock, and its /v1/embeddings
+# needs a model loaded with embedding=True, which a plan for generation is not
+OWN_ROUTES = {"/v1/models", "/v1/embeddings"}
 
 
 def _proxy(llm, alias: str):
@@ -125,10 +46,49 @@ def _proxy(llm, alias: str):
     return PlannedProxy()
 
 
+def _routes(app, service: Service, plan_flags: str) -> None:
+    """ctxq's routes, then llama-cpp-python's with the plain APIRoute: its RouteErrorHandler would
+    answer a malformed request 500 with the exception's text (a traceback line, its file path)."""
+    from fastapi import APIRouter
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from llama_cpp.server import app as server_app
+
+    @app.get("/health")
+    def health():
+        status = service.status
+        body = {"status": status, "model": service.alias, "n_ctx": service.n_ctx, "plan": plan_flags,
+                "processing": int(service.slot.locked()), "queue": service.waiting}
+        return JSONResponse(body, status_code=503 if status in ("loading", "stopping") else 200)
+
+    @app.get("/metrics")
+    def metrics():
+        text = service.metrics.render(processing=int(service.slot.locked()), queued=service.waiting)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": service.alias, "object": "model", "created": service.started,
+                                            "owned_by": "ctxq", "n_ctx": service.n_ctx}]}
+
+    @app.post("/v1/embeddings")
+    def embeddings():
+        raise reject(404, "this server generates text; it does not compute embeddings", code="not_found")
+
+    router = APIRouter()
+    for r in server_app.router.routes:
+        if r.path not in OWN_ROUTES:
+            router.add_api_route(r.path, r.endpoint, methods=list(r.methods), name=r.name,
+                                 dependencies=r.dependencies, response_model=r.response_model,
+                                 summary=r.summary, tags=r.tags, include_in_schema=r.include_in_schema)
+    app.include_router(router)
+
+
 def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int | None = None,
-               seed: int | None = None, alias: str | None = None, session=None):
-    """(app, memory report): llama-cpp-python's server routes over the plan's model, loaded as
-    `ctxq run` loads it. One app per process: llama-cpp-python keeps the model in a module global.
+               seed: int | None = None, alias: str | None = None, limits: ServeLimits | None = None,
+               session=None):
+    """(app, load): the app answers at once (`/health` "loading", the API 503 with Retry-After) and
+    serves the plan's model once `load()` has run; `load()` loads it as `ctxq run` does and returns
+    the memory report. One app per process: llama-cpp-python keeps the model in a module global.
     `session`: a saved session file to start from (restored when it matches this model and plan)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
@@ -137,20 +97,73 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     from starlette_context.middleware import RawContextMiddleware
     from starlette_context.plugins import RequestIdPlugin
 
-    llm, memory, _ = load_plan(p, rpc=rpc, n_threads=n_threads, seed=seed)
-    if session is not None:
-        restore_session(llm, session, p)
-    alias = alias or Path(p.model).name
+    from . import serve_errors
+
+    name = Path(p.model).name
+    alias = alias or name  # never the path: a client has no business knowing the server's disk
+    service = Service(alias, {alias, name}, p.n_ctx, limits or ServeLimits(), Metrics())
     # The same assembly as llama_cpp.server.app.create_app, with ctxq's model instead of a second load.
     server_app.set_server_settings(ServerSettings(api_key=api_key, interrupt_requests=False))
     app = FastAPI(middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
                   title="ctxq (llama-cpp-python server)", version=server_app.llama_cpp.__version__)
-    app.include_router(server_app.router)
-    server_app._llama_proxy = _proxy(llm, alias)
+    serve_errors.install(app)
+    _routes(app, service, p.llama_flags())
+    app.add_middleware(Gate, service=service, api_key=api_key)
+    app.state.ctxq = service
 
-    @app.get("/health")
-    def health():
-        return {"status": "ok", "model": alias, "n_ctx": llm.n_ctx(), "plan": p.llama_flags()}
+    def load():
+        """The model, loaded as planned; the API serves it from the moment this returns."""
+        llm, memory, _ = load_plan(p, rpc=rpc, n_threads=n_threads, seed=seed)
+        if session is not None:  # before the first request is let in
+            restore_session(llm, session, p)
+        server_app._llama_proxy = _proxy(llm, alias)
+        service.ready(llm)
+        return memory
 
-    app.add_middleware(ContextGuard, get_llm=lambda: llm, n_ctx=p.n_ctx, api_key=api_key)
-    return app, memory
+    return app, load
+
+
+def serve(app, load, *, host: str, port: int, on_ready=None) -> None:
+    """Run the app with uvicorn while `load()` runs on a thread (the server answers "loading" until
+    it returns; `on_ready(its result)` then), until SIGTERM or Ctrl-C. Then stop gracefully: no new
+    connections, queued requests answered 503, the running generation given `shutdown_timeout`
+    seconds (it then ends as if it had reached max_tokens), and return normally: uvicorn would
+    re-raise the signal, killing the process instead of letting it exit 0. An error of `load()` is
+    raised here once the server has stopped."""
+    import threading
+
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    service: Service = app.state.ctxq
+    # sse-starlette cuts every stream at the first signal; ctxq lets them finish within the bound.
+    AppStatus.disable_automatic_graceful_drain()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if not self.should_exit:
+                service.begin_shutdown()
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    # uvicorn cancels what is left a little after ctxq's own bound, which ends generations itself.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=service.limits.shutdown_timeout + 2)
+    server, failed = Server(config), []
+
+    def loading():
+        try:
+            result = load()
+        except BaseException as e:  # raised below, in the caller's thread
+            failed.append(e)
+            server.should_exit = True
+            return
+        if on_ready is not None:
+            on_ready(result)
+
+    loader = threading.Thread(target=loading, name="ctxq-load", daemon=True)
+    loader.start()
+    server.run()
+    loader.join()  # a stop during the load waits for it: llama.cpp cannot drop a half-loaded model
+    if failed:
+        raise failed[0]

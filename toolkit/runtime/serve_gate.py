@@ -1,0 +1,247 @@
+"""`ctxq serve`'s gate: what every request passes before llama-cpp-python's routes.
+
+The model generates for one request at a time (llama-cpp-python serves one sequence per `Llama`);
+the gate keeps the others in a bounded queue, answers what cannot be served at once with an
+error in OpenAI's shape, and tells the generation when to stop: its client is gone, its time is up,
+or the server is shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from . import serve_requests as checks
+from .serve_errors import reject, send_error, send_rejection
+from .serve_limits import ServeLimits
+
+PUBLIC = ("/health",)  # answered without the API key (a load balancer's probe has none)
+ALWAYS = ("/metrics", "/v1/models")  # answered while the model loads and while the server stops
+GENERATE = (checks.CHAT, *checks.COMPLETIONS)
+
+
+class Run:
+    """The request generating now: when its generation must stop."""
+
+    def __init__(self, deadline: float, service: Service):
+        self.deadline, self.service, self.gone = deadline, service, False
+
+    def should_stop(self) -> bool:
+        return self.gone or time.monotonic() > min(self.deadline, self.service.shutdown_deadline)
+
+
+class Service:
+    """State shared by the gate, /health, /metrics and the generation thread."""
+
+    def __init__(self, alias: str, names: set[str], n_ctx: int, limits: ServeLimits, metrics):
+        self.alias, self.names, self.n_ctx, self.limits, self.metrics = alias, names, n_ctx, limits, metrics
+        self.llm = None  # set by `ready` once the model is loaded
+        self.slot = asyncio.Lock()  # FIFO: asyncio wakes waiters in arrival order
+        self.waiting, self.current = 0, None
+        self.shutdown_deadline = math.inf
+        self._waiters: set = set()
+        self._loop = None
+        self.started = int(time.time())  # /v1/models' `created`
+        self._seconds = 1.0  # running mean of a request's time on the model (s), for Retry-After
+
+    def ready(self, llm) -> None:
+        from .serve_metrics import metered
+
+        llm.generate = metered(llm, self.metrics, lambda: self.current is not None and self.current.should_stop())
+        self.llm = llm
+
+    @property
+    def status(self) -> str:
+        if self.shutdown_deadline < math.inf:
+            return "stopping"
+        if self.llm is None:
+            return "loading"
+        return "busy" if self.slot.locked() else "ready"
+
+    def retry_after(self) -> int:
+        """Seconds until the queue ahead has likely drained (1 to 60)."""
+        return max(1, min(60, math.ceil(self._seconds * (self.waiting + 1))))
+
+    def begin_shutdown(self) -> None:
+        """Called from the signal handler: stop admitting, answer the queue 503, give the running
+        generation until the shutdown bound."""
+        self.shutdown_deadline = time.monotonic() + self.limits.shutdown_timeout
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: [scope.cancel() for scope in list(self._waiters)])
+
+    async def take(self, start: float) -> Run:
+        """The model for a request that came at `start`, after waiting in the queue at most until
+        its time limit; `give_back` it."""
+        import anyio
+
+        self._loop = asyncio.get_running_loop()
+        if self.status == "stopping":  # the signal came while this request was being read
+            raise _stopping()
+        if self.slot.locked() and self.waiting >= self.limits.max_queue:
+            raise reject(503, f"the server is busy: {self.waiting} requests are waiting (max_queue); try again "
+                         "later", retry_after=self.retry_after(), code="server_overloaded")
+        self.waiting += 1
+        try:
+            with anyio.move_on_after(max(0.0, start + self.limits.timeout - time.monotonic())) as waited:
+                self._waiters.add(waited)
+                await self.slot.acquire()
+        finally:
+            self.waiting -= 1
+            self._waiters.discard(waited)
+        if waited.cancelled_caught:
+            if self.status == "stopping":
+                raise _stopping()
+            raise reject(503, f"the request waited {self.limits.timeout:g} s for the model, its time limit "
+                         "(timeout)", retry_after=self.retry_after(), code="server_overloaded")
+        self.current = Run(start + self.limits.timeout, self)
+        return self.current
+
+    def give_back(self, start: float) -> None:
+        self.current = None
+        self.slot.release()
+        self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - start)
+
+
+class Gate:
+    """ASGI middleware: API key, answers by status, and for completions the checks, the queue and
+    the time limit."""
+
+    def __init__(self, app, service: Service, api_key: str | None = None):
+        self.app, self.service, self.api_key = app, service, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._route(scope, receive, counted)
+        finally:  # an exception is answered 500 by the app's error handler, outside this middleware
+            self.service.metrics.answered(status)
+
+    async def _route(self, scope, receive, send):
+        from starlette.exceptions import HTTPException
+
+        svc = self.service
+        if scope["path"] in PUBLIC:
+            return await self.app(scope, receive, send)
+        if not self._authorized(scope):
+            return await send_error(send, 401, "missing or wrong API key (send it as `Authorization: Bearer KEY`)",
+                                    code="invalid_api_key")
+        if svc.status in ("loading", "stopping") and scope["path"] not in ALWAYS:
+            msg = "the model is loading" if svc.status == "loading" else "the server is shutting down"
+            return await send_error(send, 503, f"{msg}; try again later", retry_after=5, code=f"server_{svc.status}")
+        limit = svc.limits.max_body
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            return await send_rejection(send, _too_large(limit))
+        receive = _bounded(receive, limit)  # a body sent without its length (chunked) is counted
+        if scope["method"] == "POST" and scope["path"] in GENERATE:
+            try:
+                return await self._generate(scope, receive, send)
+            except HTTPException as exc:
+                if isinstance(exc.detail, dict):  # reject(...)
+                    return await send_rejection(send, exc)
+                raise
+        return await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        if self.api_key is None:
+            return True
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode(errors="replace")
+        scheme, _, credentials = auth.partition(" ")
+        return scheme.lower() == "bearer" and credentials.strip() == self.api_key
+
+    async def _generate(self, scope, receive, send):
+        from starlette.concurrency import run_in_threadpool
+
+        svc, start = self.service, time.monotonic()
+        body = await self._body(receive)
+        if body is None:
+            return  # the client left while sending
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise reject(400, "the body is not valid JSON", code="invalid_json") from None
+        checks.validate(scope["path"], data)
+        checks.check_model(data, svc.alias, svc.names)
+        n = await run_in_threadpool(checks.prompt_tokens, svc.llm, data, scope["path"])
+        checks.check_context(n, data, svc.n_ctx)
+        run = await svc.take(start)
+        try:
+            await self._run(scope, receive, send, json.dumps(data).encode(), run)
+        finally:
+            svc.give_back(start)
+
+    @staticmethod
+    async def _body(receive) -> bytes | None:
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        return b"".join(chunks)
+
+    async def _run(self, scope, receive, send, body: bytes, run: Run):
+        """The app on the checked body; a client that disconnects ends the generation. One task
+        reads the connection and tells every reader of a disconnect (two readers would race)."""
+        import anyio
+
+        gone = anyio.Event()
+        replayed = False
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            run.gone = True
+            gone.set()
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if not run.gone:  # starlette polls with a cancelled scope: answer a disconnect only once it came
+                await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            try:
+                await self.app(scope, replay, send)
+            finally:
+                tg.cancel_scope.cancel()
+
+
+def _stopping():
+    return reject(503, "the server is shutting down; try again later", retry_after=5, code="server_stopping")
+
+
+def _too_large(limit: int):
+    return reject(413, f"the request body is over {limit} bytes, this server's limit (max_body)",
+                  code="request_too_large")
+
+
+def _bounded(receive, limit: int):
+    """`receive` that answers 413 (raises it) once the body grows past `limit` bytes."""
+    size = 0
+
+    async def bounded():
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise _too_large(limit)
+        return message
+
+    return bounded
