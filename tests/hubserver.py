@@ -38,7 +38,7 @@ class HubServer:
     repos: dict[str, Repo] = field(default_factory=dict)
     log: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
     bytes_served: int = 0
-    cut: dict[str, int] = field(default_factory=dict)  # path -> end the next full GET of it after N bytes
+    stall: dict[str, int] = field(default_factory=dict)  # path -> the next full GET of it sends N bytes, then hangs
 
     def add_repo(self, repo: str, files: dict[str, Path], access: str = "public") -> str:
         commit = hashlib.sha1(repo.encode()).hexdigest()  # a commit-shaped id (40 hex digits)
@@ -53,6 +53,7 @@ class HubServer:
         self._timer = threading.Timer(self.lifetime, self.stop)
         self._timer.daemon = True
         self._timer.start()
+        self._release = threading.Event()  # ends a stalled transfer
         return self
 
     @property
@@ -61,6 +62,7 @@ class HubServer:
 
     def stop(self) -> None:
         self._timer.cancel()
+        self._release.set()
         threading.Thread(target=self._httpd.shutdown, daemon=True).start()
 
     def reset_counts(self) -> None:
@@ -161,21 +163,21 @@ def _handler(hub: HubServer):
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
             if head:
                 return self._send(status, b"", headers, length=end - start)
-            cut = hub.cut.pop(file, None) if start == 0 and not rng else None
+            stall = hub.stall.pop(file, None) if not rng else None
             self._send(status, None, headers, length=end - start)
             with open(f, "rb") as fh:
                 fh.seek(start)
-                left = end - start if cut is None else min(cut, end - start)
+                left = end - start if stall is None else min(stall, end - start)
                 while left > 0:
                     chunk = fh.read(min(left, 1 << 20))
                     self.wfile.write(chunk)
                     left -= len(chunk)
                     with hub._lock:
                         hub.bytes_served += len(chunk)
-            if cut is not None:  # an interrupted transfer: the connection drops mid-body
+            if stall is not None:  # a transfer that hangs mid-body until the client goes (or 60 s pass)
                 self.wfile.flush()
+                hub._release.wait(60)
                 self.close_connection = True
-                self.connection.shutdown(2)
 
         def _send(self, status: int, body: bytes | None, headers: dict, length: int | None = None):
             self.send_response(status)

@@ -191,3 +191,45 @@ def test_no_network_and_offline_say_what_is_cached(hub, env):
     r = run_ctxq("plan", "user/Other-GGUF:Q4_K_M", "--ctx", "4096", "--gpus", "8", env=env | {"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "user/Other-GGUF@main is not cached and HF_HUB_OFFLINE is set; nothing of user/Other-GGUF is cached" in r.stderr
+
+
+# --- run: download once, into the Hugging Face cache ---------------------------------------------------
+
+@pytest.mark.slow
+def test_run_downloads_once_and_an_interrupted_download_resumes(hub, env, smollm2, tmp_path):
+    import filecmp
+    import subprocess
+
+    from .conftest import ctxq_exe
+
+    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE
+
+    name, size = "SmolLM2-135M-Instruct-Q4_1.gguf", smollm2.stat().st_size
+    cut = 2 * DOWNLOAD_CHUNK_SIZE  # huggingface_hub writes whole chunks: stall at a chunk's end
+    args = [ctxq_exe(), "run", "user/SmolLM2-GGUF:q4_1", "-p", "The capital of France is", "-n", "4", "--temp", "0"]
+    # a first run whose transfer hangs midway is stopped, as a user would with Ctrl-C
+    hub.reset_counts()
+    hub.stall[name] = cut
+    p = subprocess.Popen(args, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    blobs = tmp_path / "hf" / "hub" / "models--user--SmolLM2-GGUF" / "blobs"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(f.stat().st_size >= cut for f in blobs.glob("*.ctxq-partial")):
+        time.sleep(0.1)
+    p.kill()
+    p.communicate()
+    hub._release.set()
+    assert [f.stat().st_size for f in blobs.glob("*.ctxq-partial")] == [cut]
+    # the next run continues from there, runs, and the file in the cache is the served one
+    hub.reset_counts()
+    r = run_ctxq(*args[1:], env=env)
+    assert r.returncode == 0, r.stderr
+    gets = [(path, rng) for m, path, rng in hub.log if m == "GET" and "/cdn/" in path]
+    assert gets == [(f"/cdn/user/SmolLM2-GGUF/{hub.repos['user/SmolLM2-GGUF'].commit}/{name}", f"bytes={cut}-")]
+    assert size - (cut) <= hub.bytes_served < size - (cut) + (1 << 20)
+    snap = next((tmp_path / "hf" / "hub" / "models--user--SmolLM2-GGUF" / "snapshots").iterdir())
+    assert filecmp.cmp(snap / name, smollm2, shallow=False) and r.stdout.strip()
+    # a second run downloads nothing: one listing request
+    hub.reset_counts()
+    again = run_ctxq(*args[1:], env=env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == r.stdout and [p for _, p, _ in hub.log] == ["/api/models/user/SmolLM2-GGUF?blobs=true"]
