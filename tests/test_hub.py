@@ -233,3 +233,29 @@ def test_run_downloads_once_and_an_interrupted_download_resumes(hub, env, smollm
     again = run_ctxq(*args[1:], env=env)
     assert again.returncode == 0, again.stderr
     assert again.stdout == r.stdout and [p for _, p, _ in hub.log] == ["/api/models/user/SmolLM2-GGUF?blobs=true"]
+
+
+# --- a safetensors repo: config and headers only -------------------------------------------------------
+
+@pytest.mark.slow
+def test_safetensors_repo_plans_from_headers_only(hub, env):
+    from ctxq.testing.models import rebuild_smollm2_hf
+
+    folder = rebuild_smollm2_hf()
+    commit = hub.add_repo("user/SmolLM2", {p.name: p for p in folder.iterdir() if p.is_file()})
+    args = ["--ctx", "8192", "--gpus", "8", "--cpu-memory", "64", "--json"]
+    local = run_ctxq("plan", str(folder), *args, env=env)
+    hub.reset_counts()
+    remote = run_ctxq("plan", f"user/SmolLM2@{commit}", *args, env=env)
+    assert local.returncode == 0 and remote.returncode == 0, remote.stderr
+    a, b = json.loads(local.stdout), json.loads(remote.stdout)
+    assert [(c["type"], c["size"], c["fits"], c["recommended"]) for c in a["candidates"]] == \
+        [(c["type"], c["size"], c["fits"], c["recommended"]) for c in b["candidates"]]
+    weights = [(p, r) for m, p, r in hub.log if m == "GET" and p.endswith(".safetensors")]
+    assert weights and all(r and r.startswith("bytes=") for _, r in weights)  # ranges, never the whole file
+    small = sum((folder / n).stat().st_size for n in ("config.json", "tokenizer.json", "tokenizer_config.json")
+                if (folder / n).is_file())
+    st = (folder / "model.safetensors").stat().st_size
+    print(f"\nSmolLM2 safetensors repo: {hub.bytes_served:,} bytes served; config and tokenizer {small:,}, "
+          f"weights file {st:,}")
+    assert hub.bytes_served < small + (1 << 20) < st / 10
