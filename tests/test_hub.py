@@ -70,7 +70,8 @@ def env(hub, tmp_path):
 def test_references_parse():
     assert parse_ref("bartowski/Llama-3-GGUF:q4_k_m") == HubRef("bartowski/Llama-3-GGUF", "q4_k_m")
     assert parse_ref("hf.co/u/r:Q8_0@v1.0") == HubRef("u/r", "Q8_0", None, "v1.0")
-    assert parse_ref("u/r/sub/M-Q4_K_M.gguf@abc") == HubRef("u/r", None, "sub/M-Q4_K_M.gguf", "abc")
+    assert parse_ref("hf.co/u/r/sub/M-Q4_K_M.gguf@abc") == HubRef("u/r", None, "sub/M-Q4_K_M.gguf", "abc")
+    assert parse_ref("u/r/sub/M-Q4_K_M.gguf") is None and parse_ref("dir/model.gguf") is None  # local paths
     assert parse_ref("u/r") == HubRef("u/r") and not parse_ref("u/r").is_gguf
     assert parse_ref("model.gguf") is None and parse_ref("./a/b") is None and parse_ref("/x/y.gguf") is None
 
@@ -143,7 +144,35 @@ def test_inspect_reads_headers_and_a_tag_picks_the_file(hub, files, env):
     assert got["tensor_types"] == local["tensor_types"] and got["file_size"] == files["8b-f16"].stat().st_size
     assert 0 < got["hub_bytes_read"] < files["8b-f16"].stat().st_size / 1000
     r = run_ctxq("inspect", "user/Twice-GGUF", "--hf-file", "b/Model-Q4_K_M.gguf", env=env)
-    assert r.returncode == 0 and r.stdout.startswith("user/Twice-GGUF/b/Model-Q4_K_M.gguf\n")
+    assert r.returncode == 0 and r.stdout.startswith("hf.co/user/Twice-GGUF/b/Model-Q4_K_M.gguf\n")
+
+
+def test_a_token_opens_gated_and_private_repos(hub, env):
+    """HF_TOKEN reaches the server through huggingface_hub's own headers (and so would `hf auth login`)."""
+    for repo in ("user/Gated-GGUF", "user/Private-GGUF"):
+        r = run_ctxq("inspect", f"{repo}:Q4_K_M", env=env | {"HF_TOKEN": hub.token})
+        assert r.returncode == 0 and r.stdout.startswith(f"{repo}:Q4_K_M\n"), r.stderr
+
+
+def test_a_local_split_model_reads_as_one(files):
+    from ctxq.gguf.info import model_info
+    from ctxq.models import model_header
+
+    whole, split = model_info(model_header(files["70b"])), model_info(model_header(files["shards"][0]))
+    assert (split.n_params, split.layer_bytes, split.n_layer) == (whole.n_params, whole.layer_bytes, whole.n_layer)
+    assert "split.count" not in model_header(files["shards"][0]).metadata  # a derived model must not look for shards
+
+
+def test_a_download_that_cannot_fit_is_refused_before_it_starts(tmp_path):
+    import shutil
+
+    from ctxq.hub.download import check_space
+
+    free = shutil.disk_usage(tmp_path).free
+    check_space(tmp_path / "hf" / "hub", free // 2, "u/r:Q4_K_M")
+    with pytest.raises(HubError, match=r"^u/r:Q4_K_M needs .* GiB in .*/hf/hub but the disk has .* GiB free; "
+                                       r"free some space or set HF_HOME to another disk$"):
+        check_space(tmp_path / "hf" / "hub", free + (1 << 30), "u/r:Q4_K_M")
 
 
 # --- bad cases: one line each ------------------------------------------------------------------------

@@ -3,8 +3,9 @@
     USER/REPO                 a safetensors checkpoint (planned per quantization, or converted)
     USER/REPO:Q4_K_M          a GGUF repo; the tag picks the file, case-insensitively, in any
                               folder, a split model by its first shard (...-00001-of-00003.gguf)
-    USER/REPO/PATH/FILE.gguf  one exact file of a GGUF repo (the CLI's --hf-file)
-    ...@REVISION              a branch, tag or commit; `hf.co/` or `huggingface.co/` in front is dropped
+    hf.co/USER/REPO/PATH.gguf one exact file of a GGUF repo (the CLI's --hf-file); without `hf.co/`
+                              it would be a local path
+    ...@REVISION              a branch, tag or commit; `hf.co/` or `huggingface.co/` in front is optional
 
 These are llama.cpp's `-hf user/repo:Q4_K_M` and Ollama's `hf.co/user/repo:Q4_K_M`.
 """
@@ -19,7 +20,7 @@ from ..gguf.reader import SHARD_RE
 
 # the Hub's rule for repo names: letters, digits, '-', '_', '.'; an owner and a name
 _PART = r"[A-Za-z0-9][\w.-]*"
-_REF = re.compile(rf"^(?:https?://)?(?:hf\.co/|huggingface\.co/)?(?P<repo>{_PART}/{_PART})"
+_REF = re.compile(rf"^(?:https?://)?(?P<host>hf\.co/|huggingface\.co/)?(?P<repo>{_PART}/{_PART})"
                   rf"(?P<file>(?:/[^@:]+)+\.gguf)?(?::(?P<tag>[\w.-]+))?(?:@(?P<rev>[\w./-]+))?$")
 
 
@@ -35,7 +36,7 @@ class HubRef:
         return bool(self.tag or self.file)
 
     def __str__(self) -> str:
-        return (self.repo + (f"/{self.file}" if self.file else "") + (f":{self.tag}" if self.tag else "")
+        return ((f"hf.co/{self.repo}/{self.file}" if self.file else self.repo) + (f":{self.tag}" if self.tag else "")
                 + (f"@{self.revision}" if self.revision else ""))
 
 
@@ -45,7 +46,8 @@ def parse_ref(model) -> HubRef | None:
     if text.endswith((".safetensors",)) or text.startswith((".", "/", "~")):
         return None
     m = _REF.match(text)
-    if not m or (m["file"] and m["tag"]):
+    # a missing local file (dir/model.gguf, dir/sub/model.gguf) is no repo
+    if not m or (m["file"] and (m["tag"] or not m["host"])) or m["repo"].endswith(".gguf"):
         return None
     return HubRef(m["repo"], m["tag"], m["file"][1:] if m["file"] else None, m["rev"])
 
