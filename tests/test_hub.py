@@ -177,22 +177,21 @@ def test_a_download_that_cannot_fit_is_refused_before_it_starts(tmp_path):
 
 # --- bad cases: one line each ------------------------------------------------------------------------
 
-BAD = {
-    "no repo": ("user/Nothing-GGUF:Q4_K_M",
-                r"^Error: user/Nothing-GGUF: no such model on the Hugging Face Hub, or it is private \(log in with "),
-    "private": ("user/Private-GGUF:Q4_K_M", r"^Error: user/Private-GGUF: no such model .* `hf auth login` or set HF_TOKEN\)$"),
-    "gated": ("user/Gated-GGUF:Q4_K_M", r"^Error: user/Gated-GGUF is gated: accept its terms on huggingface.co, "
-                                        r"then log in with `hf auth login` or set HF_TOKEN$"),
+LOGIN = r"log in with `hf auth login` or set HF_TOKEN"
+BAD = {  # case: (MODEL, the one line it gets)
+    "no repo": ("user/Nothing-GGUF:Q4_K_M", rf"^Error: user/Nothing-GGUF: no such model on the Hugging Face Hub, "
+                                            rf"or it is private \({LOGIN}\)$"),
+    "private": ("user/Private-GGUF:Q4_K_M", rf"^Error: user/Private-GGUF: no such model .*, or it is private \({LOGIN}\)$"),
+    "gated": ("user/Gated-GGUF:Q4_K_M", rf"^Error: user/Gated-GGUF is gated: accept its terms on huggingface.co, then {LOGIN}$"),
     "unknown tag": ("user/Llama-3-8B-GGUF:Q5_K_M", r"^Error: user/Llama-3-8B-GGUF has no Q5_K_M GGUF; it has: F16, Q4_K_M$"),
     "two files": ("user/Twice-GGUF:q4_k_m", r"^Error: user/Twice-GGUF:q4_k_m matches 2 files \(a/Model-Q4_K_M.gguf, "
                                              r"b/Model-Q4_K_M.gguf\); name one with (hf_file=|--hf-file )PATH$"),
     "not gguf": ("user/Broken-GGUF:Q4_K_M", r"^Error: user/Broken-GGUF/Model-Q4_K_M.gguf: not a GGUF file \(wrong magic\)"),
     "truncated": ("user/Broken-GGUF:Q8_0", r"^Error: user/Broken-GGUF/Model-Q8_0.gguf: truncated .*GGUF"),
-    "hostile": ("user/Broken-GGUF:Q2_K", r"^Error: user/Broken-GGUF/Model-Q2_K.gguf: GGUF header larger than "
-                                         r"268,435,456 bytes; corrupted or hostile"),
+    "hostile": ("user/Broken-GGUF:Q2_K", r"^Error: user/Broken-GGUF/Model-Q2_K.gguf: GGUF header larger than 268,435,456 bytes"),
     "revision": ("user/Llama-3-8B-GGUF:Q4_K_M@v9", r"^Error: user/Llama-3-8B-GGUF: no revision 'v9'; pass an existing"),
-    "safetensors repo for run": ("user/Llama-3-8B-GGUF", r"^Error: user/Llama-3-8B-GGUF is a GGUF repo: name a "
-                                                         r"quantization as user/Llama-3-8B-GGUF:TAG \(it has F16, Q4_K_M\)$"),
+    "no tag": ("user/Llama-3-8B-GGUF", r"^Error: user/Llama-3-8B-GGUF is a GGUF repo: name a quantization as "
+                                       r"user/Llama-3-8B-GGUF:TAG \(it has F16, Q4_K_M\)$"),
 }
 
 
