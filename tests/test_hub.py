@@ -285,5 +285,5 @@ def test_safetensors_repo_plans_from_headers_only(hub, env):
                 if (folder / n).is_file())
     st = (folder / "model.safetensors").stat().st_size
     print(f"\nSmolLM2 safetensors repo: {hub.bytes_served:,} bytes served; config and tokenizer {small:,}, "
-          f"weights file {st:,}")
+          f"weights file {st:,}, {len(hub.log)} requests")
     assert hub.bytes_served < small + (1 << 20) < st / 10
