@@ -38,6 +38,7 @@ class HubServer:
     repos: dict[str, Repo] = field(default_factory=dict)
     log: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
     bytes_served: int = 0
+    no_range: set[str] = field(default_factory=set)  # paths served whole, Range ignored (some proxies do)
     stall: dict[str, int] = field(default_factory=dict)  # path -> the next full GET of it sends N bytes, then hangs
 
     def add_repo(self, repo: str, files: dict[str, Path], access: str = "public") -> str:
@@ -152,7 +153,7 @@ def _handler(hub: HubServer):
         def _file(self, f: Path, file: str, commit: str, head: bool, extra: dict | None = None):
             size = f.stat().st_size
             start, end = 0, size
-            rng = _RANGE.match(self.headers.get("Range") or "")
+            rng = None if file in hub.no_range else _RANGE.match(self.headers.get("Range") or "")
             if rng:
                 start = int(rng[1])
                 end = min(size, int(rng[2]) + 1) if rng[2] else size

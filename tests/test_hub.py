@@ -147,6 +147,14 @@ def test_inspect_reads_headers_and_a_tag_picks_the_file(hub, files, env):
     assert r.returncode == 0 and r.stdout.startswith("hf.co/user/Twice-GGUF/b/Model-Q4_K_M.gguf\n")
 
 
+def test_a_server_that_ignores_range_is_read_up_to_the_header(hub, files, env):
+    hub.add_repo("user/Whole-GGUF", {"tiny-Q4_K_M.gguf": files["tiny"]})
+    hub.no_range.add("tiny-Q4_K_M.gguf")
+    r = run_ctxq("inspect", "user/Whole-GGUF:Q4_K_M", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["n_params"] == json.loads(run_ctxq("inspect", str(files["tiny"]), "--json").stdout)["n_params"]
+
+
 def test_a_token_opens_gated_and_private_repos(hub, env):
     """HF_TOKEN reaches the server through huggingface_hub's own headers (and so would `hf auth login`)."""
     for repo in ("user/Gated-GGUF", "user/Private-GGUF"):

@@ -76,14 +76,18 @@ class RangedFile:
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
         headers = build_hf_headers() | {"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
-        with hub_errors(self.repo):
-            r = get_session().get(self.url, headers=headers, follow_redirects=True)
+        body = bytearray()
+        with hub_errors(self.repo), get_session().stream("GET", self.url, headers=headers,
+                                                          follow_redirects=True) as r:
             hf_raise_for_status(r)
+            # a server that ignores Range sends the whole file from byte 0: stop once `end` is in
+            stop = end - start if r.status_code == 206 else end
+            for chunk in r.iter_bytes():
+                body += chunk
+                if len(body) >= stop:
+                    break
         self.requests += 1
-        body = r.content
-        if r.status_code != 206:  # a server that ignores Range sends the whole file: keep what was asked
-            body = body[start:end]
-        self.data += body[:end - start]
+        self.data += body[stop - (end - start):stop]
         log.debug("read bytes %d-%d of %s/%s", start, end - 1, self.repo, self.path)
 
 
