@@ -152,7 +152,8 @@ def test_a_server_that_ignores_range_is_read_up_to_the_header(hub, files, env):
     hub.no_range.add("tiny-Q4_K_M.gguf")
     r = run_ctxq("inspect", "user/Whole-GGUF:Q4_K_M", "--json", env=env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["n_params"] == json.loads(run_ctxq("inspect", str(files["tiny"]), "--json").stdout)["n_params"]
+    local = run_ctxq("inspect", str(files["tiny"]), "--json")
+    assert json.loads(r.stdout)["n_params"] == json.loads(local.stdout)["n_params"]
 
 
 def test_a_token_opens_gated_and_private_repos(hub, env):

@@ -8,7 +8,8 @@ import click
 
 from . import cli
 from .common import GiB, echo_json, table
-from .options import device_options, hf_file_option, hub_read, plan_options  # noqa: F401 (`ctxq convert` takes device_options from here)
+from .options import device_options, plan_options  # noqa: F401 (`ctxq convert` takes device_options from here)
+from .options import hf_file_option, hub_read
 
 
 def render_plan(p, *, title: str | None = None) -> str:
