@@ -270,6 +270,10 @@ def test_run_downloads_once_and_an_interrupted_download_resumes(hub, env, smollm
     again = run_ctxq(*args[1:], env=env)
     assert again.returncode == 0, again.stderr
     assert again.stdout == r.stdout and [p for _, p, _ in hub.log] == ["/api/models/user/SmolLM2-GGUF?blobs=true"]
+    # offline, the downloaded model runs without a request
+    hub.reset_counts()
+    off = run_ctxq(*args[1:], env=env | {"HF_HUB_OFFLINE": "1"})
+    assert off.returncode == 0 and off.stdout == r.stdout and not hub.log, off.stderr
 
 
 # --- a safetensors repo: config and headers only -------------------------------------------------------
