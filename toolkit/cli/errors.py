@@ -18,7 +18,8 @@ FLAGS = {
     "prompt": "-p", "file": "-f", "chat": "--chat", "allow_remote": "--allow-remote",
     "output_tensor_type": "--output-tensor-type", "token_embedding_type": "--token-embedding-type",
     "leave_output_tensor": "--leave-output-tensor", "pure": "--pure", "revision": "--revision",
-    "check": "--no-check",
+    "check": "--no-check", "hf_file": "--hf-file", "max_body": "--max-body", "max_queue": "--max-queue",
+    "timeout": "--timeout", "shutdown_timeout": "--shutdown-timeout", "session": "--session",
 }
 # flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
 _SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure"}

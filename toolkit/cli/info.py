@@ -6,6 +6,7 @@ import click
 
 from .group import cli
 from .common import echo_json, gib, human, mib, table
+from .options import hf_file_option, hub_read
 
 
 @cli.command()
@@ -41,19 +42,27 @@ def doctor(as_json: bool):
 
 
 @cli.command()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model")
+@hf_file_option
 @click.option("--json", "as_json", is_flag=True, help="Print the model's facts as JSON.")
-def inspect(model: str, as_json: bool):
-    """Show a GGUF model's geometry, weights and KV-cache cost, read from its header only."""
-    from ..gguf.info import model_info
+def inspect(model: str, hf_file: str | None, as_json: bool):
+    """Show a GGUF model's geometry, weights and KV-cache cost, read from its header only.
 
-    info = model_info(model)
+    MODEL may be a GGUF repo on the Hugging Face Hub, USER/REPO:QUANT: its headers are read over HTTP."""
+    from ..gguf.info import model_info
+    from ..hub import with_file
+    from ..models import model_header
+
+    model = with_file(model, hf_file)
+    src = model_header(model)
+    info = model_info(src)
+    read = hub_read(model) if src.source else None
     if as_json:
-        echo_json(info.to_dict())
+        echo_json(info.to_dict() | ({"source": src.source, "hub_bytes_read": read[0]} if read else {}))
         return
     heads = sorted(set(info.n_head))
     kv_heads = sorted(set(info.n_head_kv))
-    click.echo(f"{info.path}")
+    click.echo(f"{src.source or info.path}" + (f"\n  {read[1]}" if read else ""))
     click.echo(f"  architecture   {info.arch} ({info.name or 'unnamed'})")
     click.echo(f"  parameters     {info.n_params / 1e9:.3f} B, file type {info.file_type}, {human(info.file_size)}")
     click.echo("  tensor types   " + ", ".join(f"{k} {v}" for k, v in info.tensor_types.items()))

@@ -131,3 +131,21 @@ def echo_session_log() -> None:
         logger.addHandler(Echo(logging.INFO))
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def hf_file_option(f):
+    """--hf-file: one exact file of a Hub repo (llama.cpp's and gguf-parser's flag)."""
+    return click.option("--hf-file", "hf_file", default=None, metavar="PATH",
+                        help="With MODEL = USER/REPO: this exact GGUF file of the Hugging Face repo.")(f)
+
+
+def hub_read(model) -> tuple[int, str] | None:
+    """For a model on the Hub: the bytes its headers took over the network, and a line saying so."""
+    from ..models import model_header
+
+    g = model_header(model)  # already read: from memory
+    if g.source is None:
+        return None
+    where = "from the Hub" if g.bytes_read else "from the header cache (nothing downloaded)"
+    return g.bytes_read, (f"headers read {where}: {g.bytes_read:,} bytes of {g.file_size:,} "
+                          f"({g.bytes_read / g.file_size:.4%}); the weights are downloaded by `ctxq run`")

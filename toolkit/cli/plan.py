@@ -9,6 +9,7 @@ import click
 from .group import cli
 from .common import GiB, echo_json, table
 from .options import device_options, plan_options  # noqa: F401 (`ctxq convert` takes device_options from here)
+from .options import hf_file_option, hub_read
 
 
 def render_plan(p, *, title: str | None = None) -> str:
@@ -81,26 +82,34 @@ def svg(p) -> str:
 @cli.command("plan")
 @click.argument("model", required=False)
 @plan_options(for_plan=True)
+@hf_file_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--svg", "svg_path", type=click.Path(dir_okay=False), default=None, help="Write per-device bars to FILE.")
-def plan_cmd(model, options, as_json, svg_path):
+def plan_cmd(model, options, hf_file, as_json, svg_path):
     """Plan MODEL (a GGUF; default: the embedded SmolLM2) for a context of --ctx tokens.
 
     Chooses the KV-cache type, flash attention and the layers per device so that the whole context
-    fits, leftover layers on the CPU; never shrinks the context. MODEL may also be a Hugging Face
-    model (a folder or a hub id): then each quantization type is planned and one recommended.
+    fits, leftover layers on the CPU; never shrinks the context. MODEL may be a GGUF repo on the
+    Hugging Face Hub, USER/REPO:QUANT (headers read over HTTP, no weights downloaded), or a Hugging
+    Face checkpoint (a folder or USER/REPO): then each quantization type is planned and one recommended.
     """
+    from ..hub import parse_ref, with_file
     from ..planning import planner
 
-    if model is not None and not Path(model).is_file() and (Path(model).is_dir() or "/" in model):
+    model = with_file(model, hf_file) if hf_file else model
+    ref = parse_ref(model) if model is not None and not Path(model).exists() else None
+    if model is not None and (Path(model).is_dir() or (ref is not None and not ref.is_gguf)):
         return _plan_hf(model, options, as_json, svg_path)
     p = planner.plan(model, options=options)
+    read = hub_read(model) if ref is not None else None
     if svg_path:
         Path(svg_path).write_text(svg(p))
     if as_json:
-        echo_json(p.to_dict())
+        echo_json(p.to_dict() | ({"hub_bytes_read": read[0]} if read else {}))
     else:
         click.echo(render_plan(p))
+        if read:
+            click.echo(read[1])
 
 
 def render_hf(r) -> str:

@@ -8,7 +8,7 @@ import click
 
 from .group import cli
 from .common import echo_json, memory_table, reexec
-from .options import echo_session_log, load_options, plan_options, session_option
+from .options import echo_session_log, hf_file_option, load_options, plan_options, session_option
 from .plan import render_plan
 
 
@@ -31,6 +31,7 @@ def _read_input(prompt, file):
 
 @cli.command("run")
 @click.argument("model", required=False)
+@hf_file_option
 @plan_options()
 @load_options
 @click.option("-p", "--prompt", default=None, help="The input text.")
@@ -43,7 +44,7 @@ def _read_input(prompt, file):
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Sampling temperature; 0 is greedy.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (and the input's size) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (text, timings, memory) as JSON.")
-def run_cmd(model, options, n_threads, seed, prompt, file, session, chat, system, n_predict, temp, dry_run,
+def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, chat, system, n_predict, temp, dry_run,
             as_json):
     """Run MODEL (a GGUF; default: the embedded SmolLM2) on a long input with --ctx tokens of context.
 
@@ -59,6 +60,10 @@ def run_cmd(model, options, n_threads, seed, prompt, file, session, chat, system
     from ..errors import ReorderNeeded
     from ..runtime import runner
 
+    if hf_file:
+        from ..hub import with_file
+
+        model = with_file(model, hf_file)
     document, text = _read_input(prompt, file)
     if text is None and document is None and not dry_run:
         raise click.UsageError("give the input: -p TEXT, -f FILE, or pipe it on stdin")

@@ -8,13 +8,14 @@ from ..runtime.serve_limits import ServeLimits
 from ..units import MiB
 from .group import cli
 from .common import memory_table, reexec
-from .options import echo_session_log, load_options, plan_options, session_option
+from .options import echo_session_log, hf_file_option, load_options, plan_options, session_option
 
 _LIMITS = ServeLimits()  # the defaults
 
 
 @cli.command("serve")
 @click.argument("model", required=False)
+@hf_file_option
 @plan_options()
 @load_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
@@ -35,7 +36,7 @@ _LIMITS = ServeLimits()  # the defaults
               help=f"On SIGTERM or Ctrl-C, how long running requests may still take.  "
                    f"[default: {_LIMITS.shutdown_timeout:g}]")
 @session_option(serve=True)
-def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
+def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
               shutdown_timeout, session):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
@@ -48,6 +49,10 @@ def serve_cmd(model, options, n_threads, seed, host, port, api_key, alias, max_b
     from ..errors import ReorderNeeded
     from ..runtime import runner, server
 
+    if hf_file:
+        from ..hub import with_file
+
+        model = with_file(model, hf_file)
     given = dict(max_body=max_body, max_queue=max_queue, timeout=timeout, shutdown_timeout=shutdown_timeout)
     limits = ServeLimits(**{k: v for k, v in given.items() if v is not None})
     if session is not None:

@@ -93,16 +93,20 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
 
 
 def _download(model: str, revision: str | None) -> Path:
-    from .hub import download, looks_like_repo_id
+    from ..hub import parse_ref
+    from ..hub.download import download_checkpoint
 
-    if not looks_like_repo_id(model):
-        raise ConversionError(f"{model}: no such folder, and not a hub id (owner/name)")
-    return download(model, revision)
+    ref = parse_ref(model)
+    if ref is None or ref.is_gguf:
+        raise ConversionError(f"{model}: no such folder, and not a hub id of a safetensors checkpoint (owner/name)")
+    return download_checkpoint(ref.repo, revision or ref.revision)
 
 
 def _model_name(model, folder: Path) -> str:
     text = str(model).rstrip("/")
-    return text.split("/")[-1] if not Path(text).exists() else folder.resolve().name
+    if Path(text).exists():
+        return folder.resolve().name
+    return text.split("/")[-1].split("@")[0]  # USER/REPO@REVISION: the repo's name
 
 
 def _dest_path(output, name: str, kind: str) -> Path:

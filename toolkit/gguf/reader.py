@@ -10,6 +10,7 @@ which is why ctxq does not use it here.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,8 @@ class GGUFFile:
     file_size: int  # bytes
     alignment: int = DEFAULT_ALIGNMENT
     value_types: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # key -> (gguf type, array elem type)
+    source: str | None = None  # the Hub reference a header-only copy was read for (path: that copy)
+    bytes_read: int | None = None  # bytes fetched over the network for it (0: all from the cache)
     _by_name: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
 
     def tensor(self, name: str) -> TensorInfo | None:
@@ -105,8 +108,8 @@ class _Cursor:
     """Bounded sequential reads from the start of a file; any overrun is a truncation. The bytes
     read so far are kept in one growing buffer, so parsing is `unpack_from` on memory."""
 
-    def __init__(self, f, size: int, path: Path):
-        self.f, self.size, self.path = f, size, path
+    def __init__(self, f, size: int, path: Path, limit: int | None = None):
+        self.f, self.size, self.path, self.limit = f, size, path, limit
         self.buf = bytearray()  # the file's bytes [0, len(buf))
         self.pos = 0
 
@@ -117,8 +120,12 @@ class _Cursor:
         """Have bytes [0, end) in the buffer (end <= size, checked by the callers)."""
         have = len(self.buf)
         if end > have:
+            if self.limit is not None and end > self.limit:
+                raise GGUFError(f"{self.path}: GGUF header larger than {self.limit:,} bytes; "
+                                "corrupted or hostile, not read further")
+            stop = min(self.size, max(end, 2 * have, 1 << 16))  # doubling: few reads for any header
             self.f.seek(have)
-            self.buf += self.f.read(min(self.size, max(end, 2 * have, 1 << 16)) - have)
+            self.buf += self.f.read((min(stop, self.limit) if self.limit else stop) - have)
             if len(self.buf) < end:  # the file shrank while being read
                 raise GGUFError(f"{self.path}: truncated GGUF (read {len(self.buf)} of {end} bytes)")
 
@@ -214,56 +221,93 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
     except OSError as e:
         raise GGUFError(f"{path}: cannot open ({e.strerror})") from None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 4 or f.read(4) != GGUF_MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (wrong magic); expected a llama.cpp .gguf model")
-        cur = _Cursor(f, size, path)
-        cur.pos = 4
-        version = cur.unpack("I")
-        if version not in (2, 3):
-            raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
-        n_tensors = cur.unpack("Q")
-        n_kv = cur.unpack("Q")
-        # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
-        if n_kv * 12 + n_tensors * 24 > size:
-            raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
-                            f"cannot fit in {size} bytes)")
-        metadata: dict[str, object] = {}
-        value_types: dict[str, tuple[int, int | None]] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            vtype = cur.unpack("I")
-            if vtype == _ARRAY:
-                value_types[key] = (vtype, cur.peek_u32())
-            else:
-                value_types[key] = (vtype, None)
-            metadata[key] = cur.value(vtype, skip=skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."))
-        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
-        tensors: list[TensorInfo] = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.unpack("I")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
-            shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-            ttype = cur.unpack("I")
-            offset = cur.unpack("Q")
-            if any(d <= 0 for d in shape):
-                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} has shape {shape})")
-            nbytes = tensor_nbytes(ttype, shape)
-            if offset % alignment:
-                raise GGUFError(f"{path}: corrupted GGUF (tensor {name!r} offset not aligned)")
-            tensors.append(TensorInfo(name, shape, ttype, offset, nbytes))
-        data_offset = round_up(cur.pos, alignment)
-        data_size = size - data_offset
-        for t in tensors:
-            if t.offset + t.nbytes > data_size:
-                raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
-                                f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
-                                "download or convert it again")
-        return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
+        return parse_gguf(f, os.fstat(f.fileno()).st_size, path, skip_arrays=skip_arrays)
+
+
+def parse_gguf(f, size: int, path: Path, *, skip_arrays: bool = False, limit: int | None = None) -> GGUFFile:
+    """The header of a GGUF of `size` bytes read from `f`, any object with `seek` and `read` (a local
+    file, or a ranged HTTP source: then `path` names it); `limit` bounds the header's bytes."""
+    cur = _Cursor(f, size, path, limit)
+    if size < 4 or cur.read(4) != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (wrong magic); expected a llama.cpp .gguf model")
+    version = cur.unpack("I")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: unsupported GGUF version {version} (ctxq reads versions 2 and 3)")
+    n_tensors = cur.unpack("Q")
+    n_kv = cur.unpack("Q")
+    # Each KV needs >= 12 bytes and each tensor info >= 24: reject absurd counts at once.
+    if n_kv * 12 + n_tensors * 24 > min(size, limit or size):
+        raise GGUFError(f"{path}: truncated or corrupted GGUF ({n_tensors} tensors, {n_kv} keys "
+                        f"cannot fit in {min(size, limit or size)} bytes)")
+    metadata: dict[str, object] = {}
+    value_types: dict[str, tuple[int, int | None]] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        vtype = cur.unpack("I")
+        value_types[key] = (vtype, cur.peek_u32() if vtype == _ARRAY else None)
+        metadata[key] = cur.value(vtype, skip=skip_arrays and vtype == _ARRAY and key.startswith("tokenizer."))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: corrupted GGUF (general.alignment = {alignment!r})")
+    tensors = [_tensor_info(cur, alignment) for _ in range(n_tensors)]
+    data_offset = round_up(cur.pos, alignment)
+    data_size = size - data_offset
+    for t in tensors:
+        if t.offset + t.nbytes > data_size:
+            raise GGUFError(f"{path}: truncated GGUF: tensor {t.name!r} ends at byte "
+                            f"{data_offset + t.offset + t.nbytes:,} but the file has {size:,} bytes; "
+                            "download or convert it again")
+    return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
+
+
+def _tensor_info(cur: _Cursor, alignment: int) -> TensorInfo:
+    name = cur.string()
+    n_dims = cur.unpack("I")
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
+    shape = tuple(cur.unpack("Q") for _ in range(n_dims))
+    ttype = cur.unpack("I")
+    offset = cur.unpack("Q")
+    if any(d <= 0 for d in shape):
+        raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} has shape {shape})")
+    if offset % alignment:
+        raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} offset not aligned)")
+    return TensorInfo(name, shape, ttype, offset, tensor_nbytes(ttype, shape))
+
+
+# llama.cpp names a split model's shards PREFIX-%05d-of-%05d.gguf (llama_split_path) and keeps
+# split.count / split.no in each; the first shard holds the metadata.
+SHARD_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+
+
+def shard_paths(first: Path, count: int) -> list[Path]:
+    """The paths of all `count` shards of a split model, from its first shard's path."""
+    m = SHARD_RE.match(first.name)
+    if not m or int(m["no"]) != 1 or int(m["count"]) != count:
+        raise GGUFError(f"{first}: split.count is {count} but the name is not llama.cpp's "
+                        "PREFIX-00001-of-NNNNN.gguf; pass the first shard of a split model")
+    return [first.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def read_model(path: str | os.PathLike) -> GGUFFile:
+    """A model's header as one file: a split model's shards (the first is given, as llama.cpp takes
+    it) merged into the first's metadata and every shard's tensors; tokenizer arrays left out."""
+    g = read_gguf(path, skip_arrays=True)
+    count = g.get("split.count", 0)
+    if not isinstance(count, int) or count <= 1:
+        return g
+    for shard in shard_paths(g.path, count)[1:]:
+        part = read_gguf(shard, skip_arrays=True)
+        g.tensors += part.tensors
+        g.file_size += part.file_size
+    expected = g.get("split.tensors.count", len(g.tensors))
+    if expected != len(g.tensors):
+        raise GGUFError(f"{g.path}: the shards hold {len(g.tensors)} tensors, split.tensors.count says {expected}")
+    for key in SPLIT_KEYS:  # one merged file: a derived copy must not look for shards
+        g.metadata.pop(key, None)
+        g.value_types.pop(key, None)
+    return g
 
 
 class _ArrayLen(int):

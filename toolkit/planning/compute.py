@@ -26,7 +26,7 @@ from pathlib import Path
 
 import gguf
 
-from ..gguf.reader import GGUFFile, read_gguf
+from ..gguf.reader import GGUFFile
 from ..gguf.writer import write_sparse_gguf
 from ..models import ctxq_home
 
@@ -154,5 +154,9 @@ def compute_peaks(src: GGUFFile, swa_layers: list[bool], *, n_ctx: int, n_ubatch
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
 
 
-def load_source(path: str | os.PathLike) -> GGUFFile:
-    return read_gguf(path, skip_arrays=True)
+def load_source(model) -> GGUFFile:
+    """The header the planner works from: a local GGUF (a split one's shards merged) or a Hub
+    model's, read remotely without its weights (`ctxq.models.model_header`)."""
+    from ..models import model_header
+
+    return model_header(model)

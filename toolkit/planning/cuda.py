@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..gguf.info import ModelInfo, kv_bytes
-from ..gguf.reader import TensorInfo, read_gguf, tensor_nbytes
+from ..gguf.reader import TensorInfo, read_model, tensor_nbytes
 from ..units import MiB, round_up
 
 KV_PAD = 256  # llama_kv_cache::get_padding; also the cells of a full-context reserve (get_size)
@@ -109,7 +109,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 @lru_cache(maxsize=16)
 def _tensors(path: str) -> tuple[TensorInfo, ...]:
-    return tuple(read_gguf(path, skip_arrays=True).tensors)
+    return tuple(read_model(path).tensors)  # every shard's, for a split model
 
 
 def weight_tensors(info: ModelInfo, layers, output: bool) -> list[TensorInfo]:

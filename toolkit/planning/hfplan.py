@@ -202,9 +202,13 @@ def _resolve(model) -> Path:
     p = Path(str(model)).expanduser()
     if p.is_dir():
         return p
-    from ..conversion.hub import download, looks_like_repo_id
+    from ..hub import parse_ref
+    from ..hub.headers import checkpoint_headers
 
-    if looks_like_repo_id(str(model)):
-        # config, tokenizer files and the safetensors headers are enough; ctxq.conversion.hub fetches them
-        return download(str(model), None)
+    ref = parse_ref(model)
+    if ref is not None and not ref.is_gguf:
+        # config, tokenizer files and the safetensors headers are all it takes: never the weights
+        folder, fetched = checkpoint_headers(ref.repo, ref.revision)
+        log.info("%s: %d bytes read from the Hub (headers, config, tokenizer)", model, fetched)
+        return folder
     raise CtxqError(f"{model}: not a Hugging Face model folder or hub id")

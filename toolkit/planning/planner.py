@@ -168,10 +168,8 @@ def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, de
 
 def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
     """The plan for resolved options on devices already resolved (`devices.resolve_devices`)."""
-    from ..models import resolve_model
-
-    path = resolve_model(model)
-    src = compute_mod.load_source(path)
+    src = compute_mod.load_source(model)  # headers only: a Hub model's weights are not downloaded
+    path = src.source or src.path  # what llama.cpp loads: a local file, or the Hub model `ctxq run` fetches
     info = model_info(src)
     candidates = opts.kv_candidates()
     _check_reserve(devices, opts)

@@ -22,6 +22,7 @@ from ..llama import backend
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
 from ..units import default_threads
+from ..models import resolve_model
 from .session import restore_session, save_for_run, session_path
 from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, generate,  # noqa: F401
                        input_tokens, tokenize)
@@ -142,7 +143,7 @@ def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | No
     t0 = time.perf_counter()
     with backend.capture_log() as lines:
         try:
-            llm = lc.Llama(str(p.model), **kw)
+            llm = lc.Llama(str(resolve_model(p.model)), **kw)  # a Hub model downloads here, once
         except ValueError as e:  # llama-cpp-python's words for a failed model or context
             tail = [l.strip() for l in lines if l.strip()][-1:]
             raise CtxqError(f"llama.cpp could not load {Path(p.model).name} as planned ({e}"
@@ -233,10 +234,10 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
     fits with `n_predict` more, then plan (or take `plan`): nothing loads. `settings` are `PlanOptions`
     fields (n_ctx, kv, gpus, ...). `session`: a file (or "auto") that holds, or will hold, the state
     of the input up to the end of the document (`generate.input_tokens`)."""
-    from ..models import resolve_model
-
     opts = (options or PlanOptions()).updated(**settings)
-    path = resolve_model(model if plan is None else plan.model)
+    if plan is None:  # a Hub model is planned from its headers: one that does not fit is never downloaded
+        plan = make_plan(model, options=opts)
+    path = resolve_model(plan.model)
     keep = None
     if tokens is None and (prompt is not None or document is not None):
         tokens, keep = input_tokens(path, prompt, document=document, chat=chat, system=system)
@@ -248,8 +249,6 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
         keep = min(len(tokens) if keep is None else keep, len(tokens) - 1)
     else:
         keep = None
-    if plan is None:
-        plan = make_plan(path, options=opts)
     return Prepared(plan, tokens, n_predict, opts.rpc, keep, session)
 
 

@@ -56,7 +56,9 @@ def _versions() -> dict:
 def _model_digest(plan) -> str:
     from ..conversion.quantize import file_digest  # SHA-256, remembered per (path, inode, size, mtime)
 
-    return file_digest(plan.model)
+    from ..models import resolve_model
+
+    return file_digest(resolve_model(plan.model))  # a Hub model's file in the Hugging Face cache
 
 
 def _sha256(path: Path, n_bytes: int) -> str:
