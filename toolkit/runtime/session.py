@@ -230,7 +230,7 @@ def restore_session(llm, path, plan, tokens: list[int] | None = None) -> int:
 # --- the `auto` cache ---------------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    from ..models import ctxq_home
+    from ..paths import ctxq_home
 
     return ctxq_home() / "sessions"
 

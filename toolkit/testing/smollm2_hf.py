@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CtxqError
-from ..models import ctxq_home, fetch_default_model
+from ..models import fetch_default_model
+from ..paths import ctxq_home
 from .. import tempfiles
 
 log = logging.getLogger(__name__)
