@@ -50,6 +50,7 @@ class Costs:
     logits: int
     head: int = 0  # the output device's peak at the head, before input copies
     flash_attn: bool = True
+    f16_cache: bool = True
     cuda: cuda_mod.LayerTable | None = None  # CUDA's per-layer terms, when a device's backend is CUDA
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
 
@@ -91,6 +92,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  # result_output f32 [n_vocab, n_ubatch] (the reserve outputs every token) and up to 3
                  # residual-sized tensors beside it (Phi-3-mini 4k-32k: 3; Llama-3: 1), measured on RPC
                  head=info.n_vocab * n_ubatch * 4 + 3 * resid, flash_attn=flash_attn,
+                 f16_cache=type_k == "f16" and type_v == "f16",
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve)
@@ -166,7 +168,9 @@ def _device_compute(c: Costs, has_layers: bool, has_output: bool, n_used: int, p
     head = c.head + copies * c.inputs
     if c.peaks.output <= c.peaks.layer_full:  # the head does not raise the one-layer peak
         return max(steady, head)
-    return max(steady, head, c.peaks.output + copies * c.inputs)  # e.g. Mistral-Nemo-12B at 4k
+    # e.g. Mistral-Nemo-12B at 4k; with an f16 cache the output device keeps 3 residual-sized tensors
+    # more (Mistral-Nemo-12B, 16k and 32k on 5 RPC devices: 18 MiB above the other terms in real loads)
+    return max(steady, head, c.peaks.output + copies * c.inputs + (3 * c.resid if c.f16_cache else 0))
 
 
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
