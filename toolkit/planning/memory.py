@@ -155,8 +155,9 @@ def _device_compute(c: Costs, has_layers: bool, has_output: bool, n_used: int, p
     With several devices the graph is split and each device receives its split's inputs; with pipeline
     parallelism (llama_context: only when every layer is offloaded) it keeps SCHED_COPIES of them alive,
     else one. The steady peak already holds one copy."""
-    if n_used <= 1:  # one device, no split: the graph's own peak (measured as such)
-        return c.peaks.output if has_output else c.peaks.layer_full
+    if n_used <= 1:  # one device, no split: the graph's own peak, at the head or in the layers' steady state
+        # (Phi-3-mini at 32k on the CPU: the layers' peak, 24 MiB above the one-layer model's)
+        return max(c.peaks.output, c.peaks.layer_steady) if has_output else c.peaks.layer_steady
     copies = SCHED_COPIES if pipeline else 1
     if has_output and not has_layers:  # the output head alone: no attention, so no mask copies
         if not c.flash_attn:  # the one-layer peak is its KQ matrix, which this device never computes
@@ -182,8 +183,8 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.layer_weights[i] for i in layers) \
         + (c.info.output_bytes if has_out else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
-    if n_used == 0:
-        dp.compute = c.peaks.output
+    if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
+        dp.compute = _device_compute(c, bool(layers), has_out, 1, pipeline=False)
     elif len(layers):  # it runs those layers: their peak and one copy of the inputs (no pipeline parallelism)
         dp.compute = c.peaks.layer_full + c.inputs
     else:  # the host builds the inputs of a split graph
