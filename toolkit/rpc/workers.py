@@ -144,8 +144,9 @@ class Workers:
     def how_ended(self, endpoint: str) -> str:
         """How a worker's process ended ("killed by SIGKILL", "exit code 1: <its last line>")."""
         i = self.endpoints.index(endpoint)
-        code = self.procs[i].poll()
-        if code is None:
+        try:  # a worker found gone (its port refuses) may not be reaped yet: on a busy machine, give it a moment
+            code = self.procs[i].wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
             return "running"
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         tail = self.log_tail(i, 1)
