@@ -108,24 +108,29 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 @lru_cache(maxsize=16)
-def _tensors(path: str) -> tuple[TensorInfo, ...]:
-    return tuple(read_model(path).tensors)  # every shard's, for a split model
+def _matmul_weights(path: str) -> tuple[dict[int, tuple[TensorInfo, ...]], dict[str, TensorInfo]]:
+    """The header's matmul weights (2-D and up; norms and biases are not) by layer, and the rest by name;
+    every shard's, for a split model. Read once per file: the planner asks for thousands of layouts."""
+    by_layer: dict[int, list[TensorInfo]] = {}
+    other: dict[str, TensorInfo] = {}
+    for t in read_model(path).tensors:
+        if len(t.shape) < 2:
+            continue
+        m = _LAYER_RE.match(t.name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append(t)
+        else:
+            other[t.name] = t
+    return {il: tuple(ts) for il, ts in by_layer.items()}, other
 
 
 def weight_tensors(info: ModelInfo, layers, output: bool) -> list[TensorInfo]:
     """The matmul weights of `layers` (and the output head when `output`) read from the GGUF's header;
     a tied output is token_embd (TENSOR_DUPLICATED onto the output device)."""
-    wanted = set(layers)
-    out = []
-    for t in _tensors(info.path):
-        if len(t.shape) < 2:
-            continue  # norms and biases: not matmul weights
-        m = _LAYER_RE.match(t.name)
-        if m and int(m.group(1)) in wanted:
-            out.append(t)
-        elif output and (t.name == "output.weight" or (info.output_tied and t.name == "token_embd.weight")):
-            out.append(t)
-    return out
+    by_layer, other = _matmul_weights(info.path)
+    out = [t for il in layers for t in by_layer.get(il, ())]
+    head = other.get("token_embd.weight" if info.output_tied else "output.weight") if output else None
+    return out + ([head] if head is not None else [])
 
 
 def cuda_nbytes(t: TensorInfo) -> int:
