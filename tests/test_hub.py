@@ -322,3 +322,11 @@ def test_a_model_that_does_not_fit_is_never_downloaded(hub, env):
     r = run_ctxq("run", "user/Llama-3-70B-GGUF:q4_k_m", "-c", "65536", "--gpus", "1", "-p", "hi", env=env)
     assert r.returncode == 1 and "do not fit" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert hub.bytes_served < 1 << 20  # headers only (3 shards x 64 KiB ranges)
+
+
+def test_a_dry_run_plans_without_downloading(hub, env):
+    hub.reset_counts()
+    r = run_ctxq("run", "user/Llama-3-70B-GGUF:q4_k_m", "-c", "65536", "--gpus", "16,16,16,8,8", "--dry-run",
+                 env=env)
+    assert r.returncode == 0 and "llama.cpp flags:" in r.stdout, r.stderr
+    assert hub.bytes_served < 1 << 20  # the headers of the 3 shards, none of their 42 GB

@@ -230,19 +230,19 @@ class Prepared:
 def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str | None = None,
             tokens: list[int] | None = None, chat: bool = False, system: str | None = None, n_predict: int = 256,
             session=None, plan: Plan | None = None, options: PlanOptions | None = None, **settings) -> Prepared:
-    """Tokenize the input (`document`, then `prompt` after a blank line; or take `tokens`), check it
-    fits with `n_predict` more, then plan (or take `plan`): nothing loads. `settings` are `PlanOptions`
+    """Plan (or take `plan`), then tokenize the input (`document`, then `prompt` after a blank line; or
+    take `tokens`) and check it fits with `n_predict` more: nothing loads. `settings` are `PlanOptions`
     fields (n_ctx, kv, gpus, ...). `session`: a file (or "auto") that holds, or will hold, the state
     of the input up to the end of the document (`generate.input_tokens`)."""
     opts = (options or PlanOptions()).updated(**settings)
     if plan is None:  # a Hub model is planned from its headers: one that does not fit is never downloaded
         plan = make_plan(model, options=opts)
-    path = resolve_model(plan.model)
     keep = None
     if tokens is None and (prompt is not None or document is not None):
-        tokens, keep = input_tokens(path, prompt, document=document, chat=chat, system=system)
+        # the vocabulary needs the file: a Hub model is downloaded here, after its plan
+        tokens, keep = input_tokens(resolve_model(plan.model), prompt, document=document, chat=chat, system=system)
     if tokens is not None:
-        check_context(len(tokens), n_predict, plan.n_ctx if plan is not None else opts.resolved().n_ctx)
+        check_context(len(tokens), n_predict, plan.n_ctx)
     if tokens is not None and (session is not None or document is not None):
         # The document is evaluated first whether or not a session is saved, so runs with and without
         # one evaluate the same batches; the last token is always evaluated (its logits start the answer).
