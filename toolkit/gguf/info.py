@@ -11,6 +11,7 @@ from gguf.constants import GGMLQuantizationType, LlamaFileType
 
 from ..errors import GGUFError
 from .reader import GGUFFile, read_gguf, tensor_nbytes
+from ..units import round_up
 
 # Sliding-window rules per architecture, as each llama_model_<arch>::load_hparams sets them
 # (src/models/<arch>.cpp): (default window or None when the key must be present, pattern).
@@ -27,6 +28,24 @@ KV_TYPES = ("f16", "q8_0", "q4_0")
 def kv_bytes(type_name: str, n_elements: int) -> int:
     """Bytes of one KV row of n_elements (ggml_row_size); GGUFError if the type's blocks do not divide it."""
     return tensor_nbytes(int(GGMLQuantizationType[type_name.upper()]), (n_elements,))
+
+
+KV_PAD = 256  # llama_context pads the KV cache to 256 cells (llama_kv_cache::get_padding)
+
+
+def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
+    """Cells of layer il's KV cache at n_ctx: padded to 256; sliding-window layers hold a window
+    (llama_kv_cache::get_size, llama_kv_cache_iswa)."""
+    size = round_up(n_ctx, KV_PAD)
+    if info.swa_layers[il] and info.n_swa:
+        return min(size, round_up(info.n_swa + n_ubatch, KV_PAD))
+    return size
+
+
+def layer_kv_bytes(info: ModelInfo, il: int, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> int:
+    """Bytes of layer il's K and V cache."""
+    return kv_cells(info, n_ctx, n_ubatch, il) * (kv_bytes(type_k, info.n_embd_k_gqa(il))
+                                                 + kv_bytes(type_v, info.n_embd_v_gqa(il)))
 
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.")

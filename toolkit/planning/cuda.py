@@ -22,11 +22,10 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..gguf.info import ModelInfo, kv_bytes
+from ..gguf.info import ModelInfo, kv_cells, layer_kv_bytes
 from ..gguf.reader import TensorInfo, read_model, tensor_nbytes
 from ..units import MiB, round_up
 
-KV_PAD = 256  # llama_kv_cache::get_padding; also the cells of a full-context reserve (get_size)
 CUDA_ALIGN = 128  # ggml_backend_cuda_buffer_type_get_alignment; GGML_PAD(end, 128) in get_f16_extra_data
 # The vector FA kernels compiled by default (ggml/CMakeLists.txt GGML_CUDA_FA_QUANTS); any other K/V
 # pair falls back to f16 copies even for one token (ggml_cuda_flash_attn_ext_get_alloc_size, VEC case).
@@ -50,13 +49,6 @@ CUBLAS_WORKSPACE_HOPPER, CUBLAS_WORKSPACE = 32 * MiB, 4 * MiB  # ggml_backend_cu
 # does not model (Vulkan, Metal, ...).
 CUDA_RESERVE = 768 * MiB
 OTHER_GPU_RESERVE = 1024 * MiB
-
-
-def cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
-    """KV cells of layer il at full context: n_ctx padded to 256, a window for sliding-window layers
-    (llama_kv_cache::get_size; llama_kv_cache_iswa). The planner's kv_cells follows the same rule."""
-    size = round_up(n_ctx, KV_PAD)
-    return min(size, round_up(info.n_swa + n_ubatch, KV_PAD)) if info.swa_layers[il] and info.n_swa else size
 
 
 def _fa_needs_f16(type_k: str, type_v: str, n_tokens: int) -> tuple[bool, bool]:
@@ -85,7 +77,7 @@ def fa_layer_copies(info: ModelInfo, il: int, n_ctx: int, n_ubatch: int, type_k:
     need_k, need_v = _fa_needs_f16(type_k, type_v, n_tokens)
     if not (need_k or need_v):
         return 0
-    n_kv = cells(info, n_ctx, n_ubatch, il)
+    n_kv = kv_cells(info, n_ctx, n_ubatch, il)
     dst = info.head_dim_v * info.n_head[il] * n_tokens * 4  # f32 [head_dim_v, n_head, n_tokens]
     end = dst
     if need_k:
@@ -167,8 +159,7 @@ def offload_kv_copies(info: ModelInfo, cpu_layers, n_ctx: int, n_ubatch: int, ty
     plus the f16 copies of fa_layer_copies for a quantized cache. One layer at a time."""
     if min(n_ctx, n_ubatch) < min_batch:
         return 0
-    return max((cells(info, n_ctx, n_ubatch, il) * (kv_bytes(type_k, info.n_embd_k_gqa(il))
-                                                    + kv_bytes(type_v, info.n_embd_v_gqa(il)))
+    return max((layer_kv_bytes(info, il, n_ctx, n_ubatch, type_k, type_v)
                 + fa_layer_copies(info, il, n_ctx, n_ubatch, type_k, type_v, flash_attn) for il in cpu_layers),
                default=0)
 
@@ -187,7 +178,7 @@ def fa_off_pool(info: ModelInfo, layers, n_ctx: int, n_ubatch: int, flash_attn: 
     n_tokens = min(n_ctx, n_ubatch)
 
     def layer(il: int) -> int:
-        n_kv = cells(info, n_ctx, n_ubatch, il)
+        n_kv = kv_cells(info, n_ctx, n_ubatch, il)
         kq = n_kv * info.n_embd_k_gqa(il) * 4
         kqv = n_kv * n_tokens * info.n_head[il] * 2 + n_tokens * info.head_dim_v * info.n_head[il] * 2
         return max(kq, kqv)

@@ -140,7 +140,7 @@ def predict(src: Path, qtype: str) -> tuple[list[tuple[str, tuple, int]], bool]:
         m = _LINE_RE.search(line)
         if not m:
             continue
-        tname, cur, new = m.group(1), m.group(2), m.group(5) or m.group(2)
+        tname, new = m.group(1), m.group(5) or m.group(2)  # the new type, or the current one kept
         out.append((tname, shapes[tname], int(T[new.upper()])))
     if len(out) != len(shapes):
         raise CtxqError(f"could not read llama.cpp's dry-run log for {name}: {len(out)} of {len(shapes)} tensors")

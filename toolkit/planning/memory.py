@@ -26,10 +26,10 @@ from . import cuda as cuda_mod
 from .devices import Device
 from .options import PlanOptions
 from .plan import DevicePlan
-from ..gguf.info import ModelInfo, kv_bytes
+from ..gguf.info import KV_PAD, ModelInfo, kv_cells
+from ..gguf.info import layer_kv_bytes as layer_kv
 from ..units import GiB, MiB, round_up
 
-KV_PAD = 256  # llama_context pads the KV cache to 256 cells (llama_kv_cache::get_padding)
 RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
 HOST_MARGIN = 1 * GiB  # the Python process, llama.cpp's own heap and the OS page cache for mmap
 # llama.cpp keeps this many copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES).
@@ -55,19 +55,9 @@ class Costs:
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
 
 
-def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
-    """Cells of layer il's KV cache (llama_context pads n_ctx to 256; SWA layers hold a window)."""
-    size = round_up(n_ctx, KV_PAD)
-    if info.swa_layers[il] and info.n_swa:
-        return min(size, round_up(info.n_swa + n_ubatch, KV_PAD))
-    return size
-
-
 def layer_kv_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
     """Bytes of each layer's KV cache."""
-    return [kv_cells(info, n_ctx, n_ubatch, il) * (kv_bytes(type_k, info.n_embd_k_gqa(il))
-                                                  + kv_bytes(type_v, info.n_embd_v_gqa(il)))
-            for il in range(info.n_layer)]
+    return [layer_kv(info, il, n_ctx, n_ubatch, type_k, type_v) for il in range(info.n_layer)]
 
 
 def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cuda: bool = False) -> Costs:
