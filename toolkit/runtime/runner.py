@@ -145,14 +145,22 @@ def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | No
         try:
             llm = lc.Llama(str(resolve_model(p.model)), **kw)  # a Hub model downloads here, once
         except ValueError as e:  # llama-cpp-python's words for a failed model or context
-            tail = [l.strip() for l in lines if l.strip()][-1:]
+            tail = _load_failure(lines)
             raise CtxqError(f"llama.cpp could not load {Path(p.model).name} as planned ({e}"
-                            f"{': ' + tail[0] if tail else ''}); its log is on the ctxq.llama_cpp logger") from None
+                            f"{': ' + tail if tail else ''}); its log is on the ctxq.llama_cpp logger") from None
     load_s = time.perf_counter() - t0
     if llm.n_ctx() < p.n_ctx:  # llama.cpp must never hold less than the plan promised
         llm.close()
         raise CtxqError(f"llama.cpp made a context of {llm.n_ctx()} tokens, not the {p.n_ctx} planned")
     return llm, memory_report(p, backend.parse_allocations(lines)), load_s
+
+
+def _load_failure(lines: list[str]) -> str | None:
+    """llama.cpp's own reason for a failed load (llama_model_load: "error loading model: check_tensor_dims:
+    tensor 'blk.2.ffn_up_exps.weight' not found"), else the last line it logged."""
+    marker = "error loading model: "
+    why = [l.split(marker, 1)[1].strip() for l in lines if marker in l] or [l.strip() for l in lines if l.strip()]
+    return why[-1] if why else None
 
 
 def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
