@@ -83,6 +83,29 @@ def test_plan_of_a_hf_model_passes_plan_options_to_each_candidate(record, tmp_pa
     assert calls[0][1]["options"] == PlanOptions(n_ctx=32768, kv="q8_0", flash_attn=True, n_batch=512, simulate="8")
 
 
+@pytest.mark.parametrize("args, options", [
+    (["run", "m.gguf", "-p", "hi", "--cpu-moe"], PlanOptions(cpu_moe=True)),
+    (["run", "m.gguf", "-p", "hi", "-cmoe", "-ncmoe", "3"], PlanOptions(cpu_moe=True, n_cpu_moe=3)),
+    (["run", "m.gguf", "-p", "hi", "--n-cpu-moe", "0"], PlanOptions(n_cpu_moe=0)),
+])
+def test_expert_flags_are_spelled_as_llama_cpp_spells_them(record, args, options):
+    calls = record(runner, "prepare")
+    r = _invoke(*args)
+    assert isinstance(r.exception, Reached), r.output
+    assert calls[0][1]["options"] == options
+
+
+def test_expert_flags_reach_plan_and_serve(record):
+    calls = record(planner, "plan")
+    r = _invoke("plan", "m.gguf", "-c", "4096", "-ncmoe", "12")
+    assert isinstance(r.exception, Reached), r.output
+    assert calls[-1][1]["options"] == PlanOptions(n_ctx=4096, n_cpu_moe=12)
+    calls = record(runner, "make_plan")
+    r = _invoke("serve", "m.gguf", "--cpu-moe")
+    assert isinstance(r.exception, Reached), r.output
+    assert calls[-1][1]["options"] == PlanOptions(cpu_moe=True)
+
+
 @pytest.mark.parametrize("args, words", [
     (["--svg", "x.svg"], "Error: --svg draws one plan"),
     (["-ts", "1,1", "--gpus", "8,8"], "Error: a -ts is evaluated for one GGUF file"),
@@ -137,6 +160,7 @@ def test_library_errors_show_flag_spelling(monkeypatch, capsys):
     (["plan", "-c", "0"], "Error: --ctx must be positive, got 0\n"),
     (["run", "-p", "hi", "--simulate", "8", "--rpc", "127.0.0.1:1"], "Error: give --simulate or --rpc, not both\n"),
     (["run", "-p", "hi", "-b", "-1"], "Error: -b must be positive, got -1\n"),
+    (["run", "-p", "hi", "--n-cpu-moe", "-1"], "Error: --n-cpu-moe must be 0 or more layers, got -1\n"),
 ])
 def test_bad_options_are_refused_by_the_library_in_flag_terms(capsys, args, line):
     """Unpatched: the options are checked before any model or worker is touched."""

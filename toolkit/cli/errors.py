@@ -20,9 +20,10 @@ FLAGS = {
     "leave_output_tensor": "--leave-output-tensor", "pure": "--pure", "revision": "--revision",
     "check": "--no-check", "hf_file": "--hf-file", "max_body": "--max-body", "max_queue": "--max-queue",
     "timeout": "--timeout", "shutdown_timeout": "--shutdown-timeout", "session": "--session",
+    "cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe",
 }
 # flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
-_SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure"}
+_SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure", "cpu_moe"}
 _INVERTED = {"check"}
 _ON_OFF = {"flash_attn"}  # booleans that the command line spells on/off
 

@@ -62,6 +62,12 @@ def _plan_flags(for_plan: bool) -> list:
                      help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
         click.option("-b", "--batch", "n_batch", type=int, default=None,
                      help=f"Tokens per decode call of the prefill.  [default: {DEFAULT_N_BATCH}]"),
+        click.option("-cmoe", "--cpu-moe", "cpu_moe", is_flag=True, default=None,
+                     callback=lambda ctx, param, v: v or None,
+                     help="Keep the expert weights of a mixture-of-experts model in CPU memory (llama.cpp's "
+                          "--cpu-moe); the router and shared experts stay with their layer."),
+        click.option("-ncmoe", "--n-cpu-moe", "n_cpu_moe", type=int, default=None, metavar="N",
+                     help="Keep the expert weights of the first N layers in CPU memory (llama.cpp's --n-cpu-moe)."),
         click.option("--reserve", "reserve", type=float, default=None, metavar="GiB",
                      callback=lambda ctx, param, v: None if v is None else int(v * GiB),
                      help="Memory kept free on every GPU outside llama.cpp's buffers (CUDA context, cuBLAS, "

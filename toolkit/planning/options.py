@@ -37,6 +37,9 @@ class PlanOptions:
     cpu_memory: bytes of host RAM to plan with (default: the profile's, else available now).
     reserve: bytes kept free on every GPU outside llama.cpp's buffers (default: the backend's, 768 MiB
     for CUDA, see planning/cuda.py; a profile may set it per card).
+    cpu_moe / n_cpu_moe: keep the expert tensors of a mixture-of-experts model in CPU memory, of every
+    layer or of the layers below N, as llama.cpp's --cpu-moe / --n-cpu-moe (router and shared experts
+    stay with their layer).
     """
 
     n_ctx: int | None = None
@@ -55,6 +58,8 @@ class PlanOptions:
     simulate: str | list | tuple | None = None
     cpu_memory: int | None = None
     reserve: int | None = None
+    cpu_moe: bool | None = None
+    n_cpu_moe: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -87,6 +92,9 @@ class PlanOptions:
         if self.reserve is not None and self.reserve < 0:
             raise InvalidOption(f"reserve must be 0 or more bytes, got {self.reserve}", option="reserve",
                                 value=self.reserve)
+        if self.n_cpu_moe is not None and self.n_cpu_moe < 0:  # common/arg.cpp refuses it too
+            raise InvalidOption(f"n_cpu_moe must be 0 or more layers, got {self.n_cpu_moe}", option="n_cpu_moe",
+                                value=self.n_cpu_moe)
         if prefer not in PREFER:
             raise InvalidOption(f"`prefer` must be quality or speed, not {prefer!r}", option="prefer", value=prefer)
         if kv not in (DEFAULT_KV, *KV_TYPES):
@@ -95,6 +103,23 @@ class PlanOptions:
             if self.simulate is not None and getattr(self, other):
                 raise InvalidOption(f"give `simulate` or `{other}`, not both", option="simulate", value=self.simulate)
         return r
+
+    def cpu_expert_layers(self, expert_layers: list[int], n_layer: int) -> list[int]:
+        """The layers (of `expert_layers`, those holding experts) whose experts these options put in
+        CPU memory; InvalidOption for a model without experts or an n_cpu_moe beyond `n_layer`."""
+        if not self.cpu_moe and not self.n_cpu_moe:
+            return []
+        name, value = ("cpu_moe", True) if self.cpu_moe else ("n_cpu_moe", self.n_cpu_moe)
+        if not expert_layers:
+            raise InvalidOption(f"{name}={value} keeps the experts of a mixture-of-experts model in CPU memory, "
+                                "but this model has no expert tensors; drop it", option=name, value=value)
+        if self.n_cpu_moe is not None and self.n_cpu_moe > n_layer:
+            raise InvalidOption(f"n_cpu_moe={self.n_cpu_moe} is beyond this model's {n_layer} layers; use "
+                                f"n_cpu_moe={n_layer} or cpu_moe=True for all of them", option="n_cpu_moe",
+                                value=self.n_cpu_moe, limit=n_layer)
+        if self.cpu_moe:
+            return list(expert_layers)
+        return [il for il in expert_layers if il < self.n_cpu_moe]
 
     def kv_candidates(self) -> list[tuple[str, str]]:
         """(type_k, type_v) pairs to try, in the order of preference."""

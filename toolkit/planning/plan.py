@@ -1,14 +1,21 @@
 """The plan: what each device holds (bytes) and the llama.cpp settings that load it as planned.
 
 `Llama(model, **plan.llama_kwargs())` loads a plan; `plan.llama_flags()` is the same plan as
-llama.cpp command-line flags. Made by `ctxq.planning.planner.plan()`.
+llama.cpp command-line flags. Made by `ctxq.planning.planner.plan()`. A mixture-of-experts plan that
+keeps experts in CPU memory also needs `plan.expert_overrides()` passed to llama.cpp as tensor buffer
+overrides, which `Llama` takes no keyword for: `ctxq.load()` and `ctxq run` do it
+(`ctxq.llama.overrides.create_llama`).
 """
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass, field
+from typing import Iterable
 
+from ..llama.overrides import expert_layers, expert_pattern
 from .devices import Device
+from .options import PlanOptions
 
 
 @dataclass
@@ -69,6 +76,8 @@ class Plan:
     reason: str = ""
     est_decode_tps: float | None = None  # an estimate from memory bandwidth, not a measurement
     notes: list[str] = field(default_factory=list)
+    expert_layers: list[int] = field(default_factory=list)  # layers holding expert tensors (MoE); [] when dense
+    cpu_expert_layers: list[int] = field(default_factory=list)  # of those, the layers whose experts are in CPU memory
 
     @property
     def devices(self) -> list[DevicePlan]:
@@ -78,8 +87,13 @@ class Plan:
     def cpu_layers(self) -> int:
         return self.n_layer + 1 - self.n_gpu_layers
 
+    def expert_overrides(self) -> list[str]:
+        """llama.cpp regexes matching the expert tensors of `cpu_expert_layers`, one per layer (as
+        `--n-cpu-moe` builds them): the `tensor_buft_overrides` that keep those tensors in CPU memory."""
+        return [expert_pattern(il) for il in self.cpu_expert_layers]
+
     def llama_kwargs(self) -> dict:
-        """Keyword arguments for `llama_cpp.Llama`."""
+        """Keyword arguments for `llama_cpp.Llama`; `expert_overrides()` are not among them (no keyword)."""
         import llama_cpp
         from gguf.constants import GGMLQuantizationType as T
 
@@ -100,7 +114,20 @@ class Plan:
         flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
         if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
             flags += " --swa-full"
-        return flags
+        return flags + self._expert_flags()
+
+    def _expert_flags(self) -> str:
+        """The expert placement as a llama.cpp user types it: --cpu-moe (all), --n-cpu-moe N (the expert
+        layers below N), else one -ot pattern per layer."""
+        cpu = self.cpu_expert_layers
+        if not cpu:
+            return ""
+        if cpu == self.expert_layers:
+            return " --cpu-moe"
+        n = cpu[-1] + 1
+        if cpu == [il for il in self.expert_layers if il < n]:
+            return f" --n-cpu-moe {n}"
+        return " -ot " + shlex.quote(",".join(f"{p}=CPU" for p in self.expert_overrides()))
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("gpus", "host")}
@@ -108,4 +135,27 @@ class Plan:
         d["host"] = self.host.to_dict()
         d["llama_flags"] = self.llama_flags()
         d["cpu_layers"] = self.cpu_layers
+        d["expert_overrides"] = self.expert_overrides()
         return d
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Which layers hold experts and which of them keep the experts in CPU memory. For now the user's
+    choice (`cpu_moe`, `n_cpu_moe`); its memory is not costed yet (the plan says so in a note)."""
+
+    expert_layers: list[int]
+    cpu_layers: list[int]
+
+    @classmethod
+    def chosen(cls, tensor_names: Iterable[str], n_layer: int, opts: PlanOptions) -> ExpertPlacement:
+        """The placement `opts` asks for on a model with these tensors; InvalidOption when it cannot be."""
+        layers = expert_layers(tensor_names)
+        return cls(layers, opts.cpu_expert_layers(layers, n_layer))
+
+    def apply(self, p: Plan) -> Plan:
+        p.expert_layers, p.cpu_expert_layers = list(self.expert_layers), list(self.cpu_layers)
+        if self.cpu_layers:
+            p.notes.append(f"the experts of {len(self.cpu_layers)} of {len(self.expert_layers)} layers are kept in "
+                           "CPU memory; the memory above still counts them with their layers")
+        return p

@@ -18,7 +18,7 @@ from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .memory import Costs, costs, device_cost, estimate_tps, host_cost, layer_kv_bytes
 from .options import KV_TYPES, PlanOptions
-from .plan import DevicePlan, Plan
+from .plan import DevicePlan, ExpertPlacement, Plan
 from ..errors import DoesNotFit, InvalidOption
 from ..gguf.info import ModelInfo, model_info
 from ..units import GiB
@@ -171,6 +171,7 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     src = compute_mod.load_source(model)  # headers only: a Hub model's weights are not downloaded
     path = src.source or src.path  # what llama.cpp loads: a local file, or the Hub model `ctxq run` fetches
     info = model_info(src)
+    experts = ExpertPlacement.chosen((t.name for t in src.tensors), info.n_layer, opts)  # checked before the search
     candidates = opts.kv_candidates()
     _check_reserve(devices, opts)
     cuda = any(d.backend == "cuda" for d in devices)
@@ -184,7 +185,7 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
                                 option="type_v", value=tv)
     if opts.split is not None:
         tk, tv = candidates[0]
-        return _evaluate_split(costs(info, src, opts, tk, tv, cuda), str(path), devices, cpu, opts, tk, tv)
+        return experts.apply(_evaluate_split(costs(info, src, opts, tk, tv, cuda), str(path), devices, cpu, opts, tk, tv))
     plans, hosts = [], []
     for tk, tv in candidates:
         c = costs(info, src, opts, tk, tv, cuda)
@@ -194,7 +195,7 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
             plans.append(p)
     if not plans:
         raise _does_not_fit(cpu, hosts, opts.n_ctx)
-    return _choose(plans, info, devices, opts, len(candidates) > 1)
+    return experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1))
 
 
 def _check_reserve(devices: list[Device], opts: PlanOptions) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..llama import backend
+from ..llama import backend, overrides
 
 
 @dataclass
@@ -35,17 +35,17 @@ class Generation:
         return (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else 0.0
 
 
-def generate_greedy(model: str, prompt: str | list[int], n_predict: int = 16, **llama_kwargs) -> Generation:
+def generate_greedy(model: str, prompt: str | list[int], n_predict: int = 16, *, cpu_patterns: tuple[str, ...] = (),
+                    **llama_kwargs) -> Generation:
     """Load `model` with `Llama(**llama_kwargs)`, evaluate `prompt`, then take the argmax `n_predict`
-    times; timings separate prefill from decode. Register RPC workers first (`run_supervised(rpc=)`)."""
+    times; timings separate prefill from decode. Register RPC workers first (`run_supervised(rpc=)`).
+    `cpu_patterns`: tensors to keep in CPU memory (`Plan.expert_overrides()`, `ctxq.llama.overrides`)."""
     import numpy as np
 
     lc = backend.llama_cpp()
-    from llama_cpp import Llama
-
     llama_kwargs.setdefault("verbose", False)
     with backend.capture_log() as lines:
-        llm = Llama(str(model), **llama_kwargs)
+        llm = overrides.create_llama(str(model), llama_kwargs, cpu_patterns)
     try:
         toks = llm.tokenize(prompt.encode()) if isinstance(prompt, str) else list(prompt)
         n_vocab = llm.n_vocab()

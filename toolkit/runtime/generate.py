@@ -75,7 +75,8 @@ class RunResult:
         return (self.n_generated - 1) / self.decode_s if self.n_generated > 1 and self.decode_s > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "n_prompt": self.n_prompt, "n_generated": self.n_generated, "stop": self.stop,
+        return {"text": self.text, "tokens": self.tokens, "n_prompt": self.n_prompt,
+                "n_generated": self.n_generated, "stop": self.stop,
                 "load_s": self.load_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "ttft_s": self.ttft_s, "n_cached": self.n_cached, "prefill_tps": self.prefill_tps,
                 "decode_tps": self.decode_tps,

@@ -1,6 +1,8 @@
 """Execute a plan: `ctxq.load()` returns a ready `llama_cpp.Llama`; `run()` = `prepare()` + `execute()`.
 
-The plan a user sees (`ctxq plan`) is the object loaded here: `Llama(model, **plan.llama_kwargs())`.
+The plan a user sees (`ctxq plan`) is the object loaded here: `Llama(model, **plan.llama_kwargs())`,
+with the plan's expert placement (`plan.expert_overrides()`) as llama.cpp tensor buffer overrides
+(`ctxq.llama.overrides.create_llama`, the one place that sets them).
 `prepare()` tokenizes and checks the input before anything loads, then plans (all a dry run needs);
 `execute()` loads the plan, prefills with a progress callback and generates with a text callback,
 returning one `RunResult`. The library prints nothing: llama.cpp's log goes to the
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption, ReorderNeeded
-from ..llama import backend
+from ..llama import backend, overrides
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
 from ..units import default_threads
@@ -134,25 +136,34 @@ def _refuse_replanning(p: Plan, llama_kwargs: dict) -> None:
 
 def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | None = None, **llama_kwargs):
     """`(Llama, memory, seconds)` for a plan: load it as planned and compare memory with llama.cpp's log.
-    `llama_kwargs` go to `Llama` (e.g. embedding=True); the planned ones (n_ctx, type_k, ...) are refused."""
+    `llama_kwargs` go to `Llama` (e.g. embedding=True); the planned ones (n_ctx, type_k, ...) are refused.
+    Experts the plan keeps in CPU memory are put there by tensor overrides (`llm.ctxq_overrides`)."""
     _refuse_replanning(p, llama_kwargs)
     prepare_devices(p, rpc)
-    lc = backend.llama_cpp()
     kw = llama_params(p, n_threads=n_threads, seed=seed)
     kw.update(llama_kwargs)
     t0 = time.perf_counter()
     with backend.capture_log() as lines:
         try:
-            llm = lc.Llama(str(resolve_model(p.model)), **kw)  # a Hub model downloads here, once
+            # a Hub model downloads here, once
+            llm = overrides.create_llama(str(resolve_model(p.model)), kw, p.expert_overrides())
         except ValueError as e:  # llama-cpp-python's words for a failed model or context
-            tail = [l.strip() for l in lines if l.strip()][-1:]
+            tail = _load_failure(lines)
             raise CtxqError(f"llama.cpp could not load {Path(p.model).name} as planned ({e}"
-                            f"{': ' + tail[0] if tail else ''}); its log is on the ctxq.llama_cpp logger") from None
+                            f"{': ' + tail if tail else ''}); its log is on the ctxq.llama_cpp logger") from None
     load_s = time.perf_counter() - t0
     if llm.n_ctx() < p.n_ctx:  # llama.cpp must never hold less than the plan promised
         llm.close()
         raise CtxqError(f"llama.cpp made a context of {llm.n_ctx()} tokens, not the {p.n_ctx} planned")
     return llm, memory_report(p, backend.parse_allocations(lines)), load_s
+
+
+def _load_failure(lines: list[str]) -> str | None:
+    """llama.cpp's own reason for a failed load (llama_model_load: "error loading model: check_tensor_dims:
+    tensor 'blk.2.ffn_up_exps.weight' not found"), else the last line it logged."""
+    marker = "error loading model: "
+    why = [l.split(marker, 1)[1].strip() for l in lines if marker in l] or [l.strip() for l in lines if l.strip()]
+    return why[-1] if why else None
 
 
 def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:

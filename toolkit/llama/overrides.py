@@ -1,0 +1,150 @@
+"""Tensor buffer-type overrides: the one place ctxq hands `llama_model_params.tensor_buft_overrides`
+to llama.cpp (expert weights of a mixture-of-experts model kept in CPU memory).
+
+llama-cpp-python 0.3.36 declares the field (`c_void_p  # NOTE: unused`) but takes no keyword for it,
+and `Llama.__init__` fills its `llama_model_params` and loads the model in one go. `create_llama`
+therefore sets the field on the params struct at the moment llama.cpp receives it: a pass-through
+wrapper of `llama_cpp.llama_cpp.llama_model_load_from_file` (installed once; the function `_internals.
+LlamaModel` calls) adds the array only for the thread inside `create_llama`, and only for its first
+load. Whatever else `Llama` puts in the struct is left as it is. The array and its strings live as
+long as the `Llama` (`llm.ctxq_overrides`), and the load's own log proves each pattern was applied.
+
+The patterns are llama.cpp's own (common/common.h): `blk\\.N\\.ffn_(up|down|gate|gate_up)_(ch|)exps`,
+what `--n-cpu-moe N` adds for each layer below N. They match the stacked expert tensors only, never the
+router `ffn_gate_inp` or the shared experts `ffn_*_shexp`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from ..errors import BuildError, CtxqError, InvalidOption
+from . import backend
+
+# common/common.h LLM_FFN_EXPS_REGEX and llm_ffn_block_regex(idx, ...) = "blk\\.%d" + LLM_FFN_EXPS_REGEX
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)" + FFN_EXPS_REGEX)
+# llama-model-loader.cpp (check overrides): logged at DEBUG for every tensor a pattern matched
+_OVERRIDDEN = re.compile(r"tensor (\S+) \(\d+ MiB \S+\) buffer type overridden to (\S+)")
+_GGML_BACKEND_DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type (ggml-backend.h)
+
+
+def expert_pattern(layer: int) -> str:
+    """The regex llama.cpp's `--n-cpu-moe` uses for layer `layer`'s expert tensors."""
+    return f"blk\\.{layer}{FFN_EXPS_REGEX}"
+
+
+def expert_layers(tensor_names: Iterable[str]) -> list[int]:
+    """The layers that hold expert tensors (the names llama.cpp's expert regex matches), in order."""
+    return sorted({int(m.group(1)) for n in tensor_names if (m := _EXPERT_TENSOR.match(n))})
+
+
+class _Override(ctypes.Structure):
+    """struct llama_model_tensor_buft_override (include/llama.h); llama_cpp.py does not define it."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+@dataclass
+class TensorOverrides:
+    """A NULL-terminated `llama_model_tensor_buft_override` array for `patterns`, all to the CPU
+    buffer type, and what llama.cpp did with it: tensor name -> the buffer type it logged."""
+
+    patterns: list[str]
+    array: ctypes.Array = field(repr=False)
+    overridden: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def to_cpu(cls, patterns: Sequence[str]) -> TensorOverrides:
+        lc = backend.llama_cpp()
+        limit = lc.llama_max_tensor_buft_overrides()
+        if len(patterns) >= limit:  # one slot is the terminator
+            raise InvalidOption(f"{len(patterns)} tensor overrides; llama.cpp takes at most {limit - 1}",
+                                value=len(patterns), limit=limit - 1)
+        buft = cpu_buffer_type()
+        array = (_Override * (len(patterns) + 1))()  # zeroed: the last entry is the {NULL, NULL} terminator
+        for i, p in enumerate(patterns):
+            array[i].pattern = p.encode()  # the Structure keeps the bytes alive with the array
+            array[i].buft = buft
+        return cls(list(patterns), array)
+
+    def unapplied(self) -> list[str]:
+        """Patterns that matched no tensor of the load (Python's re and std::regex agree on these)."""
+        return [p for p in self.patterns if not any(re.search(p, name) for name in self.overridden)]
+
+
+def cpu_buffer_type() -> int:
+    """The CPU device's buffer type from ggml's device API: the pointer llama.cpp compares with
+    `ggml_backend_cpu_buffer_type()` to keep the CPU's extra (repacked) types in play
+    (llama_model_loader::create_tensor). libggml by its SONAME file, as libllama loads it."""
+    backend.llama_cpp()  # loads libllama and with it the libggml copies ctypes must share
+    lib = ctypes.CDLL(str(backend.lib_dir() / "libggml.so.0"))
+    lib.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    lib.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    dev = lib.ggml_backend_dev_by_type(_GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        raise BuildError("ggml has no CPU device; reinstall llama-cpp-python with `make setup`")
+    return lib.ggml_backend_dev_buffer_type(dev)
+
+
+_pending = threading.local()  # the array create_llama hands to its own thread's next model load
+_install_lock = threading.Lock()
+_installed = [False]
+
+
+def _install(lc) -> None:
+    """Wrap llama_model_load_from_file once; it passes every call through, adding the thread's array."""
+    if "tensor_buft_overrides" not in dict(lc.llama_model_params._fields_):
+        raise BuildError("this llama-cpp-python's llama_model_params has no tensor_buft_overrides field; "
+                         "install the version pyproject.toml names (`make setup`)")
+    with _install_lock:
+        if _installed[0]:
+            return
+        original = lc.llama_model_load_from_file
+
+        def llama_model_load_from_file(path_model, params):
+            array = getattr(_pending, "array", None)
+            if array is not None:
+                _pending.array = None  # this load only (not a draft model or a later vocab-only load)
+                params.tensor_buft_overrides = ctypes.cast(array, ctypes.c_void_p)
+            return original(path_model, params)
+
+        lc.llama_model_load_from_file = llama_model_load_from_file
+        _installed[0] = True
+
+
+def create_llama(model_path: str, llama_kwargs: dict, cpu_patterns: Sequence[str] = ()):
+    """`llama_cpp.Llama(model_path, **llama_kwargs)` with the tensors matching `cpu_patterns` (llama.cpp
+    regexes) in CPU memory. Without patterns it is the plain call. The overrides stay alive on the
+    model as `llm.ctxq_overrides` (None without patterns). Raises CtxqError if llama.cpp's log does not
+    show every pattern applied; llama-cpp-python's ValueError for a failed load passes through."""
+    lc = backend.llama_cpp()
+    if not cpu_patterns:
+        llm = lc.Llama(model_path, **llama_kwargs)
+        llm.ctxq_overrides = None
+        return llm
+    from llama_cpp import llama_cpp as low
+
+    _install(low)
+    ov = TensorOverrides.to_cpu(cpu_patterns)
+    _pending.array = ov.array
+    try:
+        with backend.capture_log() as lines:
+            llm = lc.Llama(model_path, **llama_kwargs)
+    finally:
+        _pending.array = None
+    ov.overridden = {m.group(1): m.group(2) for line in lines if (m := _OVERRIDDEN.search(line))}
+    llm.ctxq_overrides = ov  # tensor_buft_overrides points into ov.array: it lives as long as the model
+    missing = ov.unapplied()
+    if missing:
+        llm.close()
+        raise CtxqError(f"llama.cpp did not apply the tensor override {missing[0]!r} ({len(missing)} of "
+                        f"{len(ov.patterns)} matched nothing); this llama-cpp-python may not pass "
+                        "tensor_buft_overrides on")
+    return llm
