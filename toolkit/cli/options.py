@@ -14,9 +14,19 @@ import click
 
 from ..planning.options import (DEFAULT_N_BATCH, DEFAULT_N_CTX, DEFAULT_N_UBATCH, DEFAULT_PREFER, KV_TYPES,
                                 PlanOptions)
+from ..errors import InvalidOption
 from ..units import GiB
 
 _ON_OFF = {"on": True, "off": False, "auto": None}
+
+
+def _reserve_bytes(ctx, param, gib: float | None) -> int | None:
+    """--reserve in GiB, as bytes; refused in the flag's own unit (the library's message counts bytes)."""
+    if gib is None:
+        return None
+    if gib < 0:
+        raise InvalidOption(f"--reserve must be 0 GiB or more, got {gib:g} GiB", option="reserve", value=gib)
+    return int(gib * GiB)
 
 
 def device_options(f):
@@ -68,8 +78,7 @@ def _plan_flags(for_plan: bool) -> list:
                           "--cpu-moe); the router and shared experts stay with their layer."),
         click.option("-ncmoe", "--n-cpu-moe", "n_cpu_moe", type=int, default=None, metavar="N",
                      help="Keep the expert weights of the first N layers in CPU memory (llama.cpp's --n-cpu-moe)."),
-        click.option("--reserve", "reserve", type=float, default=None, metavar="GiB",
-                     callback=lambda ctx, param, v: None if v is None else int(v * GiB),
+        click.option("--reserve", "reserve", type=float, default=None, metavar="GiB", callback=_reserve_bytes,
                      help="Memory kept free on every GPU outside llama.cpp's buffers (CUDA context, cuBLAS, "
                           "graphs).  [default: 0.75 for CUDA, 1.0 for other GPU backends]"),
     ]

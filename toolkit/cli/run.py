@@ -40,7 +40,8 @@ def _read_input(prompt, file):
 @session_option
 @click.option("--chat", is_flag=True, help="Wrap the input as a user turn in the model's chat template.")
 @click.option("--system", default=None, help="A system message (with --chat).")
-@click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True, help="Tokens to generate.")
+@click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True,
+              help="Tokens to generate (-1: until the model stops or the context is full, as llama.cpp's -n).")
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Sampling temperature; 0 is greedy.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (and the input's size) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (text, timings, memory) as JSON.")
@@ -109,7 +110,8 @@ def _print_dry_run(prepared, as_json: bool) -> None:
         return
     click.echo(render_plan(p))
     if tokens is not None:
-        click.echo(f"input: {len(tokens):,} tokens + {prepared.n_predict:,} to generate, context {p.n_ctx:,}")
+        more = "until the context is full" if prepared.n_predict < 0 else f"{prepared.n_predict:,}"
+        click.echo(f"input: {len(tokens):,} tokens + {more} to generate, context {p.n_ctx:,}")
 
 
 class _ProgressBar:

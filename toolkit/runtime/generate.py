@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import ContextTooLong, CtxqError
+from ..errors import ContextTooLong, CtxqError, InvalidOption
 from ..llama import backend
 from ..planning.plan import Plan
 
@@ -168,12 +168,24 @@ def tokenize(model, text: str | list[dict], *, chat: bool = False, system: str |
         return _encode(m, text, chat, system)[0]
 
 
+UNTIL_FULL = -1  # n_predict as llama.cpp's -n reads it: generate until the model stops or the context is full
+
+
+def check_n_predict(n_predict: int) -> None:
+    """n_predict is 0 or more tokens, or -1 (llama.cpp's "until the context is full", common/arg.cpp -n)."""
+    if n_predict < UNTIL_FULL:
+        raise InvalidOption(f"n_predict must be 0 or more tokens, or -1 to generate until the context is full; "
+                            f"got {n_predict}", option="n_predict", value=n_predict)
+
+
 def check_context(n_prompt: int, n_predict: int, n_ctx: int) -> None:
-    """Refuse an empty input, and one that with the tokens to generate does not fit in n_ctx."""
+    """Refuse an empty input, and one that with the tokens to generate does not fit in n_ctx
+    (with n_predict -1, one that leaves no room for a single token)."""
+    check_n_predict(n_predict)
     if n_prompt == 0:
         raise CtxqError("the input is empty; give the text to read (prompt=TEXT)", option="prompt")
-    if n_prompt + n_predict > n_ctx:
-        raise ContextTooLong(n_prompt, n_predict, n_ctx)
+    if n_prompt + max(n_predict, 1 if n_predict == UNTIL_FULL else 0) > n_ctx:
+        raise ContextTooLong(n_prompt, max(n_predict, 1), n_ctx)
 
 
 def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8, top_k: int = 40,
@@ -182,13 +194,16 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
              on_progress: Callable[[Progress], None] | None = None,
              on_text: Callable[[str], None] | None = None) -> RunResult:
     """Evaluate `tokens` in n_batch chunks (reporting progress), then sample up to `n_predict` tokens
-    from the loaded `llm`. temp 0 is greedy. The result holds no plan: `runner.execute` adds it.
+    (-1: until the model stops or the context is full) from the loaded `llm`. temp 0 is greedy. The result holds no plan: `runner.execute` adds it.
 
     `n_cached`: llm already holds the first n_cached tokens (a restored session). `keep`: the chunks
     stop once at this token, where `on_keep(tokens[:keep])` is called (to save a session); a run
     with and without a session thus evaluates the same batches, so they give the same tokens."""
     lc = backend.llama_cpp()
     total = len(tokens)
+    check_n_predict(n_predict)
+    if n_predict == UNTIL_FULL:
+        n_predict = llm.n_ctx() - total
     if not n_cached:
         llm.reset()
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from ..planning.plan import Plan
 from ..units import default_threads
 from ..models import resolve_model
 from .session import restore_session, save_for_run, session_path
-from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, generate,  # noqa: F401
+from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, check_n_predict, generate,  # noqa: F401
                        input_tokens, tokenize)
 
 log = logging.getLogger(__name__)
@@ -245,6 +245,7 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
     take `tokens`) and check it fits with `n_predict` more: nothing loads. `settings` are `PlanOptions`
     fields (n_ctx, kv, gpus, ...). `session`: a file (or "auto") that holds, or will hold, the state
     of the input up to the end of the document (`generate.input_tokens`)."""
+    check_n_predict(n_predict)
     opts = (options or PlanOptions()).updated(**settings)
     if plan is None:  # a Hub model is planned from its headers: one that does not fit is never downloaded
         plan = make_plan(model, options=opts)
