@@ -230,25 +230,31 @@ class Gate:
                 await gone.wait()
             return {"type": "http.disconnect"}
 
-        streaming = ended = False
+        streaming, last = False, None
 
         async def tracked(message):
-            nonlocal streaming, ended
+            nonlocal streaming, last
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers") or [])
                 streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-            ended = ended or message["type"] == "http.response.body" and not message.get("more_body", False)
+            if streaming and message["type"] == "http.response.body" and not message.get("more_body", False):
+                last = message  # sse-starlette ends the stream before the error reaches here: held
+                return
             await send(message)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
             try:
                 await self.app(scope, replay, tracked)
+                if last is not None:
+                    await send(last)
             except Exception as exc:  # a group from sse-starlette's task group, too
-                if not streaming or ended:
+                if not streaming:
                     raise
                 # the status went out with the stream's start: the error ends the stream instead
                 log.error("%s %s failed in its stream", scope["method"], scope["path"], exc_info=exc)
+                if last is not None and last.get("body"):
+                    await send({**last, "more_body": True})
                 if not run.gone:
                     await send({"type": "http.response.body", "body": error_event(INTERNAL, "internal_error")})
             finally:

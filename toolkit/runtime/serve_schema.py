@@ -30,6 +30,16 @@ TYPES = {"string", "number", "integer", "boolean", "null", "object", "array"}
 # JSON's string character: no `"`, no backslash, no control character U+0000-U+001F (RFC 8259 section 7);
 # llama.cpp's later converter also leaves out U+007F
 CHAR_RULE = r'char ::= [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F])'
+# keywords that constrain only values of one type (JSON Schema validation vocabulary, sections 6.2-6.5):
+# a `type` list's branch for another type leaves them out, as a validator ignores them there
+_NUMBER = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+_APPLIES = {"string": {"minLength", "maxLength", "pattern", "format"}, "number": _NUMBER, "integer": _NUMBER,
+            "array": {"items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "minContains",
+                      "maxContains", "unevaluatedItems"},
+            "object": {"properties", "required", "additionalProperties", "minProperties", "maxProperties",
+                       "patternProperties", "propertyNames", "dependentRequired", "dependentSchemas",
+                       "unevaluatedProperties"}}
+_TYPED = set().union(*_APPLIES.values())
 _WHY = {
     "oneOf": "the converter treats it as anyOf (an output may match several); use anyOf",
     "pattern": "the converter's regular-expression rules can write quotes, backslashes and control characters "
@@ -61,7 +71,8 @@ def _strip(schema, path: str):
             raise _refuse("type", path, "a type list must name distinct types")
         if "anyOf" in out or "oneOf" in out:
             raise _refuse("type", path, "a type list beside anyOf/oneOf; put the types inside the alternatives")
-        branches = [{**out, "type": t} for t in types]
+        branches = [{**{k: v for k, v in out.items() if k not in _TYPED or k in _APPLIES.get(t, ())}, "type": t}
+                    for t in types]
         return {"anyOf": [_strip(b, f"{path}/type/{i}") for i, b in enumerate(branches)],
                 **{k: out[k] for k in ("$defs", "definitions") if k in out}}
     _check(out, path)
