@@ -49,6 +49,7 @@ def test_json_schema_chat_returns_json_matching_the_schema(server):
     assert "Paris" in value["city"]
 
 
+@pytest.mark.slow
 def test_a_rambling_model_cannot_break_a_string(server):
     """The newline tokens pushed up (logit_bias): llama-cpp-python's own string rule lets them into
     the strings, which is not JSON; the fixed rule keeps them out. Both answers come from this server."""
@@ -79,6 +80,7 @@ def test_cut_at_max_tokens_is_length_not_valid_json(server):
         json.loads(choice["message"]["content"])
 
 
+@pytest.mark.slow
 def test_streamed_json_schema_joins_into_matching_json(server):
     chunks = []
     with httpx.stream("POST", server + CHAT, headers=AUTH, timeout=300, json={
@@ -137,6 +139,7 @@ def test_huge_max_length_is_400_not_a_crash(server):
     assert httpx.get(server + "/health", timeout=10).json()["status"] == "ready"
 
 
+@pytest.mark.slow
 def test_a_nullable_typed_object_and_refs_are_accepted(server):
     schema = {"$defs": {"City": {"type": "object", "title": "City", "required": ["name"],
                                  "properties": {"name": {"type": "string", "maxLength": 20}}}},
@@ -149,6 +152,7 @@ def test_a_nullable_typed_object_and_refs_are_accepted(server):
     jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), schema)
 
 
+@pytest.mark.slow
 def test_named_tool_call_arguments_match_its_parameters(server):
     r = post(server, CHAT, {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
                             "tools": WEATHER, "max_tokens": 40, "temperature": 0,
