@@ -134,6 +134,7 @@ class CheckedSend:
         if choice.get("finish_reason") is None:
             return await self.send(message)
         calls = [(self.names[i], self.calls[i]) for i in sorted(self.calls)]
+        # a stream has no usage: one chunk per generated token (llama-cpp-python's streams) counts them
         why, finish = self.expected.problem(choice, self.text, calls, self.events)
         if why is None and finish == choice.get("finish_reason"):
             return await self.send(message)
