@@ -95,6 +95,15 @@ def test_streamed_json_schema_joins_into_matching_json(server):
     jsonschema.validate(json.loads(text), PLACE)
 
 
+def test_json_object_without_a_schema_is_any_object(server):
+    r = post(server, CHAT, {"messages": RAMBLE, "max_tokens": 80, "temperature": 0,
+                            "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
 def test_completions_take_json_object_with_a_schema(server):
     schema = {"type": "object", "required": ["name", "year"],
               "properties": {"name": {"type": "string", "maxLength": 30}, "year": {"type": "integer"}}}
@@ -121,6 +130,8 @@ UNSUPPORTED = [  # (keyword named in the answer, schema)
     ("maxLength", {"type": ["string", "null"], "maxLength": 4, "pattern": "^a$"}),  # pattern found first
     ("not", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
     ("enum", {"enum": ["a\nb"]}),
+    ("minLength", {"type": "string", "minLength": 5, "maxLength": 3}),
+    ("minItems", {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 1}),
 ]
 
 

@@ -45,7 +45,9 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
 
     Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health, /metrics.
     Errors come in OpenAI's shape; a request whose prompt or max_tokens does not fit in --ctx gets a
-    400 that says the numbers. Limits and the error table: docs/serve.md.
+    400 that says the numbers. response_format json_schema gives JSON matching the schema (a keyword
+    the grammar cannot honour gets a 400 naming it); tools where the chat handler calls them.
+    Limits, structured output and the error table: docs/serve.md.
     --session FILE starts from a state `ctxq run --session` saved: a request that starts with its
     tokens (the same document, first) processes only what follows.
     """

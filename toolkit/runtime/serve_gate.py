@@ -191,6 +191,8 @@ class Gate:
         n = await run_in_threadpool(checks.prompt_tokens, svc.llm, data, path, expected)
         checks.check_context(n, data, svc.n_ctx)
         run = await svc.take(start)
+        if expected is not None:
+            expected.stopped = run.should_stop
         try:
             await self._run(scope, receive, checked(send, expected), json.dumps(data).encode(), run)
         finally:

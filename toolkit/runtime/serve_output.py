@@ -32,6 +32,7 @@ class Expected:
 
     def __init__(self, schema=None, tools: dict | None = None, max_tokens: int | None = None):
         self.schema, self.tools, self.max_tokens = schema, tools or {}, max_tokens
+        self.stopped = lambda: False  # the gate's: the generation was ended (time limit, shutdown)
 
     def problem(self, choice: dict, text: str, calls: list[tuple[str, str]], completion_tokens: int | None):
         """(why the output is wrong, or None; the finish_reason to report)."""
@@ -44,7 +45,7 @@ class Expected:
                 why = mismatch(arguments, schema if schema is not None else {}) if name in self.tools else \
                     f"the model called `{name}`, which is not among the tools"
                 if why:
-                    cut = self.max_tokens is not None and completion_tokens is not None and \
+                    cut = self.stopped() or self.max_tokens is not None and completion_tokens is not None and \
                         completion_tokens >= self.max_tokens
                     return (None, "length") if cut else (why, finish)
             return None, finish

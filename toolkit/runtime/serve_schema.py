@@ -156,6 +156,7 @@ def _check(s: dict, path: str) -> None:
         if not isinstance(items, dict):
             raise _refuse("items", path, "it must be a schema")
         s["items"] = _strip(items, f"{path}/items")
+        _bounds(s, "minItems", "maxItems", path)
         return only("type", "items", "minItems", "maxItems")
     if kind in (None, "string") and "pattern" in s:
         raise _refuse("pattern", path)
@@ -165,12 +166,21 @@ def _check(s: dict, path: str) -> None:
                                           f"{', '.join(sorted(FORMATS - {'uuid1', 'uuid2', 'uuid3', 'uuid4', 'uuid5'}))}")
         return only("type", "format")
     if kind == "string":
+        _bounds(s, "minLength", "maxLength", path)
         return only("type", "minLength", "maxLength")
     if kind is None and s:
         key = next(iter(k for k in s if k not in defs), None)
         if key is not None:
             raise _refuse(key, path, "a schema with it but without `type` is not converted")
+    if kind == "object" and extra is True:  # any object: the converter's generic object rule
+        return only("type", "additionalProperties")
     return only("type")
+
+
+def _bounds(s: dict, least: str, most: str, path: str) -> None:
+    # the converter would repeat a rule a negative number of times: an output that breaks the schema
+    if most in s and s.get(least, 0) > s[most]:
+        raise _refuse(least, path, f"{least} {s[least]} is above {most} {s[most]}: no value can match")
 
 
 def compile_schema(schema) -> str:
