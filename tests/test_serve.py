@@ -229,3 +229,23 @@ def test_limit_flags_reach_serve_limits(monkeypatch):
     assert CliRunner().invoke(cli, ["serve", "m.gguf"]).exit_code == 3 and seen[-1] == ServeLimits()
     r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-queue", "-1"])
     assert isinstance(r.exception, InvalidOption) and r.exception.option == "max_queue" and len(seen) == 2
+
+
+def test_chat_format_flag_reaches_create_app(monkeypatch):
+    """Option plumbing only, as above."""
+    from click.testing import CliRunner
+
+    from ctxq.cli import cli
+    from ctxq.runtime import runner, server
+
+    seen = []
+
+    def create_app(p, **kwargs):
+        seen.append(kwargs["chat_format"])
+        raise SystemExit(3)
+
+    monkeypatch.setattr(runner, "make_plan", lambda model, options: None)
+    monkeypatch.setattr(server, "create_app", create_app)
+    assert CliRunner().invoke(cli, ["serve", "m.gguf", "--chat-format", "chatml-function-calling"]).exit_code == 3
+    assert CliRunner().invoke(cli, ["serve", "m.gguf"]).exit_code == 3
+    assert seen == ["chatml-function-calling", None]

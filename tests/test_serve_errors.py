@@ -15,6 +15,16 @@ MAX_BODY_MIB = 0.01  # 10,485 bytes: an oversized body is cheap to send
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 HI = [{"role": "user", "content": "Hi"}]
+BODY_ROUTES = [CHAT, COMPLETIONS, "/v1/engines/copilot-codex/completions", "/extras/tokenize",
+               "/extras/tokenize/count", "/extras/detokenize"]
+SURROGATE_BODIES = {  # each route's own text field, where one has text
+    CHAT: b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+    COMPLETIONS: b'{"prompt": "\\udc00"}',
+    "/v1/engines/copilot-codex/completions": b'{"prompt": "\\ud800 x"}',
+    "/extras/tokenize": b'{"input": "\\udc00"}',
+    "/extras/tokenize/count": b'{"input": "a\\udfff"}',
+    "/extras/detokenize": b'{"tokens": [1], "model": "\\udc00"}',
+}
 BAD = "invalid_request_error"
 
 # (id, method, path, body (dict: JSON; bytes: sent as is), headers, status, type, param or code)
@@ -67,6 +77,27 @@ CASES = [
     ("basic-scheme", "GET", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, BAD, "invalid_api_key"),
     ("no-key-malformed", "POST", CHAT, b"{bad", {}, 401, BAD, "invalid_api_key"),  # the key comes first
     ("no-key-metrics", "GET", "/metrics", None, {}, 401, BAD, "invalid_api_key"),
+    # found beyond the first table: nesting, surrogates on every route, token ids llama.cpp cannot take
+    *[(f"nested-5000{path.replace('/', '-')}", "POST", path, b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", AUTH,
+       400, BAD, "invalid_json") for path in BODY_ROUTES],
+    ("nested-1000-objects", "POST", CHAT, b'{"a":' * 1000 + b"1" + b"}" * 1000, AUTH, 400, BAD, "invalid_json"),
+    ("nested-129", "POST", COMPLETIONS, b'{"prompt": "Hi", "x": ' + b"[" * 128 + b"]" * 128 + b"}", AUTH, 400, BAD,
+     "invalid_json"),
+    *[(f"lone-surrogate{path.replace('/', '-')}", "POST", path, SURROGATE_BODIES[path], AUTH, 400, BAD,
+       "invalid_value") for path in BODY_ROUTES],
+    ("detokenize-beyond-vocab", "POST", "/extras/detokenize", {"tokens": [99999999]}, AUTH, 400, BAD, "tokens"),
+    ("detokenize-negative", "POST", "/extras/detokenize", {"tokens": [-5]}, AUTH, 400, BAD, "tokens"),
+    ("detokenize-not-a-list", "POST", "/extras/detokenize", {"tokens": "x"}, AUTH, 400, BAD, "tokens"),
+    ("head-no-key", "HEAD", "/v1/models", None, {}, 401, BAD, "invalid_api_key"),
+    ("head-a-post-route", "HEAD", CHAT, None, AUTH, 405, BAD, "method_not_allowed"),
+    ("json-schema-unsupported", "POST", CHAT, {"messages": HI, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 3}}}}, AUTH, 400,
+     BAD, "response_format"),
+    ("response-format-unknown", "POST", CHAT, {"messages": HI, "response_format": {"type": "xml"}}, AUTH, 400, BAD,
+     "response_format"),
+    ("tool-choice-auto-without-handler", "POST", CHAT, {"messages": HI, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto"},
+     AUTH, 400, BAD, "tool_choice"),
 ]
 
 
@@ -84,11 +115,44 @@ def test_bad_request(server, smollm2, case):
     r = httpx.request(method, server[0] + path, content=content, timeout=60,
                       headers={**headers, "Content-Type": "application/json"})
     assert r.status_code == status, r.text
+    if method == "HEAD":  # the GET answer's status and headers, no body
+        assert r.content == b"" and int(r.headers["content-length"]) > 0
+        assert httpx.request("GET", server[0] + path, headers=headers, timeout=60).status_code == status
+        return
     err = r.json()["error"]
     assert err["type"] == kind and err["message"]
     assert where in (err["param"], err["code"]), err
     for leak in ("Traceback", 'File "', ".py", "site-packages", str(smollm2.parent), "llama_cpp"):
         assert leak not in r.text, f"{leak!r} in {r.text}"
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/metrics"])
+def test_head_works_wherever_get_does(server, path):
+    head = httpx.head(server[0] + path, headers=AUTH, timeout=60)
+    get = httpx.get(server[0] + path, headers=AUTH, timeout=60)
+    assert head.status_code == get.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_detokenize_half_a_character_is_replaced_not_a_500(server, smollm2):
+    """A byte-level token may hold part of a UTF-8 character; llama-cpp-python decoded it strictly."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(smollm2), vocab_only=True, verbose=False)
+    partial = next(t for t in range(llm.n_vocab()) if _invalid_utf8(llm.detokenize([t])))
+    r = httpx.post(server[0] + "/extras/detokenize", json={"tokens": [partial]}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and "\ufffd" in r.json()["text"]
+    r = httpx.post(server[0] + "/extras/detokenize", json={"tokens": llm.tokenize(b"Hello there", add_bos=False)},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["text"].strip() == "Hello there"
+
+
+def _invalid_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 def test_numbers_in_context_errors_and_server_healthy_after(server):

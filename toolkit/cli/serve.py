@@ -35,14 +35,19 @@ _LIMITS = ServeLimits()  # the defaults
 @click.option("--shutdown-timeout", "shutdown_timeout", type=float, default=None, metavar="SECONDS",
               help=f"On SIGTERM or Ctrl-C, how long running requests may still take.  "
                    f"[default: {_LIMITS.shutdown_timeout:g}]")
+@click.option("--chat-format", "chat_format", default=None, metavar="NAME",
+              help="llama-cpp-python's chat format for /v1/chat/completions instead of the model's template, "
+                   "e.g. chatml-function-calling (tool_choice \"auto\").")
 @session_option(serve=True)
 def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
-              shutdown_timeout, session):
+              shutdown_timeout, chat_format, session):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
     Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health, /metrics.
     Errors come in OpenAI's shape; a request whose prompt or max_tokens does not fit in --ctx gets a
-    400 that says the numbers. Limits and the error table: docs/serve.md.
+    400 that says the numbers. response_format json_schema gives JSON matching the schema (a keyword
+    the grammar cannot honour gets a 400 naming it); tools where the chat handler calls them.
+    Limits, structured output and the error table: docs/serve.md.
     --session FILE starts from a state `ctxq run --session` saved: a request that starts with its
     tokens (the same document, first) processes only what follows.
     """
@@ -60,7 +65,8 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
     with runner.local_workers(options) as opts:
         p = runner.make_plan(model, options=opts)
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
-                                      alias=alias, limits=limits, session=session)
+                                      alias=alias, limits=limits, session=session,
+                                      chat_format=chat_format)
         click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)

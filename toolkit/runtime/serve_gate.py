@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
 
 from . import serve_requests as checks
-from .serve_errors import reject, send_error, send_rejection
+from .serve_body import parse
+from .serve_errors import INTERNAL, reject, send_error, send_rejection
 from .serve_limits import ServeLimits
+from .serve_output import checked, error_event
+from .serve_tools import check_tools
+
+log = logging.getLogger(__name__)
 
 PUBLIC = ("/health",)  # answered without the API key (a load balancer's probe has none)
 ALWAYS = ("/metrics", "/v1/models")  # answered while the model loads and while the server stops
 GENERATE = (checks.CHAT, *checks.COMPLETIONS)
+# every route that reads a JSON body: it is parsed here first (nesting, surrogates), never by a route
+BODIES = (*GENERATE, "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize")
 
 
 class Run:
@@ -123,7 +131,10 @@ class Gate:
             await send(message)
 
         try:
-            await self._route(scope, receive, counted)
+            if scope["method"] == "HEAD":  # answered as GET without the body, wherever GET is
+                await self._route({**scope, "method": "GET"}, receive, _without_body(counted))
+            else:
+                await self._route(scope, receive, counted)
         finally:  # an exception is answered 500 by the app's error handler, outside this middleware
             self.service.metrics.answered(status)
 
@@ -144,9 +155,9 @@ class Gate:
         if length.isdigit() and int(length) > limit:
             return await send_rejection(send, _too_large(limit))
         receive = _bounded(receive, limit)  # a body sent without its length (chunked) is counted
-        if scope["method"] == "POST" and scope["path"] in GENERATE:
+        if scope["method"] == "POST" and scope["path"] in BODIES:
             try:
-                return await self._generate(scope, receive, send)
+                return await self._with_body(scope, receive, send)
             except HTTPException as exc:
                 if isinstance(exc.detail, dict):  # reject(...)
                     return await send_rejection(send, exc)
@@ -160,24 +171,30 @@ class Gate:
         scheme, _, credentials = auth.partition(" ")
         return scheme.lower() == "bearer" and credentials.strip() == self.api_key
 
-    async def _generate(self, scope, receive, send):
+    async def _with_body(self, scope, receive, send):
         from starlette.concurrency import run_in_threadpool
 
-        svc, start = self.service, time.monotonic()
+        start = time.monotonic()
         body = await self._body(receive)
         if body is None:
             return  # the client left while sending
-        try:
-            data = json.loads(body)
-        except ValueError:
-            raise reject(400, "the body is not valid JSON", code="invalid_json") from None
-        checks.validate(scope["path"], data)
+        data = await run_in_threadpool(parse, body)  # a large body is not parsed on the event loop
+        if scope["path"] not in GENERATE:
+            return await self.app(scope, _replay(body, receive), send)
+        path, svc = scope["path"], self.service
+        checks.is_object(data)
+        expected = checks.structured(path, data)
+        checks.validate(path, data)
         checks.check_model(data, svc.alias, svc.names)
-        n = await run_in_threadpool(checks.prompt_tokens, svc.llm, data, scope["path"])
+        if path == checks.CHAT:
+            expected = await run_in_threadpool(check_tools, svc.llm, data) or expected
+        n = await run_in_threadpool(checks.prompt_tokens, svc.llm, data, path, expected)
         checks.check_context(n, data, svc.n_ctx)
         run = await svc.take(start)
+        if expected is not None:
+            expected.stopped = run.should_stop
         try:
-            await self._run(scope, receive, send, json.dumps(data).encode(), run)
+            await self._run(scope, receive, checked(send, expected), json.dumps(data).encode(), run)
         finally:
             svc.give_back(start)
 
@@ -215,10 +232,33 @@ class Gate:
                 await gone.wait()
             return {"type": "http.disconnect"}
 
+        streaming, last = False, None
+
+        async def tracked(message):
+            nonlocal streaming, last
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            if streaming and message["type"] == "http.response.body" and not message.get("more_body", False):
+                last = message  # sse-starlette ends the stream before the error reaches here: held
+                return
+            await send(message)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch)
             try:
-                await self.app(scope, replay, send)
+                await self.app(scope, replay, tracked)
+                if last is not None:
+                    await send(last)
+            except Exception as exc:  # a group from sse-starlette's task group, too
+                if not streaming:
+                    raise
+                # the status went out with the stream's start: the error ends the stream instead
+                log.error("%s %s failed in its stream", scope["method"], scope["path"], exc_info=exc)
+                if last is not None and last.get("body"):
+                    await send({**last, "more_body": True})
+                if not run.gone:
+                    await send({"type": "http.response.body", "body": error_event(INTERNAL, "internal_error")})
             finally:
                 tg.cancel_scope.cancel()
 
@@ -230,6 +270,31 @@ def _stopping():
 def _too_large(limit: int):
     return reject(413, f"the request body is over {limit} bytes, this server's limit (max_body)",
                   code="request_too_large")
+
+
+def _replay(body: bytes, receive):
+    """`receive` that gives the body read already, then what the connection says."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+def _without_body(send):
+    """`send` for a HEAD request: the GET answer's status and headers, no body (RFC 9110 9.3.2)."""
+
+    async def head(message):
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return head
 
 
 def _bounded(receive, limit: int):

@@ -6,28 +6,28 @@ llama-cpp-python, whose handlers would answer it with a 500.
 
 from __future__ import annotations
 
-import json
-
 from .runner import chat_prompt
 from .serve_errors import reject, validation_error
+from .serve_output import Expected
+from .serve_schema import check_schema, compile_schema
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = ("/v1/completions", "/v1/engines/copilot-codex/completions")
 
 
+def is_object(data) -> dict:
+    if not isinstance(data, dict):
+        raise reject(400, "the body must be a JSON object", code="invalid_value")
+    return data
+
+
 def validate(path: str, data) -> dict:
     """The request's fields, checked with llama-cpp-python's own request models plus what they let
-    through but the handlers cannot do (several prompts, n > 1, empty messages, max_tokens < 1)."""
+    through but the handlers cannot do (several prompts, n > 1, empty messages, max_tokens < 1).
+    The body is a JSON object (`is_object`), parsed by `serve_body.parse`."""
     from pydantic import ValidationError
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
-    if not isinstance(data, dict):
-        raise reject(400, "the body must be a JSON object", code="invalid_value")
-    try:  # JSON may escape half a UTF-16 pair ("\udc00"); no text made of it can be tokenized
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise reject(400, "the body holds a lone UTF-16 surrogate (an escape like \\udc00 without its pair); "
-                     "text must be valid Unicode", code="invalid_value") from None
     chat = path == CHAT
     try:
         (CreateChatCompletionRequest if chat else CreateCompletionRequest).model_validate(data)
@@ -53,6 +53,42 @@ def validate(path: str, data) -> dict:
     return data
 
 
+def structured(path: str, data: dict) -> Expected | None:
+    """A `response_format` with a schema (OpenAI's json_schema, or json_object with `schema` as
+    llama-cpp-python has it) turned into `grammar`, compiled here (`serve_schema`): llama-cpp-python's
+    request model knows only text and json_object, and its handlers would compile json_object's
+    schema with the converter's own string rule. What the output must then be, or None."""
+    fmt = data.get("response_format")
+    if fmt is None or isinstance(fmt, dict) and fmt.get("type") == "text":
+        data.pop("response_format", None)
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise reject(400, "`response_format.json_schema` must be an object with `name` and `schema`",
+                         param="response_format", code="invalid_value")
+        schema = spec["schema"]
+    elif kind == "json_object":
+        schema = fmt.get("schema", {"type": "object"})  # llama-cpp-python's JSON grammar: an object
+    else:
+        raise reject(400, "`response_format.type` must be text, json_object or json_schema",
+                     param="response_format", code="invalid_value")
+    for other in ("grammar", "tools", "functions"):
+        if data.get(other):
+            raise reject(400, f"`response_format` and `{other}` cannot be combined; send one", param=other,
+                         code="invalid_value")
+    if data.get("stop"):  # a stop string met inside a JSON string would cut the document
+        raise reject(400, "`stop` cannot be combined with a JSON `response_format`: the grammar ends the output "
+                     "when the JSON closes", param="stop", code="invalid_value")
+    if not isinstance(schema, (dict, bool)):
+        raise reject(400, "the schema must be a JSON object", param="response_format", code="invalid_value")
+    check_schema(schema)
+    data["grammar"] = compile_schema(schema)
+    del data["response_format"]
+    return Expected(schema, max_tokens=data.get("max_tokens"))
+
+
 def check_model(data: dict, alias: str, names: set[str]) -> None:
     """404 for a model this server does not have; the request then names it by its alias, so every
     answer's `model` is the alias (llama-cpp-python would put the file's path on the server there)."""
@@ -63,26 +99,29 @@ def check_model(data: dict, alias: str, names: set[str]) -> None:
     data["model"] = alias
 
 
-def check_grammar(llm, data: dict) -> None:
+def check_grammar(llm, grammar: str | None, message: str = "`grammar` is not a GBNF grammar llama.cpp can "
+                  "parse (it needs a `root ::= ...` rule)", param: str = "grammar") -> None:
     """400 for a grammar llama.cpp cannot parse: llama-cpp-python would hand the sampler chain the
     NULL that `llama_sampler_init_grammar` returns for it, and the process would crash."""
     import llama_cpp
 
-    grammar = data.get("grammar")
     if grammar is None:
         return
     sampler = llama_cpp.llama_sampler_init_grammar(llm._model.vocab, grammar.encode("utf-8"), b"root")
     if not sampler:
-        raise reject(400, "`grammar` is not a GBNF grammar llama.cpp can parse (it needs a `root ::= ...` rule)",
-                     param="grammar", code="invalid_value")
+        raise reject(400, message, param=param, code="invalid_value")
     llama_cpp.llama_sampler_free(sampler)
 
 
-def check_with_model(llm, data: dict) -> None:
+def check_with_model(llm, data: dict, expected: Expected | None = None) -> None:
     """What only the loaded model can tell: the grammar, token ids in `logit_bias`, and logprobs
     (llama-cpp-python computes them only for a model loaded with logits_all=True, which a plan
     does not do: it would keep n_ctx x n_vocab floats)."""
-    check_grammar(llm, data)
+    if expected is not None and expected.schema is not None:  # the grammar compiled from the schema
+        check_grammar(llm, data.get("grammar"), "the schema's grammar is more than llama.cpp's grammar parser "
+                      "takes (a large maxLength or maxItems repeats a rule that many times)", "response_format")
+    else:
+        check_grammar(llm, data.get("grammar"))
     if data.get("logit_bias_type") != "tokens":
         outside = [k for k in data.get("logit_bias") or {} if not 0 <= int(k) < llm.n_vocab()]
         if outside:
@@ -95,9 +134,9 @@ def check_with_model(llm, data: dict) -> None:
                      param="logprobs", code="invalid_value")
 
 
-def prompt_tokens(llm, data: dict, path: str) -> int:
+def prompt_tokens(llm, data: dict, path: str, expected: Expected | None = None) -> int:
     """Tokens the request's prompt will take, as llama-cpp-python will build it; `check_with_model` first."""
-    check_with_model(llm, data)
+    check_with_model(llm, data, expected)
     if path == CHAT:
         msgs = data["messages"]
         try:  # the GGUF's template; a model without one is measured on its plain text

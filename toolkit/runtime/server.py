@@ -16,17 +16,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InvalidOption
 from ..planning.planner import Plan
 from .runner import load_plan
 from .session import restore_session
-from .serve_errors import reject
+from .serve_errors import reject, validation_error
 from .serve_gate import Gate, Service
 from .serve_limits import ServeLimits
 from .serve_metrics import Metrics
 
-# answered by ctxq: llama-cpp-python's /v1/models waits for the model's lock, and its /v1/embeddings
-# needs a model loaded with embedding=True, which a plan for generation is not
-OWN_ROUTES = {"/v1/models", "/v1/embeddings"}
+# answered by ctxq: llama-cpp-python's /v1/models waits for the model's lock, its /v1/embeddings
+# needs a model loaded with embedding=True, which a plan for generation is not, and its
+# /extras/detokenize hands llama.cpp any token id (one outside the vocabulary aborts the process:
+# std::out_of_range in llama_vocab::token_get_attr) and decodes half a UTF-8 character strictly
+OWN_ROUTES = {"/v1/models", "/v1/embeddings", "/extras/detokenize"}
 
 
 def _proxy(llm, alias: str):
@@ -46,12 +49,30 @@ def _proxy(llm, alias: str):
     return PlannedProxy()
 
 
+def _fixed_schema_grammars() -> None:
+    """llama-cpp-python's chat handlers compile a tool's parameters (and json_object's schema) with
+    `LlamaGrammar.from_json_schema`; in the server's process it uses `serve_schema.compile_schema`, the
+    converter with JSON's string rule (the gate has already refused the schemas it cannot honour)."""
+    import json
+
+    from llama_cpp.llama_grammar import LlamaGrammar
+
+    from .serve_schema import compile_schema
+
+    def from_json_schema(cls, json_schema: str, verbose: bool = True):
+        return cls.from_string(compile_schema(json.loads(json_schema)), verbose=verbose)
+
+    LlamaGrammar.from_json_schema = classmethod(from_json_schema)
+
+
 def _routes(app, service: Service, plan_flags: str) -> None:
     """ctxq's routes, then llama-cpp-python's with the plain APIRoute: its RouteErrorHandler would
     answer a malformed request 500 with the exception's text (a traceback line, its file path)."""
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse, PlainTextResponse
     from llama_cpp.server import app as server_app
+    from llama_cpp.server.types import DetokenizeInputRequest
+    from pydantic import ValidationError
 
     @app.get("/health")
     def health():
@@ -74,6 +95,22 @@ def _routes(app, service: Service, plan_flags: str) -> None:
     def embeddings():
         raise reject(404, "this server generates text; it does not compute embeddings", code="not_found")
 
+    async def detokenize(request):  # a plain Starlette endpoint: the gate has checked the JSON
+        try:
+            tokens = DetokenizeInputRequest.model_validate(await request.json()).tokens
+        except ValidationError as e:
+            message, param = validation_error(e.errors(include_url=False, include_input=False))
+            raise reject(400, message, param=param, code="invalid_value") from None
+        llm = service.llm
+        outside = [t for t in tokens if not 0 <= t < llm.n_vocab()]
+        if outside:
+            raise reject(400, f"`tokens` holds {outside[0]}, outside the vocabulary (0 to {llm.n_vocab() - 1})",
+                         param="tokens", code="invalid_value")
+        # a token may hold part of a UTF-8 character: shown as U+FFFD, as llama.cpp's server does
+        return JSONResponse({"text": llm.detokenize(tokens).decode("utf-8", errors="replace")})
+
+    app.router.add_route("/extras/detokenize", detokenize, methods=["POST"])
+
     router = APIRouter()
     for r in server_app.router.routes:
         if r.path not in OWN_ROUTES:
@@ -85,11 +122,13 @@ def _routes(app, service: Service, plan_flags: str) -> None:
 
 def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int | None = None,
                seed: int | None = None, alias: str | None = None, limits: ServeLimits | None = None,
-               session=None):
+               session=None, chat_format: str | None = None):
     """(app, load): the app answers at once (`/health` "loading", the API 503 with Retry-After) and
     serves the plan's model once `load()` has run; `load()` loads it as `ctxq run` does and returns
     the memory report. One app per process: llama-cpp-python keeps the model in a module global.
-    `session`: a saved session file to start from (restored when it matches this model and plan)."""
+    `session`: a saved session file to start from (restored when it matches this model and plan);
+    `chat_format`: llama-cpp-python's chat format to answer chat with instead of the model's template
+    (e.g. "chatml-function-calling", for tool_choice "auto")."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
     from llama_cpp.server import app as server_app
@@ -99,6 +138,13 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
 
     from . import serve_errors
 
+    if chat_format is not None:
+        from llama_cpp.llama_chat_format import LlamaChatCompletionHandlerRegistry
+
+        known = LlamaChatCompletionHandlerRegistry()._chat_handlers
+        if chat_format not in known:
+            raise InvalidOption(f"`chat_format` {chat_format!r} is not one of llama-cpp-python's: "
+                                f"{', '.join(sorted(known))}", option="chat_format", value=chat_format)
     name = Path(p.model).name
     alias = alias or name  # never the path: a client has no business knowing the server's disk
     service = Service(alias, {alias, name}, p.n_ctx, limits or ServeLimits(), Metrics())
@@ -107,6 +153,7 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     app = FastAPI(middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
                   title="ctxq (llama-cpp-python server)", version=server_app.llama_cpp.__version__)
     serve_errors.install(app)
+    _fixed_schema_grammars()
     _routes(app, service, p.llama_flags())
     app.add_middleware(Gate, service=service, api_key=api_key)
     app.state.ctxq = service
@@ -116,6 +163,8 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
         llm, memory, _ = load_plan(p, rpc=rpc, n_threads=n_threads, seed=seed)
         if session is not None:  # before the first request is let in
             restore_session(llm, session, p)
+        if chat_format is not None:
+            llm.chat_format, llm.chat_handler = chat_format, None
         server_app._llama_proxy = _proxy(llm, alias)
         service.ready(llm)
         return memory
