@@ -38,6 +38,8 @@ RECURRENT_RULES: dict[str, str] = {
 # Multi-section rope: inp_pos holds GGML_MROPE_SECTIONS (4) positions per token (llama_hparams::n_pos_per_embd;
 # the MROPE / IMROPE architectures of llama_model_rope_type).
 MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
+# Mamba-2 mixers (llama_model_granite_hybrid / nemotron_h: ssm_in, ssm_conv1d, ssm_scan).
+MAMBA2_ARCHS = {"granitehybrid", "nemotron_h", "mamba2", "falcon-h1"}
 FULL_ATTENTION_INTERVAL = 4  # the default of llama_model_qwen35 / qwen3next::load_arch_hparams
 STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::create_memory)
 
@@ -136,6 +138,9 @@ class ModelInfo:
     other_bytes: int  # tensors outside layers, embeddings and output (rope factors, ...)
     kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # f16 / q8_0 / q4_0, attention layers
     n_pos_per_token: int = 1  # positions per token in the graph's inp_pos (4 with multi-section rope)
+    # Mamba-2 layers: rows of ssm_in's output (z, xBC, dt) and of the convolved xBC; 0 without them
+    ssm_in_rows: int = 0
+    ssm_xbc_rows: int = 0
 
     @property
     def n_head(self) -> list[int]:
@@ -254,6 +259,11 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         token_embd_bytes=token_embd, output_bytes=output, output_tied=tied, output_type=output_type,
         other_bytes=other, n_pos_per_token=4 if arch in MROPE_ARCHS else 1,
     )
+    if arch in MAMBA2_ARCHS:  # d_in_proj = 2 d_inner + 2 n_group d_state + n_head (load_arch_tensors)
+        d_inner, d_state, n_group, heads = (int(g.arch_get(f"ssm.{k}", 0) or 0) for k in
+                                            ("inner_size", "state_size", "group_count", "time_step_rank"))
+        info.ssm_xbc_rows = d_inner + 2 * n_group * d_state
+        info.ssm_in_rows = info.ssm_xbc_rows + d_inner + heads
     for kv in KV_TYPES:
         try:
             info.kv_bytes_per_token[kv] = sum(

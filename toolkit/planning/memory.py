@@ -50,6 +50,7 @@ class Costs:
     peaks: compute_mod.ComputePeaks
     inputs: int  # one copy of the split-graph inputs (masks, residual, indices), as the host builds them
     resid: int  # the residual stream, f32 [n_embd, n_ubatch]
+    n_ubatch: int
     inputs_recurrent: int  # one copy of the inputs of a device without attention layers (no masks, no KV indices)
     logits: int
     head: int = 0  # the output device's peak at the head, before input copies
@@ -82,7 +83,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     resid = info.n_embd * n_ubatch * 4
     return Costs(info, list(info.layer_bytes), layer_kv, [la.state_bytes for la in info.layers], out_w, peaks,
                  inputs=mask + resid + index_inputs(info, n_ubatch, flash_attn, type_k, type_v),
-                 resid=resid, inputs_recurrent=resid + position_inputs(info, n_ubatch), logits=info.n_vocab * 4,
+                 resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch), logits=info.n_vocab * 4,
                  # result_output f32 [n_vocab, n_ubatch] (the reserve outputs every token) and up to 3
                  # residual-sized tensors beside it (Phi-3-mini 4k-32k: 3; Llama-3: 1), measured on RPC
                  head=info.n_vocab * n_ubatch * 4 + 3 * resid, flash_attn=flash_attn,
@@ -141,6 +142,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.state = sum(c.layer_state[i] for i in layers)
     dp.compute = _device_compute(c, _peaks(c, layers), _inputs(c, layers), bool(layers), has_output, n_used,
                                  pipeline=n_cpu_slots == 0)
+    if n_used > 1:
+        dp.compute += mamba2_split(c, layers, n_cpu_slots)
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
@@ -166,6 +169,21 @@ def _inputs(c: Costs, layers) -> int:
     return c.inputs
 
 
+def mamba2_split(c: Costs, layers: range, n_cpu_slots: int) -> int:
+    """What a device holding Mamba-2 layers gains in a split graph: a measured term, not a derived one.
+
+    The scheduler's splits (GGML_SCHED_DEBUG=1) on Granite-4-hybrid- and Nemotron-H-shaped tiny models over
+    3 RPC workers show a Mamba-2 layer's ops running partly on the next device that holds recurrent layers:
+    a view of ssm_in's output (2 MiB) goes there and the convolved xBC (1 MiB) comes back, each in
+    SCHED_COPIES copies. Real: 8.0-9.0 MiB more on the later device, 3.5-4.5 on the earlier one, nothing on
+    a device without recurrent layers. Planned: SCHED_COPIES x ssm_in's output [d_in_proj, n_ubatch] f32 on
+    every device holding Mamba-2 layers (8.6-9.1 MiB here), an upper bound on both sides."""
+    if not c.info.ssm_in_rows or not any(c.info.layers[il].recurrent for il in layers):
+        return 0
+    copies = SCHED_COPIES if n_cpu_slots == 0 else 1
+    return copies * c.info.ssm_in_rows * c.n_ubatch * 4
+
+
 def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_layers: bool, has_output: bool,
                     n_used: int, pipeline: bool) -> int:
     """A device's compute buffer (scripts/underestimates.py checks each branch against llama.cpp on 37 cells).
@@ -178,7 +196,10 @@ def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_
         return max(peaks.output, peaks.layer_steady) if has_output else peaks.layer_steady
     copies = SCHED_COPIES if pipeline else 1
     if has_output and not has_layers:  # the output head alone: no attention, so no mask copies
-        if not c.flash_attn:  # the one-layer peak is its KQ matrix, which this device never computes
+        # the one-layer peak is its KQ matrix (flash attention off) or, where the head does not raise it
+        # (small vocabularies: gpt-oss- and LFM2-shaped tiny models, 6.5 MiB real, 41 planned before), its
+        # attention: neither is computed on this device
+        if not c.flash_attn or peaks.output <= peaks.layer_full:
             return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
         return peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
     steady = peaks.layer_steady + (copies - 1) * inputs

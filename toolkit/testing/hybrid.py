@@ -105,9 +105,9 @@ def _common_keys(w: gguf.GGUFWriter, g: HybridGeometry, name: str) -> None:
     w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
 
 
-def _ssm_keys(w: gguf.GGUFWriter, g: HybridGeometry) -> None:
+def _ssm_keys(w: gguf.GGUFWriter, g: HybridGeometry, d_inner: int | None = None) -> None:
     w.add_ssm_conv_kernel(g.ssm_d_conv)
-    w.add_ssm_inner_size(g.d_inner)
+    w.add_ssm_inner_size(d_inner or g.d_inner)
     w.add_ssm_state_size(g.ssm_d_state)
     w.add_ssm_time_step_rank(g.ssm_dt_rank)
     w.add_ssm_group_count(g.ssm_n_group)
@@ -139,7 +139,144 @@ def write_qwen35(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(), 
     return write_sparse_gguf(path, arch, _qwen35_tensors(g, recurrent, moe=arch == "qwen3next"), metadata)
 
 
+def _attn(g: HybridGeometry, q: int | None = None, bias: bool = False) -> dict[str, tuple]:
+    """Separate Q, K, V and output projections (create_tensor_qkv without a fused attn_qkv)."""
+    e, kv = g.n_embd, g.n_head_kv * g.head_dim
+    q = q or g.n_head * g.head_dim
+    t = {"attn_q.weight": _h((e, q)), "attn_k.weight": _h((e, kv)), "attn_v.weight": _h((e, kv)),
+         "attn_output.weight": _h((g.n_head * g.head_dim, e))}
+    if bias:
+        t.update({"attn_q.bias": _f((q,)), "attn_k.bias": _f((kv,)), "attn_v.bias": _f((kv,)),
+                  "attn_output.bias": _f((e,))})
+    return t
+
+
+def _mamba2(g: HybridGeometry, d_inner: int) -> dict[str, tuple]:
+    """A Mamba-2 mixer (llama_model_granite_hybrid / nemotron_h::load_arch_tensors)."""
+    e, heads, xbc = g.n_embd, g.ssm_dt_rank, d_inner + 2 * g.ssm_n_group * g.ssm_d_state
+    return {"ssm_in.weight": _h((e, 2 * d_inner + 2 * g.ssm_n_group * g.ssm_d_state + heads)),
+            "ssm_conv1d.weight": _f((g.ssm_d_conv, xbc)), "ssm_conv1d.bias": _f((xbc,)),
+            "ssm_dt.bias": _f((heads,)), "ssm_a": _f((1, heads)), "ssm_d": _f((1, heads)),
+            "ssm_norm.weight": _f((d_inner // g.ssm_n_group, g.ssm_n_group)), "ssm_out.weight": _h((d_inner, e))}
+
+
+def _write(path, arch: str, g: HybridGeometry, blocks: list[dict[str, tuple]], metadata, tied: bool = False,
+           output_norm: str = "output_norm.weight") -> Path:
+    e = g.n_embd
+    specs: list[Spec] = [("token_embd.weight", *_h((e, g.n_vocab))), (output_norm, *_f((e,)))]
+    if not tied:
+        specs.append(("output.weight", *_h((e, g.n_vocab))))
+    specs += [(f"blk.{il}.{name}", *st) for il, t in enumerate(blocks) for name, st in t.items()]
+    return write_sparse_gguf(path, arch, specs, metadata)
+
+
+def write_gpt_oss(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(n_layer=6)) -> Path:
+    """A gpt-oss-shaped model (llama_model_openai_moe): sliding-window and full attention alternating
+    (even layers slide), attention sinks and biases, every layer a mixture of experts."""
+    e, ff = g.n_embd, g.n_ff
+
+    def block() -> dict[str, tuple]:
+        return {"attn_norm.weight": _f((e,)), "post_attention_norm.weight": _f((e,)), **_attn(g, bias=True),
+                "attn_sinks.weight": _f((g.n_head,)), "ffn_gate_inp.weight": _f((e, g.n_expert)),
+                "ffn_gate_inp.bias": _f((g.n_expert,)),
+                "ffn_gate_exps.weight": _h((e, ff, g.n_expert)), "ffn_up_exps.weight": _h((e, ff, g.n_expert)),
+                "ffn_down_exps.weight": _h((ff, e, g.n_expert)), "ffn_gate_exps.bias": _f((ff, g.n_expert)),
+                "ffn_up_exps.bias": _f((ff, g.n_expert)), "ffn_down_exps.bias": _f((e, g.n_expert))}
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        _common_keys(w, g, "tiny-gpt-oss")
+        w.add_feed_forward_length(ff)
+        w.add_head_count_kv(g.n_head_kv)
+        w.add_rope_dimension_count(g.head_dim)
+        w.add_rope_freq_base(150000.0)
+        w.add_expert_count(g.n_expert)
+        w.add_expert_used_count(g.n_expert_used)
+        w.add_expert_feed_forward_length(ff)
+        w.add_sliding_window(g.n_swa)
+
+    return _write(path, "gpt-oss", g, [block() for _ in range(g.n_layer)], metadata)
+
+
+def write_lfm2(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(n_layer=6),
+               attention: tuple[int, ...] = (2, 5), l_cache: int = 3) -> Path:
+    """An LFM2-shaped model (llama_model_lfm2): short-convolution layers, attention where head_count_kv is
+    not 0, tied output, the output norm named token_embd_norm."""
+    e = g.n_embd
+    blocks = []
+    for il in range(g.n_layer):
+        t = {"ffn_norm.weight": _f((e,)), "ffn_gate.weight": _h((e, g.n_ff)), "ffn_up.weight": _h((e, g.n_ff)),
+             "ffn_down.weight": _h((g.n_ff, e)), "attn_norm.weight": _f((e,))}
+        if il in attention:
+            t.update({"attn_q_norm.weight": _f((g.head_dim,)), "attn_k_norm.weight": _f((g.head_dim,)), **_attn(g)})
+        else:
+            t.update({"shortconv.conv.weight": _f((l_cache, e)), "shortconv.in_proj.weight": _h((e, 3 * e)),
+                      "shortconv.out_proj.weight": _h((e, e))})
+        blocks.append(t)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        _common_keys(w, g, "tiny-lfm2")
+        w.add_feed_forward_length(g.n_ff)
+        w.add_head_count_kv([g.n_head_kv if il in attention else 0 for il in range(g.n_layer)])
+        w.add_rope_dimension_count(g.head_dim)
+        w.add_shortconv_l_cache(l_cache)
+
+    return _write(path, "lfm2", g, blocks, metadata, tied=True, output_norm="token_embd_norm.weight")
+
+
+def write_granite_hybrid(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(ssm_dt_rank=8, ssm_n_group=1),
+                         attention: tuple[int, ...] = (3, 7)) -> Path:
+    """A Granite-4-hybrid-shaped model (llama_model_granite_hybrid): Mamba-2 layers (d_inner = 2 n_embd),
+    attention where head_count_kv is not 0, a dense FFN in every layer."""
+    e, d_inner = g.n_embd, 2 * g.n_embd
+    blocks = []
+    for il in range(g.n_layer):
+        t = {"attn_norm.weight": _f((e,)), **(_attn(g) if il in attention else _mamba2(g, d_inner)),
+             "ffn_norm.weight": _f((e,)), "ffn_gate.weight": _h((e, g.n_ff)), "ffn_up.weight": _h((e, g.n_ff)),
+             "ffn_down.weight": _h((g.n_ff, e))}
+        blocks.append(t)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        _common_keys(w, g, "tiny-granitehybrid")
+        w.add_feed_forward_length(g.n_ff)
+        w.add_head_count_kv([g.n_head_kv if il in attention else 0 for il in range(g.n_layer)])
+        w.add_rope_dimension_count(g.head_dim)
+        _ssm_keys(w, g, d_inner)
+
+    return _write(path, "granitehybrid", g, blocks, metadata)
+
+
+def write_nemotron_h(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(ssm_dt_rank=8),
+                     pattern: str = "M-M*M-M*") -> Path:
+    """A Nemotron-H-shaped model (llama_model_nemotron_h): Mamba-2 (M), MLP-only (-) and attention (*)
+    layers, told apart by the per-layer head_count_kv and feed_forward_length arrays."""
+    e, d_inner = g.n_embd, 2 * g.n_embd
+    blocks = []
+    for kind in pattern:
+        t = {"attn_norm.weight": _f((e,))}
+        if kind == "M":
+            t.update(_mamba2(g, d_inner))
+        elif kind == "*":
+            t.update(_attn(g))
+        else:  # squared-ReLU MLP: up and down only
+            t.update({"ffn_up.weight": _h((e, g.n_ff)), "ffn_down.weight": _h((g.n_ff, e))})
+        blocks.append(t)
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        _common_keys(w, g, "tiny-nemotron_h")
+        w.add_feed_forward_length([g.n_ff if k == "-" else 0 for k in pattern])
+        w.add_head_count_kv([g.n_head_kv if k == "*" else 0 for k in pattern])
+        w.add_rope_dimension_count(g.head_dim)
+        w.add_layer_norm_eps(1e-5)
+        _ssm_keys(w, g, d_inner)
+
+    return _write(path, "nemotron_h", g.__class__(**{**g.__dict__, "n_layer": len(pattern)}), blocks, metadata)
+
+
 MAKERS: dict[str, Callable[..., Path]] = {
     "qwen35": write_qwen35,
     "qwen3next": lambda path, g=HybridGeometry(): write_qwen35(path, g, arch="qwen3next"),
+    "gpt-oss": write_gpt_oss,
+    "lfm2": write_lfm2,
+    "granitehybrid": write_granite_hybrid,
+    "nemotron_h": write_nemotron_h,
 }
