@@ -104,3 +104,24 @@ def test_hybrid_cells_on_rpc_workers(hybrids, arch, n_ctx, kv, fa, sizes):
     assert_close(r, known_over=4 * info.ssm_in_rows * 512 * 4 // 2 if sizes else 0)
     if any(info.recurrent_layers):  # the RS buffers are read back and planned
         assert sum(d.real["state"] for d in r.devices) > 0
+
+
+# --- sessions: llama.cpp saves a hybrid's recurrent state with the sequence -----------------
+
+@pytest.mark.slow
+def test_restored_qwen35_session_gives_the_same_greedy_answer(tmp_path):
+    from ctxq.runtime import runner
+    from ctxq.testing.hybrid_chat import tiny_chat_qwen35_gguf
+
+    model = str(tiny_chat_qwen35_gguf(tmp_path / "chat-qwen35.gguf"))
+    doc = " ".join(f"Room {i} is painted {c}." for i, c in enumerate(["red", "blue", "green"] * 60))
+    greedy = dict(chat=True, temp=0, n_predict=16, seed=1, n_ctx=4096, kv="f16")
+    q = "What colour is room 3?"
+    fresh = runner.run(model, q, document=doc, **greedy)
+    saved = runner.run(model, q, document=doc, session=tmp_path / "s.kv", **greedy)
+    restored = runner.run(model, q, document=doc, session=tmp_path / "s.kv", **greedy)
+    assert saved.n_cached == 0 and restored.n_cached > 0.95 * restored.n_prompt
+    assert len(fresh.tokens) == 16 and saved.tokens == fresh.tokens and restored.tokens == fresh.tokens
+    # the answer depends on the recurrent layers' state: another document answers otherwise
+    other = runner.run(model, q, document=doc.replace("red", "black"), **greedy)
+    assert other.tokens != fresh.tokens

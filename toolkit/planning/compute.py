@@ -33,6 +33,9 @@ from ..paths import ctxq_home
 
 log = logging.getLogger(__name__)
 
+# Arrays of a fixed length that a model with that many layers must not have cut to the kept layers
+# (rope.dimension_sections: always 4, get_key_or_arr(..., 4, true) in llama_model_qwen35::load_arch_hparams).
+_FIXED_ARRAYS = (".rope.dimension_sections",)
 _SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
 
 
@@ -70,7 +73,7 @@ class ComputePeaks:
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v1"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v2"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -126,7 +129,8 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
             if recr is not None and key == f"{arch}.attention.recurrent_layers":
                 continue
             vtype, etype = src.value_types[key]
-            if layers is not None and isinstance(value, list) and len(value) == n_layer:
+            if layers is not None and isinstance(value, list) and len(value) == n_layer \
+                    and not key.endswith(_FIXED_ARRAYS):
                 value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
             if key == f"{arch}.block_count" and layers is not None:
                 value = len(layers)

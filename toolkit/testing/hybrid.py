@@ -91,7 +91,7 @@ def _qwen35_tensors(g: HybridGeometry, recurrent: list[bool], moe: bool = False)
     return out
 
 
-def _common_keys(w: gguf.GGUFWriter, g: HybridGeometry, name: str) -> None:
+def _common_keys(w: gguf.GGUFWriter, g: HybridGeometry, name: str, tokenizer: bool = False) -> None:
     w.add_name(name)
     w.add_file_type(1)  # LLAMA_FTYPE_MOSTLY_F16
     w.add_context_length(g.n_ctx_train)
@@ -102,7 +102,8 @@ def _common_keys(w: gguf.GGUFWriter, g: HybridGeometry, name: str) -> None:
     w.add_value_length(g.head_dim)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(g.n_vocab)
-    w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
+    if not tokenizer:
+        w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
 
 
 def _ssm_keys(w: gguf.GGUFWriter, g: HybridGeometry, d_inner: int | None = None) -> None:
@@ -113,30 +114,35 @@ def _ssm_keys(w: gguf.GGUFWriter, g: HybridGeometry, d_inner: int | None = None)
     w.add_ssm_group_count(g.ssm_n_group)
 
 
+def qwen35_metadata(w: gguf.GGUFWriter, g: HybridGeometry, arch: str = "qwen35", name: str | None = None) -> None:
+    """The keys llama_model_qwen35 (or qwen3next) ::load_arch_hparams reads, besides the tokenizer's."""
+    n_rot = g.head_dim // 4  # partial_rotary_factor 0.25, as Qwen3.5 and Qwen3-Next
+    _common_keys(w, g, name or f"tiny-{arch}", tokenizer=name is not None)
+    w.add_feed_forward_length(g.n_ff)
+    w.add_head_count_kv(g.n_head_kv)
+    w.add_rope_dimension_count(n_rot)
+    w.add_rope_freq_base(1e7)
+    _ssm_keys(w, g)
+    w.add_full_attention_interval(g.full_attention_interval)
+    if arch == "qwen35":  # multi-section rope: sections sum to n_rot / 2 (Qwen3.5's [11, 11, 10] of 32)
+        third = n_rot // 2 // 3
+        w.add_rope_dimension_sections([third, third, n_rot // 2 - 2 * third, 0])
+    else:
+        w.add_expert_count(g.n_expert)
+        w.add_expert_used_count(g.n_expert_used)
+        w.add_expert_feed_forward_length(g.n_ff)
+        w.add_expert_shared_feed_forward_length(g.n_ff)
+
+
+def qwen35_tensors(g: HybridGeometry, arch: str = "qwen35") -> list[Spec]:
+    recurrent = [(il + 1) % g.full_attention_interval != 0 for il in range(g.n_layer)]
+    return _qwen35_tensors(g, recurrent, moe=arch == "qwen3next")
+
+
 def write_qwen35(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(), arch: str = "qwen35") -> Path:
     """A Qwen3.5-shaped model (arch "qwen35"; "qwen3next" gives Qwen3-Next's MoE blocks): gated delta net
     layers, every full_attention_interval-th layer full attention with a gated query."""
-    recurrent = [(il + 1) % g.full_attention_interval != 0 for il in range(g.n_layer)]
-    n_rot = g.head_dim // 4  # partial_rotary_factor 0.25, as Qwen3.5 and Qwen3-Next
-
-    def metadata(w: gguf.GGUFWriter) -> None:
-        _common_keys(w, g, f"tiny-{arch}")
-        w.add_feed_forward_length(g.n_ff)
-        w.add_head_count_kv(g.n_head_kv)
-        w.add_rope_dimension_count(n_rot)
-        w.add_rope_freq_base(1e7)
-        _ssm_keys(w, g)
-        w.add_full_attention_interval(g.full_attention_interval)
-        if arch == "qwen35":  # multi-section rope: sections sum to n_rot / 2 (Qwen3.5's [11, 11, 10] of 32)
-            third = n_rot // 2 // 3
-            w.add_rope_dimension_sections([third, third, n_rot // 2 - 2 * third, 0])
-        else:
-            w.add_expert_count(g.n_expert)
-            w.add_expert_used_count(g.n_expert_used)
-            w.add_expert_feed_forward_length(g.n_ff)
-            w.add_expert_shared_feed_forward_length(g.n_ff)
-
-    return write_sparse_gguf(path, arch, _qwen35_tensors(g, recurrent, moe=arch == "qwen3next"), metadata)
+    return write_sparse_gguf(path, arch, qwen35_tensors(g, arch), lambda w: qwen35_metadata(w, g, arch))
 
 
 def _attn(g: HybridGeometry, q: int | None = None, bias: bool = False) -> dict[str, tuple]:
