@@ -8,6 +8,7 @@ local ggml RPC workers, and compares llama.cpp's own log lines per device.
     .venv/bin/python scripts/accuracy.py --quick         # a small slice
     .venv/bin/python scripts/accuracy.py --models llama3-8b --ctx 4096,32768 --kv f16,q8_0 --out docs/accuracy.md
     .venv/bin/python scripts/accuracy.py --hybrid --out docs/accuracy-hybrid.md   # issue 22's families
+    .venv/bin/python scripts/accuracy.py --hybrid --models qwen35-9b-4l --devices rpc2 --ctx 16384,65536
 
 `--hybrid` takes the tiny hybrid-recurrent and gpt-oss models of `ctxq.testing.hybrid` (written as GGUF
 in llama.cpp's layout, sparse data) instead of the real geometries, over flash attention on and off.
@@ -25,7 +26,7 @@ from pathlib import Path
 from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers
 from ctxq.testing.accuracy import TARGET_ABS, TARGET_REL, check_cell
-from ctxq.testing.hybrid import MAKERS
+from ctxq.testing.hybrid import MAKERS, REALISTIC
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 from ctxq.units import GiB, MiB
 
@@ -48,13 +49,14 @@ def main() -> int:
     a = ap.parse_args()
     if a.quick:
         a.models, a.devices, a.ctx, a.kv = "llama3-8b,gemma2-9b", "cpu,rpc5", "4096", "f16,q8_0"
-    if a.hybrid:
+    if a.hybrid:  # the defaults of the hybrid matrix where not given (--models qwen35-9b-4l: realistic layers)
         for k, v in HYBRID.items():
-            setattr(a, k, v)
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
     for name in a.models.split(","):
-        model = str(MAKERS[name](tmp / f"{name}.gguf") if a.hybrid
+        model = str({**MAKERS, **REALISTIC}[name](tmp / f"{name}.gguf") if a.hybrid
                     else write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
         info = model_info(model)
         for dev in a.devices.split(","):

@@ -286,3 +286,12 @@ MAKERS: dict[str, Callable[..., Path]] = {
     "granitehybrid": write_granite_hybrid,
     "nemotron_h": write_nemotron_h,
 }
+
+# Qwen3.5-9B's per-layer shapes (transformers' Qwen3_5TextConfig defaults: 4096 wide, 16 heads / 4 KV of 256,
+# linear attention 16 key / 32 value heads of 128, FFN 12288) on 4 layers (3 delta nets, 1 attention) and a
+# 32k vocabulary: a realistic layer that a machine without a GPU still loads (1.9 GiB of f16 weights).
+QWEN35_9B_4L = HybridGeometry(n_layer=4, n_embd=4096, n_ff=12288, n_head=16, n_head_kv=4, head_dim=256,
+                              n_vocab=32768, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32)
+REALISTIC: dict[str, Callable[..., Path]] = {
+    "qwen35-9b-4l": lambda path: write_qwen35(path, QWEN35_9B_4L),
+}
