@@ -55,6 +55,18 @@ def test_qwen3next_experts_are_split_from_dense_weights(hybrids):
     assert la.dense_bytes > 0  # the router and the shared expert stay dense
 
 
+def test_gpt_oss_alternates_sliding_and_full_attention(hybrids):
+    g = HybridGeometry(n_layer=6)
+    info = model_info(hybrids["gpt-oss"])
+    assert [la.kind for la in info.layers] == ["sliding", "attention"] * 3  # load_swa_pattern(ml, 2)
+    assert info.n_swa == g.n_swa
+    # its experts are real expert tensors: gate/up/down exps and their biases
+    assert all(la.expert_bytes == 3 * g.n_embd * g.n_ff * g.n_expert * 2 + (2 * g.n_ff + g.n_embd) * g.n_expert * 4
+               for la in info.layers)
+    r = run_ctxq("inspect", hybrids["gpt-oss"])
+    assert f"sliding window {g.n_swa} tokens on 3 of 6 layers" in r.stdout, r.stdout
+
+
 def test_inspect_shows_attention_kv_and_recurrent_state(hybrids):
     r = run_ctxq("inspect", hybrids["qwen35"])
     assert r.returncode == 0, r.stderr
