@@ -43,6 +43,10 @@ MAMBA2_ARCHS = {"granitehybrid", "nemotron_h", "mamba2", "falcon-h1"}
 FULL_ATTENTION_INTERVAL = 4  # the default of llama_model_qwen35 / qwen3next::load_arch_hparams
 STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::create_memory)
 
+# Output norms under another name (LLM_TENSOR_OUTPUT_NORM_LFM2 is "token_embd_norm", llama-arch.cpp): they sit
+# with the output head, not with the token embeddings on the host.
+OUTPUT_NORM = {"lfm2": "token_embd_norm.weight", "lfm2moe": "token_embd_norm.weight"}
+
 # Bytes per element for the KV-cache types ctxq chooses between (ggml block sizes).
 KV_TYPES = ("f16", "q8_0", "q4_0")
 
@@ -226,7 +230,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
             (expert if is_expert(t.name) else dense)[il] += t.nbytes
         elif t.name == "token_embd.weight":
             token_embd += t.nbytes
-        elif t.name.startswith("output"):
+        elif t.name.startswith("output") or t.name == OUTPUT_NORM.get(arch):
             output += t.nbytes
             if t.name == "output.weight":
                 output_type = t.type_name
