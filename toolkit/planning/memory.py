@@ -156,6 +156,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
 
 def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
     """The compute peaks for a device holding `layers`, by the kinds of layer it holds."""
+    if not c.peaks.by_kind:  # not a hybrid: one set of peaks (the search calls this thousands of times)
+        return c.peaks
     return c.peaks.of({c.info.layers[il].kind for il in layers})
 
 
@@ -163,6 +165,8 @@ def _inputs(c: Costs, layers) -> int:
     """One copy of a device's split-graph inputs: a device holding layers but no attention receives no
     masks nor KV indices, only the residual and the position / output ids (hybrids' recurrent layers:
     their state-copy indices are a few bytes). Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102."""
+    if not c.peaks.by_kind:  # every layer attends (only hybrids measure kinds apart)
+        return c.inputs
     layers = list(layers)
     if layers and not any(c.info.layers[il].attention for il in layers):
         return c.inputs_recurrent
