@@ -7,6 +7,11 @@ local ggml RPC workers, and compares llama.cpp's own log lines per device.
     .venv/bin/python scripts/accuracy.py                 # the matrix that fits this machine
     .venv/bin/python scripts/accuracy.py --quick         # a small slice
     .venv/bin/python scripts/accuracy.py --models llama3-8b --ctx 4096,32768 --kv f16,q8_0 --out docs/accuracy.md
+    .venv/bin/python scripts/accuracy.py --hybrid --out docs/accuracy-hybrid.md   # issue 22's families
+    .venv/bin/python scripts/accuracy.py --hybrid --models qwen35-9b-4l --devices rpc2 --ctx 16384,65536
+
+`--hybrid` takes the tiny hybrid-recurrent and gpt-oss models of `ctxq.testing.hybrid` (written as GGUF
+in llama.cpp's layout, sparse data) instead of the real geometries, over flash attention on and off.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from pathlib import Path
 from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers
 from ctxq.testing.accuracy import TARGET_ABS, TARGET_REL, check_cell
+from ctxq.testing.hybrid import MAKERS, REALISTIC
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 from ctxq.units import GiB, MiB
 
-DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc5": [16, 16, 16, 8, 8]}
+DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc3": [2, 1, 1], "rpc5": [16, 16, 16, 8, 8]}
+HYBRID = dict(models=",".join(MAKERS), devices="cpu,rpc2,rpc3", ctx="16384,65536", kv="f16,q8_0", fa="on,off")
 
 
 def main() -> int:
@@ -36,25 +43,36 @@ def main() -> int:
     ap.add_argument("--max-kv-gib", type=float, default=6.0,
                     help="skip cells whose KV cache exceeds this (RAM of this machine)")
     ap.add_argument("--quick", action="store_true", help="llama3-8b and gemma2-9b at 4096 on cpu and rpc5")
+    ap.add_argument("--hybrid", action="store_true", help="issue 22's tiny hybrid and gpt-oss models")
+    ap.add_argument("--fa", default="on", help="flash attention: on, off or on,off")
     ap.add_argument("--out", default=None, help="write the table as Markdown")
     a = ap.parse_args()
     if a.quick:
         a.models, a.devices, a.ctx, a.kv = "llama3-8b,gemma2-9b", "cpu,rpc5", "4096", "f16,q8_0"
+    if a.hybrid:  # the defaults of the hybrid matrix where not given (--models qwen35-9b-4l: realistic layers)
+        for k, v in HYBRID.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
     for name in a.models.split(","):
-        model = str(write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
+        model = str({**MAKERS, **REALISTIC}[name](tmp / f"{name}.gguf") if a.hybrid
+                    else write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
         info = model_info(model)
         for dev in a.devices.split(","):
             sizes = DEVICE_SETS[dev]
             with start_workers(len(sizes)) if sizes else nullcontext() as w:
                 for ctx in map(int, a.ctx.split(",")):
-                    for kv in a.kv.split(","):
+                    for kv, fa in [(kv, fa) for kv in a.kv.split(",") for fa in a.fa.split(",")]:
                         kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
                         if kv_gib > a.max_kv_gib:
                             print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
                             continue
-                        r = check_cell(model, ctx, kv, sizes, workers=w, label=f"{name} {dev} {ctx} {kv}")
+                        if fa == "off" and kv != "f16":  # a quantized V cache needs flash attention
+                            continue
+                        label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "")
+                        r = check_cell(model, ctx, kv, sizes, workers=w, label=label, flash_attn=fa == "on")
+                        kv = kv + (" fa-off" if fa == "off" else "")
                         for d in r.devices:
                             rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
                                          d.error / MiB, "ok" if d.ok else "OVER", "yes" if r.layers_match else "NO"])

@@ -61,7 +61,7 @@ def inspect(model: str, hf_file: str | None, as_json: bool):
         echo_json(info.to_dict() | ({"source": src.source, "hub_bytes_read": read[0]} if read else {}))
         return
     heads = sorted(set(info.n_head))
-    kv_heads = sorted(set(info.n_head_kv))
+    kv_heads = sorted({la.n_head_kv for la in info.layers if la.attention}) or [0]
     click.echo(f"{src.source or info.path}" + (f"\n  {read[1]}" if read else ""))
     click.echo(f"  architecture   {info.arch} ({info.name or 'unnamed'})")
     click.echo(f"  parameters     {info.n_params / 1e9:.3f} B, file type {info.file_type}, {human(info.file_size)}")
@@ -71,11 +71,15 @@ def inspect(model: str, hf_file: str | None, as_json: bool):
                f"head size K {info.head_dim_k} / V {info.head_dim_v}")
     swa = f"{info.n_swa} tokens on {sum(info.swa_layers)} of {info.n_layer} layers" if info.n_swa else "none"
     click.echo(f"  sliding window {swa}")
+    n_attn, n_recr = sum(la.attention for la in info.layers), sum(info.recurrent_layers)
+    if n_attn < info.n_layer or n_recr:
+        click.echo(f"  layer kinds    {n_attn} of {info.n_layer} layers attend, {n_recr} recurrent"
+                   f" (recurrent state {human(info.state_bytes_per_seq)} per sequence)")
     click.echo(f"  vocabulary     {info.n_vocab}")
     lb = info.layer_bytes
     click.echo(f"  weights        layers {human(sum(lb))} ({mib(min(lb))}..{mib(max(lb))} each), "
                f"token embeddings {human(info.token_embd_bytes)}, output {human(info.output_bytes)}"
                f"{' (tied to token embeddings)' if info.output_tied else ''}")
     rows = [[k, f"{v / 1024:.1f} KiB", gib(v * 65536)] for k, v in info.kv_bytes_per_token.items()]
-    click.echo("  KV cache (K and V, all layers):")
+    click.echo("  KV cache (K and V, attention layers):")
     click.echo("    " + table(rows, ["type", "per token", "at 64k"]).replace("\n", "\n    "))

@@ -15,6 +15,7 @@ from .options import hf_file_option, hub_read
 def render_plan(p, *, title: str | None = None) -> str:
     """The per-device table, the llama.cpp flags and the choice made."""
     rows = []
+    has_state = any(d.state for d in p.devices)
     for d in p.devices:
         n_l = len([x for x in d.layers if x < p.n_layer])
         has_out = p.n_layer in d.layers
@@ -26,9 +27,12 @@ def render_plan(p, *, title: str | None = None) -> str:
         else:
             layers = "0"
         use = d.total / d.device.usable * 100 if d.device.usable else 0
+        state = [d.state] if has_state else []  # the recurrent state, for hybrid models only
         rows.append([d.device.name, layers] + [f"{v / GiB:.2f}" for v in (
-            d.weights, d.kv, d.compute, d.cuda_extra, d.margin, d.total, d.device.usable, d.free)] + [f"{use:.0f}%"])
-    head = ["device", "layers", "weights", "KV", "compute", "CUDA", "reserve", "total", "capacity", "free", "use"]
+            d.weights, d.kv, *state, d.compute, d.cuda_extra, d.margin, d.total, d.device.usable, d.free)]
+            + [f"{use:.0f}%"])
+    head = ["device", "layers", "weights", "KV", *(["state"] if has_state else []), "compute", "CUDA", "reserve",
+            "total", "capacity", "free", "use"]
     lines = []
     if title:
         lines.append(title)

@@ -13,16 +13,58 @@ from ..errors import GGUFError
 from .reader import GGUFFile, read_gguf, tensor_nbytes
 from ..units import round_up
 
-# Sliding-window rules per architecture, as each llama_model_<arch>::load_hparams sets them
+# Sliding-window rules per architecture, as each llama_model_<arch>::load_arch_hparams sets them
 # (src/models/<arch>.cpp): (default window or None when the key must be present, pattern).
-# pattern n: layer il is SWA when il % n < n - 1 (llama_hparams::set_swa_pattern).
+# pattern n: layer il is SWA when il % n < n - 1 (llama_hparams::set_swa_pattern); 0: every attention
+# layer (lfm2 marks each non-recurrent layer SWA when its window key is set).
 SWA_RULES: dict[str, tuple[int | None, int]] = {
     "gemma2": (4096, 2),
     "gemma3": (None, 6),
+    "gpt-oss": (None, 2),  # llama_model_openai_moe: load_swa_pattern(ml, 2), window key required
+    "lfm2": (0, 0),
 }
+
+# How each hybrid architecture marks its recurrent layers (llama_model_<arch>::load_arch_hparams):
+# "interval": `attention.recurrent_layers` array, else full_attention_interval (default 4), layer il
+#   recurrent when (il + 1) % interval != 0 (qwen35, qwen3next);
+# "kv0": recurrent when head_count_kv(il) == 0 (lfm2, granitehybrid);
+# "kv0_ff0": recurrent when head_count_kv(il) == 0 and feed_forward_length(il) == 0; a layer with
+#   neither is an MLP layer with no memory at all (nemotron_h, llama_model::create_memory's filters).
+RECURRENT_RULES: dict[str, str] = {
+    "qwen35": "interval", "qwen3next": "interval",
+    "lfm2": "kv0", "granitehybrid": "kv0",
+    "nemotron_h": "kv0_ff0",
+}
+# Multi-section rope: inp_pos holds GGML_MROPE_SECTIONS (4) positions per token (llama_hparams::n_pos_per_embd;
+# the MROPE / IMROPE architectures of llama_model_rope_type).
+MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
+# Mamba-2 mixers (llama_model_granite_hybrid / nemotron_h: ssm_in, ssm_conv1d, ssm_scan).
+MAMBA2_ARCHS = {"granitehybrid", "nemotron_h", "mamba2", "falcon-h1"}
+FULL_ATTENTION_INTERVAL = 4  # the default of llama_model_qwen35 / qwen3next::load_arch_hparams
+STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::create_memory)
+
+# Output norms under another name (LLM_TENSOR_OUTPUT_NORM_LFM2 is "token_embd_norm", llama-arch.cpp): they sit
+# with the output head, not with the token embeddings on the host.
+OUTPUT_NORM = {"lfm2": "token_embd_norm.weight", "lfm2moe": "token_embd_norm.weight"}
 
 # Bytes per element for the KV-cache types ctxq chooses between (ggml block sizes).
 KV_TYPES = ("f16", "q8_0", "q4_0")
+
+# A tensor of layer il: `blk.<il>.` (llama.cpp's tensor names, LLM_TENSOR_NAMES).
+BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# Routed-expert tensors (common/common.h LLM_FFN_EXPS_REGEX, searched in the name).
+EXPERT_RE = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+
+
+def block_of(name: str) -> int | None:
+    """The layer a tensor belongs to, or None for tensors outside the blocks."""
+    m = BLOCK_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_expert(name: str) -> bool:
+    """A routed-expert tensor (its weights the MoE planner may place apart from the layer's)."""
+    return EXPERT_RE.search(name) is not None
 
 
 def kv_bytes(type_name: str, n_elements: int) -> int:
@@ -37,18 +79,41 @@ def kv_cells(info: ModelInfo, n_ctx: int, n_ubatch: int, il: int) -> int:
     """Cells of layer il's KV cache at n_ctx: padded to 256; sliding-window layers hold a window
     (llama_kv_cache::get_size, llama_kv_cache_iswa)."""
     size = round_up(n_ctx, KV_PAD)
-    if info.swa_layers[il] and info.n_swa:
+    if info.layers[il].sliding and info.n_swa:
         return min(size, round_up(info.n_swa + n_ubatch, KV_PAD))
     return size
 
 
 def layer_kv_bytes(info: ModelInfo, il: int, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> int:
-    """Bytes of layer il's K and V cache."""
+    """Bytes of layer il's K and V cache; 0 for a layer without attention (the KV cache's layer filter)."""
+    if not info.layers[il].attention:
+        return 0
     return kv_cells(info, n_ctx, n_ubatch, il) * (kv_bytes(type_k, info.n_embd_k_gqa(il))
                                                  + kv_bytes(type_v, info.n_embd_v_gqa(il)))
 
 
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
+@dataclass(frozen=True)
+class LayerFacts:
+    """One layer, as llama.cpp allocates it. The single source of per-layer facts for the planner."""
+
+    attention: bool  # holds a KV cache (the attention filter of llama_model::create_memory)
+    sliding: bool  # its KV cache is a window of n_swa tokens (llama_hparams::is_swa)
+    recurrent: bool  # holds a recurrent state (llama_hparams::is_recr); hybrids like Falcon-H1 have both
+    n_head: int
+    n_head_kv: int
+    state_bytes: int  # recurrent state per sequence: f32 rows of n_embd_r + n_embd_s (llama_memory_recurrent)
+    dense_bytes: int  # weights of blk.<il>.* that are not routed experts
+    expert_bytes: int  # routed-expert weights (EXPERT_RE)
+
+    @property
+    def kind(self) -> str:
+        """attention, sliding, recurrent, attention+recurrent, or ffn (no memory: Nemotron-H's MLP layers)."""
+        attn = "sliding" if self.sliding else "attention" if self.attention else ""
+        return "+".join(k for k in (attn, "recurrent" if self.recurrent else "") if k) or "ffn"
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes
 
 
 @dataclass
@@ -65,29 +130,61 @@ class ModelInfo:
     n_layer: int
     n_ctx_train: int | None
     n_embd: int
-    n_head: list[int]  # per layer
-    n_head_kv: list[int]  # per layer
     head_dim_k: int
     head_dim_v: int
     n_vocab: int
     n_swa: int  # sliding window in tokens, 0 when the model has none
-    swa_layers: list[bool]  # per layer
-    layer_bytes: list[int]  # weights of blk.<il>.*
+    layers: list[LayerFacts]  # per layer: kind, heads, state and weight bytes
     token_embd_bytes: int
     output_bytes: int  # output.weight and output_norm; 0 for the tied part when tied
     output_tied: bool  # no output.weight: the output reuses token_embd (a copy on the output device)
     output_type: str | None  # ggml type of the output projection's weight (or token_embd's when tied)
     other_bytes: int  # tensors outside layers, embeddings and output (rope factors, ...)
-    kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # f16 / q8_0 / q4_0, all layers
+    kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # f16 / q8_0 / q4_0, attention layers
+    n_pos_per_token: int = 1  # positions per token in the graph's inp_pos (4 with multi-section rope)
+    # Mamba-2 layers: rows of ssm_in's output (z, xBC, dt) and of the convolved xBC; 0 without them
+    ssm_in_rows: int = 0
+    ssm_xbc_rows: int = 0
+
+    @property
+    def n_head(self) -> list[int]:
+        return [la.n_head for la in self.layers]
+
+    @property
+    def n_head_kv(self) -> list[int]:
+        return [la.n_head_kv for la in self.layers]
+
+    @property
+    def swa_layers(self) -> list[bool]:
+        return [la.sliding for la in self.layers]
+
+    @property
+    def recurrent_layers(self) -> list[bool]:
+        return [la.recurrent for la in self.layers]
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """Weights of blk.<il>.*, experts included."""
+        return [la.weight_bytes for la in self.layers]
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """The recurrent state of all layers for one sequence."""
+        return sum(la.state_bytes for la in self.layers)
 
     def n_embd_k_gqa(self, il: int) -> int:
-        return self.head_dim_k * self.n_head_kv[il]
+        return self.head_dim_k * self.layers[il].n_head_kv
 
     def n_embd_v_gqa(self, il: int) -> int:
-        return self.head_dim_v * self.n_head_kv[il]
+        return self.head_dim_v * self.layers[il].n_head_kv
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for la, facts in zip(d["layers"], self.layers):
+            la["kind"] = facts.kind
+        d.update(n_head=self.n_head, n_head_kv=self.n_head_kv, swa_layers=self.swa_layers,
+                 layer_bytes=self.layer_bytes, state_bytes_per_seq=self.state_bytes_per_seq)
+        return d
 
 
 def _per_layer(value, n_layer: int, what: str) -> list[int]:
@@ -115,21 +212,12 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     head_dim_k = int(g.arch_get("attention.key_length", n_embd // h0))
     head_dim_v = int(g.arch_get("attention.value_length", n_embd // h0))
 
-    n_swa, swa_layers = 0, [False] * n_layer
-    pattern_arr = g.arch_get("attention.sliding_window_pattern")
-    window = g.arch_get("attention.sliding_window")
-    if arch in SWA_RULES:
-        default, pattern = SWA_RULES[arch]
-        n_swa = int(window) if isinstance(window, int) else (default or 0)
-        if n_swa > 0:
-            if isinstance(pattern_arr, list) and len(pattern_arr) == n_layer:
-                swa_layers = [bool(x) for x in pattern_arr]
-            else:
-                if isinstance(pattern_arr, int) and not isinstance(pattern_arr, bool):
-                    pattern = int(pattern_arr)
-                swa_layers = [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
+    recurrent = _recurrent_layers(g, arch, n_layer, n_head_kv)
+    attention = [not r and kv > 0 for r, kv in zip(recurrent, n_head_kv)]
+    n_swa, swa_layers = _sliding_layers(g, arch, n_layer, attention)
+    state = _state_bytes(g, n_embd)
 
-    layer_bytes = [0] * n_layer
+    dense, expert = [0] * n_layer, [0] * n_layer
     token_embd = output = other = 0
     output_type = None
     types: Counter[str] = Counter()
@@ -137,17 +225,21 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     for t in g.tensors:
         types[t.type_name] += 1
         n_params += t.n_elements
-        m = _LAYER_RE.match(t.name)
-        if m and int(m.group(1)) < n_layer:
-            layer_bytes[int(m.group(1))] += t.nbytes
+        il = block_of(t.name)
+        if il is not None and il < n_layer:
+            (expert if is_expert(t.name) else dense)[il] += t.nbytes
         elif t.name == "token_embd.weight":
             token_embd += t.nbytes
-        elif t.name.startswith("output"):
+        elif t.name.startswith("output") or t.name == OUTPUT_NORM.get(arch):
             output += t.nbytes
             if t.name == "output.weight":
                 output_type = t.type_name
         else:
             other += t.nbytes
+    layers = [LayerFacts(attention=attention[il], sliding=swa_layers[il], recurrent=recurrent[il],
+                         n_head=n_head[il], n_head_kv=n_head_kv[il] if attention[il] else 0,
+                         state_bytes=state if recurrent[il] else 0, dense_bytes=dense[il], expert_bytes=expert[il])
+              for il in range(n_layer)]
     tied = g.tensor("output.weight") is None
     if tied and g.tensor("token_embd.weight") is not None:
         output_type = g.tensor("token_embd.weight").type_name
@@ -166,15 +258,77 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         path=str(g.path), arch=arch, name=g.get("general.name"), file_type=file_type,
         n_params=n_params, file_size=g.file_size, tensor_types=dict(sorted(types.items())),
         n_layer=n_layer, n_ctx_train=g.arch_get("context_length"), n_embd=n_embd,
-        n_head=n_head, n_head_kv=n_head_kv, head_dim_k=head_dim_k, head_dim_v=head_dim_v,
-        n_vocab=int(n_vocab), n_swa=n_swa, swa_layers=swa_layers, layer_bytes=layer_bytes,
+        head_dim_k=head_dim_k, head_dim_v=head_dim_v,
+        n_vocab=int(n_vocab), n_swa=n_swa, layers=layers,
         token_embd_bytes=token_embd, output_bytes=output, output_tied=tied, output_type=output_type,
-        other_bytes=other,
+        other_bytes=other, n_pos_per_token=4 if arch in MROPE_ARCHS else 1,
     )
+    if arch in MAMBA2_ARCHS:  # d_in_proj = 2 d_inner + 2 n_group d_state + n_head (load_arch_tensors)
+        d_inner, d_state, n_group, heads = (int(g.arch_get(f"ssm.{k}", 0) or 0) for k in
+                                            ("inner_size", "state_size", "group_count", "time_step_rank"))
+        info.ssm_xbc_rows = d_inner + 2 * n_group * d_state
+        info.ssm_in_rows = info.ssm_xbc_rows + d_inner + heads
     for kv in KV_TYPES:
         try:
             info.kv_bytes_per_token[kv] = sum(
-                kv_bytes(kv, info.n_embd_k_gqa(il)) + kv_bytes(kv, info.n_embd_v_gqa(il)) for il in range(n_layer))
+                kv_bytes(kv, info.n_embd_k_gqa(il)) + kv_bytes(kv, info.n_embd_v_gqa(il))
+                for il in range(n_layer) if layers[il].attention)
         except GGUFError:
             pass  # rows not a multiple of the type's block: llama.cpp cannot use that KV type
     return info
+
+
+def _recurrent_layers(g: GGUFFile, arch: str, n_layer: int, n_head_kv: list[int]) -> list[bool]:
+    """Which layers hold a recurrent state, by the architecture's rule (RECURRENT_RULES)."""
+    rule = RECURRENT_RULES.get(arch)
+    if rule == "interval":
+        arr = g.arch_get("attention.recurrent_layers")
+        if isinstance(arr, list) and len(arr) == n_layer:
+            return [bool(x) for x in arr]
+        interval = g.arch_get("full_attention_interval", FULL_ATTENTION_INTERVAL)
+        if not isinstance(interval, int) or interval <= 0:
+            raise GGUFError(f"{arch}.full_attention_interval must be a positive integer, not {interval!r}")
+        return [(il + 1) % interval != 0 for il in range(n_layer)]
+    if rule == "kv0":
+        return [kv == 0 for kv in n_head_kv]
+    if rule == "kv0_ff0":
+        n_ff = _per_layer(g.arch_get("feed_forward_length", 0), n_layer, f"{arch}.feed_forward_length")
+        return [kv == 0 and ff == 0 for kv, ff in zip(n_head_kv, n_ff)]
+    return [False] * n_layer
+
+
+def _sliding_layers(g: GGUFFile, arch: str, n_layer: int, attention: list[bool]) -> tuple[int, list[bool]]:
+    """(window in tokens, per-layer flags), by SWA_RULES and llama_model_base::load_swa_pattern."""
+    if arch not in SWA_RULES:
+        return 0, [False] * n_layer
+    default, pattern = SWA_RULES[arch]
+    window = g.arch_get("attention.sliding_window")
+    n_swa = int(window) if isinstance(window, int) else (default or 0)
+    if n_swa <= 0:
+        return 0, [False] * n_layer
+    pattern_arr = g.arch_get("attention.sliding_window_pattern")
+    if isinstance(pattern_arr, list) and len(pattern_arr) == n_layer:
+        flags = [bool(x) for x in pattern_arr]
+    else:
+        if isinstance(pattern_arr, int) and not isinstance(pattern_arr, bool):
+            pattern = int(pattern_arr)
+        flags = [pattern == 0 or il % pattern < pattern - 1 for il in range(n_layer)]
+    return n_swa, [f and a for f, a in zip(flags, attention)]
+
+
+def _state_bytes(g: GGUFFile, n_embd: int) -> int:
+    """One recurrent layer's state per sequence: f32 rows of n_embd_r (the convolution's last d_conv - 1
+    inputs) and n_embd_s (the SSM / delta-net state), llama_hparams::n_embd_r / n_embd_s."""
+    def key(name: str) -> int:
+        v = g.arch_get(name, 0)
+        return int(v) if isinstance(v, int) else 0
+
+    l_cache = key("shortconv.l_cache")
+    d_conv, d_inner, d_state, n_group = (key("ssm.conv_kernel"), key("ssm.inner_size"), key("ssm.state_size"),
+                                         key("ssm.group_count"))
+    if l_cache:  # LFM2's short convolution
+        n_embd_r = n_embd * (l_cache - 1)
+    else:  # Mamba-2 and gated delta net convolutions over x, B and C
+        n_embd_r = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    n_embd_s = d_state * d_inner
+    return (n_embd_r + n_embd_s) * STATE_TYPE_BYTES

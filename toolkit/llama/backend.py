@@ -81,8 +81,10 @@ def capture_log():
 
 # --- what llama.cpp allocated, from its log --------------------------------------------------
 
-_BUF_RE = re.compile(r"^(load_tensors|llama_kv_cache|llama_kv_cache_iswa|sched_reserve|llama_context|"
-                     r"graph_reserve)\s*:\s+(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+# llama_memory_recurrent prints the recurrent state's buffers as "RS buffer" (llama-memory-recurrent.cpp)
+_BUF_RE = re.compile(r"^(load_tensors|llama_kv_cache|llama_kv_cache_iswa|llama_memory_recurrent|sched_reserve|"
+                     r"llama_context|graph_reserve)\s*:\s+(\S+)\s+(model|KV|RS|compute|output) buffer size =\s+"
+                     r"([\d.]+) MiB")
 _LAYER_RE = re.compile(r"load_tensors: layer\s+(\d+) assigned to device (\S+?),")
 
 
@@ -92,18 +94,19 @@ class Allocations:
 
     model: dict[str, int] = field(default_factory=dict)
     kv: dict[str, int] = field(default_factory=dict)
+    state: dict[str, int] = field(default_factory=dict)  # recurrent state (RS buffers)
     compute: dict[str, int] = field(default_factory=dict)
     output: dict[str, int] = field(default_factory=dict)
     layers: dict[int, str] = field(default_factory=dict)  # layer index -> device name
 
     def total(self, buffer: str) -> int:
-        return sum(d.get(buffer, 0) for d in (self.model, self.kv, self.compute, self.output))
+        return sum(d.get(buffer, 0) for d in (self.model, self.kv, self.state, self.compute, self.output))
 
 
 def parse_allocations(lines: list[str]) -> Allocations:
     """Read llama.cpp's buffer-size and layer-assignment log lines (MiB printed with 2 decimals)."""
     a = Allocations()
-    kinds = {"model": a.model, "KV": a.kv, "compute": a.compute, "output": a.output}
+    kinds = {"model": a.model, "KV": a.kv, "RS": a.state, "compute": a.compute, "output": a.output}
     for line in lines:
         m = _BUF_RE.search(line)
         if m:

@@ -20,19 +20,31 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import gguf
 
+from ..gguf.info import RECURRENT_RULES, ModelInfo, block_of
 from ..gguf.reader import GGUFFile
 from ..gguf.writer import write_sparse_gguf
 from ..paths import ctxq_home
 
 log = logging.getLogger(__name__)
 
+# Arrays of a fixed length that a model with that many layers must not have cut to the kept layers
+# (rope.dimension_sections: always 4, get_key_or_arr(..., 4, true) in llama_model_qwen35::load_arch_hparams).
+_FIXED_ARRAYS = (".rope.dimension_sections",)
 _SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
+
+
+@dataclass(frozen=True)
+class LayerFlags:
+    """Per kept layer: sliding window, recurrent (None: leave the source's keys)."""
+
+    swa: tuple[bool, ...] | None = None
+    recurrent: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -42,11 +54,26 @@ class ComputePeaks:
     layer_full: int  # a device holding layers but not the output head (full and SWA layers measured together)
     output: int  # the device that also holds the output head (peak over its layers and the head)
     layer_steady: int  # like layer_full, with two layers of each kind: the graph inputs stay alive across layers
+    # hybrid models: the same peaks measured on layers of one kind alone, for a device holding only that kind
+    by_kind: dict[str, ComputePeaks] = field(default_factory=dict, compare=False)
+
+    def of(self, kinds: set[str]) -> ComputePeaks:
+        """The peaks of a device holding layers of these kinds: its kind's own, or the largest of its
+        kinds' for layers without attention; else the peaks of all kinds together (an upper bound)."""
+        if not kinds or not kinds <= self.by_kind.keys():
+            return self
+        if len(kinds) > 1 and any(k != "recurrent" and k != "ffn" for k in kinds):
+            return self  # attention with other kinds: measured together (Nemotron-H-shaped: 0.3 MiB above the max)
+        # layers without attention run one after another: the peak is the largest of their kinds' (Nemotron-H-
+        # shaped MLP and Mamba-2 layers: 17.83 MiB real on an RPC device, 17.85 planned, 40.9 with all kinds)
+        got = [self.by_kind[k] for k in kinds]
+        return ComputePeaks(max(p.layer_full for p in got), max(p.output for p in got),
+                            max(p.layer_steady for p in got))
 
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v1"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v2"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -54,13 +81,16 @@ def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa
 
 
 def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
-                  swa: tuple[bool, ...] | None = None) -> Path:
+                  flags: LayerFlags | None = None) -> Path:
     """A GGUF with src's architecture keys and only the given layers (renumbered 0..), weights a hole.
 
-    `swa` gives the kept layers' sliding-window flags, written as the explicit per-layer pattern
-    array that llama_model_base::load_swa_pattern reads before any per-architecture default.
+    `flags` gives the kept layers' sliding-window flags, written as the explicit per-layer pattern
+    array that llama_model_base::load_swa_pattern reads before any per-architecture default, and their
+    recurrent flags as `attention.recurrent_layers`, read before full_attention_interval
+    (llama_model_qwen35::load_arch_hparams).
     """
-    out = _derived_path(src, layers, small_vocab, swa)
+    flags = flags or LayerFlags()
+    out = _derived_path(src, layers, small_vocab, flags)
     if out.exists():
         return out
     n_vocab = _SMALL_VOCAB if small_vocab else _vocab_size(src)
@@ -68,26 +98,27 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     specs = []
     for t in src.tensors:
         name, shape = t.name, t.shape
-        if name.startswith("blk."):
-            il = int(name.split(".")[1])
+        il = block_of(name)
+        if il is not None:
             if il not in remap:
                 continue
             name = f"blk.{remap[il]}." + name.split(".", 2)[2]
         if small_vocab and name in ("token_embd.weight", "output.weight"):
             shape = (shape[0], n_vocab)
         specs.append((name, shape, t.type))
-    write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, swa=swa)
+    write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, flags=flags)
     return out
 
 
 def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], *,
                  layers: tuple[int, ...] | None = None, n_vocab: int | None = None,
-                 swa: tuple[bool, ...] | None = None) -> Path:
+                 flags: LayerFlags | None = None) -> Path:
     """src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a loadable
     header-only GGUF at `out`; `layers` keeps those layers' entries of per-layer arrays."""
     arch = src.arch
     n_layer = int(src.arch_get("block_count"))
     n_vocab = n_vocab or _vocab_size(src)
+    swa, recr = (flags.swa, flags.recurrent) if flags else (None, None)
 
     def metadata(w: gguf.GGUFWriter) -> None:
         for key, value in src.metadata.items():
@@ -95,8 +126,11 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                 continue
             if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
                 continue
+            if recr is not None and key == f"{arch}.attention.recurrent_layers":
+                continue
             vtype, etype = src.value_types[key]
-            if layers is not None and isinstance(value, list) and len(value) == n_layer:
+            if layers is not None and isinstance(value, list) and len(value) == n_layer \
+                    and not key.endswith(_FIXED_ARRAYS):
                 value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
             if key == f"{arch}.block_count" and layers is not None:
                 value = len(layers)
@@ -106,6 +140,9 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                             sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
         if swa is not None:
             w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
+                            sub_type=gguf.GGUFValueType.BOOL)
+        if recr is not None:
+            w.add_key_value(f"{arch}.attention.recurrent_layers", list(recr), gguf.GGUFValueType.ARRAY,
                             sub_type=gguf.GGUFValueType.BOOL)
         if f"{arch}.vocab_size" not in src.metadata:
             w.add_vocab_size(n_vocab)
@@ -131,27 +168,48 @@ def _dry_run(path: str, n_ctx: int, n_ubatch: int, n_batch: int, type_k: str, ty
     return sum(m.allocations.compute.values())
 
 
-def compute_peaks(src: GGUFFile, swa_layers: list[bool], *, n_ctx: int, n_ubatch: int, n_batch: int,
+def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, n_batch: int,
                   type_k: str, type_v: str, flash_attn: bool) -> ComputePeaks:
-    """Peaks of one device's compute buffer, measured on llama.cpp's CPU backend in a dry run."""
-    first_full = next((i for i, s in enumerate(swa_layers) if not s), None)
-    first_swa = next((i for i, s in enumerate(swa_layers) if s), None)
-    has_swa = first_swa is not None
-    layers = tuple(sorted(i for i in (first_full, first_swa) if i is not None))
-    pattern = tuple(swa_layers[i] for i in layers) if has_swa else None
+    """Peaks of one device's compute buffer, measured on llama.cpp's CPU backend in a dry run.
+
+    The derived models hold the first layer (and for the steady peak the first two layers) of each kind
+    in `info.layers` (full attention, sliding window, recurrent, MLP-only), in file order: their peak
+    stands for a device holding any mix of the kinds, an upper bound for a device holding fewer.
+    Architectures with sliding windows build an iSWA graph that needs both kinds present
+    (llama_model::build_graph asserts is_swa_any), and hybrids a graph over both memories."""
+    by_kind: dict[str, list[int]] = {}
+    for il, la in enumerate(info.layers):
+        by_kind.setdefault(la.kind, []).append(il)
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
-    full = _dry_run(str(write_derived(src, layers, False, pattern)), *args)
-    # Architectures with sliding windows build an iSWA graph that needs both kinds present
-    # (llama_model::build_graph asserts is_swa_any), so one derived model holds one layer of each
-    # and its peak stands for both kinds; with alternating patterns every device holds both anyway.
-    layer = _dry_run(str(write_derived(src, layers, True, pattern)), *args)
+    mixed = _peaks(src, info, [ils for ils in by_kind.values()], args)
+    if not any(info.recurrent_layers) or len(by_kind) == 1:
+        return mixed
+    # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
+    # attention), so each kind is measured alone too. Sliding-window models are not split by kind: their
+    # iSWA graph needs both kinds present.
+    kinds = {k: _peaks(src, info, [ils], args) for k, ils in by_kind.items()}
+    return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds)
+
+
+def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple) -> ComputePeaks:
+    """The peaks of derived models holding the first (and for the steady peak the first two) layers of
+    each group."""
+    one = tuple(sorted(ils[0] for ils in groups))
+    two = tuple(sorted(il for ils in groups for il in ils[:2]))
+    full = _dry_run(str(write_derived(src, one, False, _flags(info, one))), *args)
+    layer = _dry_run(str(write_derived(src, one, True, _flags(info, one))), *args)
     # A one-layer graph frees its inputs after its only layer; a device holding many layers keeps them
     # alive from one layer to the next, so its steady peak is measured on two layers of each kind.
-    two = tuple(sorted([i for i, s in enumerate(swa_layers) if not s][:2]
-                       + [i for i, s in enumerate(swa_layers) if s][:2]))
-    two_pattern = tuple(swa_layers[i] for i in two) if has_swa else None
-    steady = _dry_run(str(write_derived(src, two, True, two_pattern)), *args)
+    steady = _dry_run(str(write_derived(src, two, True, _flags(info, two))), *args)
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
+
+
+def _flags(info: ModelInfo, layers: tuple[int, ...]) -> LayerFlags:
+    """The kept layers' sliding and recurrent flags, written explicitly into a derived model (None where
+    the model has no such layers: its own keys then say so)."""
+    swa = tuple(info.layers[i].sliding for i in layers) if any(info.swa_layers) else None
+    recr = tuple(info.layers[i].recurrent for i in layers) if RECURRENT_RULES.get(info.arch) == "interval" else None
+    return LayerFlags(swa, recr)
 
 
 def load_source(model) -> GGUFFile:

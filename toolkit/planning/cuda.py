@@ -18,11 +18,10 @@ Where the bytes live decides how they add up:
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..gguf.info import ModelInfo, kv_cells, layer_kv_bytes
+from ..gguf.info import ModelInfo, block_of, kv_cells, layer_kv_bytes
 from ..gguf.reader import TensorInfo, read_model, tensor_nbytes
 from ..units import MiB, round_up
 
@@ -71,7 +70,7 @@ def fa_layer_copies(info: ModelInfo, il: int, n_ctx: int, n_ubatch: int, type_k:
     ggml_cuda_flash_attn_ext_get_f16_extra_data (fattn-common.cuh): end = dst + nbytes(dst); for each
     copy, pad end to 128 and add nelements(K or V view) * 2. The reserve graph views n_kv = all cells
     (llama_kv_cache_context at full size) and has min(n_ctx, n_ubatch) tokens (llama_context::sched_reserve)."""
-    if not flash_attn:
+    if not flash_attn or not info.layers[il].attention:
         return 0
     n_tokens = min(n_ctx, n_ubatch)
     need_k, need_v = _fa_needs_f16(type_k, type_v, n_tokens)
@@ -96,9 +95,6 @@ def fa_quantized_kv_copies(info: ModelInfo, layers, n_ctx: int, n_ubatch: int, t
                default=0)
 
 
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
-
-
 @lru_cache(maxsize=16)
 def _matmul_weights(path: str) -> tuple[dict[int, tuple[TensorInfo, ...]], dict[str, TensorInfo]]:
     """The header's matmul weights (2-D and up; norms and biases are not) by layer, and the rest by name;
@@ -108,9 +104,9 @@ def _matmul_weights(path: str) -> tuple[dict[int, tuple[TensorInfo, ...]], dict[
     for t in read_model(path).tensors:
         if len(t.shape) < 2:
             continue
-        m = _LAYER_RE.match(t.name)
-        if m:
-            by_layer.setdefault(int(m.group(1)), []).append(t)
+        il = block_of(t.name)
+        if il is not None:
+            by_layer.setdefault(il, []).append(t)
         else:
             other[t.name] = t
     return {il: tuple(ts) for il, ts in by_layer.items()}, other
@@ -178,6 +174,8 @@ def fa_off_pool(info: ModelInfo, layers, n_ctx: int, n_ubatch: int, flash_attn: 
     n_tokens = min(n_ctx, n_ubatch)
 
     def layer(il: int) -> int:
+        if not info.layers[il].attention:  # recurrent and MLP-only layers have no KQ
+            return 0
         n_kv = kv_cells(info, n_ctx, n_ubatch, il)
         kq = n_kv * info.n_embd_k_gqa(il) * 4
         kqv = n_kv * n_tokens * info.n_head[il] * 2 + n_tokens * info.head_dim_v * info.n_head[il] * 2

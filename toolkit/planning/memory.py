@@ -3,8 +3,10 @@
 - weights: each layer's tensors on the device its layer is assigned to; token embeddings on the host;
   the output head (output.weight, output_norm) on the device of layer n_layer (the last GPU in use,
   or the host); tied embeddings get a second copy there (TENSOR_DUPLICATED in load_tensors).
-- KV cache: per layer on that layer's device (offload_kqv), kv_size = n_ctx padded to 256 cells,
-  sliding-window layers pad256(n_swa + n_ubatch) cells (llama_kv_cache_iswa), row sizes by type.
+- KV cache: per attention layer on that layer's device (offload_kqv), kv_size = n_ctx padded to 256
+  cells, sliding-window layers pad256(n_swa + n_ubatch) cells (llama_kv_cache_iswa), row sizes by type.
+- recurrent state: per recurrent layer on that layer's device, f32, one row set per sequence
+  (llama_memory_recurrent; ctxq runs one sequence). Its own term (`DevicePlan.state`, llama.cpp's RS buffer).
 - compute buffers: measured by llama.cpp itself on a derived one-layer model (`compute.py`), plus the
   graph-input copies that each device holds when the graph is split.
 - host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the
@@ -27,7 +29,7 @@ from .devices import Device
 from .options import PlanOptions
 from .plan import DevicePlan
 from ..gguf.info import KV_PAD, ModelInfo, kv_cells
-from ..gguf.info import layer_kv_bytes as layer_kv
+from ..gguf.info import layer_kv_bytes
 from ..units import GiB, MiB, round_up
 
 RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
@@ -43,10 +45,13 @@ class Costs:
     info: ModelInfo
     layer_weights: list[int]
     layer_kv: list[int]
+    layer_state: list[int]  # recurrent state per layer (one sequence)
     output_weights: int
     peaks: compute_mod.ComputePeaks
     inputs: int  # one copy of the split-graph inputs (masks, residual, indices), as the host builds them
     resid: int  # the residual stream, f32 [n_embd, n_ubatch]
+    n_ubatch: int
+    inputs_recurrent: int  # one copy of the inputs of a device without attention layers (no masks, no KV indices)
     logits: int
     head: int = 0  # the output device's peak at the head, before input copies
     flash_attn: bool = True
@@ -55,18 +60,18 @@ class Costs:
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
 
 
-def layer_kv_bytes(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
-    """Bytes of each layer's KV cache."""
-    return [layer_kv(info, il, n_ctx, n_ubatch, type_k, type_v) for il in range(info.n_layer)]
+def kv_by_layer(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
+    """Bytes of each layer's KV cache (gguf.info.layer_kv_bytes, for every layer)."""
+    return [layer_kv_bytes(info, il, n_ctx, n_ubatch, type_k, type_v) for il in range(info.n_layer)]
 
 
 def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cuda: bool = False) -> Costs:
     """The costs for resolved options `opts` with these KV types; src is the model's GGUF header.
     cuda: some device is a CUDA card (its terms are computed once here)."""
     n_ctx, n_ubatch, flash_attn = opts.n_ctx, opts.n_ubatch, opts.flash_attn
-    layer_kv = layer_kv_bytes(info, n_ctx, n_ubatch, type_k, type_v)
+    layer_kv = kv_by_layer(info, n_ctx, n_ubatch, type_k, type_v)
     out_w = info.output_bytes + (info.token_embd_bytes if info.output_tied else 0)
-    peaks = compute_mod.compute_peaks(src, info.swa_layers, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=opts.n_batch,
+    peaks = compute_mod.compute_peaks(src, info, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=opts.n_batch,
                                       type_k=type_k, type_v=type_v, flash_attn=flash_attn)
     n_kv = round_up(n_ctx, KV_PAD)
     # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
@@ -76,9 +81,9 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
     mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
-    return Costs(info, list(info.layer_bytes), layer_kv, out_w, peaks,
+    return Costs(info, list(info.layer_bytes), layer_kv, [la.state_bytes for la in info.layers], out_w, peaks,
                  inputs=mask + resid + index_inputs(info, n_ubatch, flash_attn, type_k, type_v),
-                 resid=resid, logits=info.n_vocab * 4,
+                 resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch), logits=info.n_vocab * 4,
                  # result_output f32 [n_vocab, n_ubatch] (the reserve outputs every token) and up to 3
                  # residual-sized tensors beside it (Phi-3-mini 4k-32k: 3; Llama-3: 1), measured on RPC
                  head=info.n_vocab * n_ubatch * 4 + 3 * resid, flash_attn=flash_attn,
@@ -96,7 +101,8 @@ def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, 
     (flash attention off; llama_kv_cache::build_input_v_idxs); with a quantized cache the Hadamard
     rotations `attn_inp_k_rot` f32 [nrot, nrot] (nrot: the largest power of two >= 64 dividing the K head
     size) and `attn_inp_v_rot` f32 [64, 64] (llama_kv_cache::build_input_k_rot / build_input_v_rot).
-    Plus `inp_pos` and `out_ids`, I32 [n_ubatch] each (llm_graph_input_pos, llm_graph_input_out_ids).
+    Plus `inp_pos` I32 [n_ubatch * n_pos_per_token] and `out_ids` I32 [n_ubatch] (llm_graph_input_pos,
+    llm_graph_input_out_ids).
     """
     n_caches = 2 if any(info.swa_layers) else 1
     v_rows = 1 if flash_attn else max(info.n_embd_v_gqa(il) for il in range(info.n_layer))
@@ -108,7 +114,12 @@ def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, 
         per_cache += nrot * nrot * 4
     if type_v != "f16" and info.head_dim_v % 64 == 0:
         per_cache += 64 * 64 * 4
-    return n_caches * per_cache + 2 * n_ubatch * 4
+    return n_caches * per_cache + position_inputs(info, n_ubatch)
+
+
+def position_inputs(info: ModelInfo, n_ubatch: int) -> int:
+    """`inp_pos` and `out_ids` (index_inputs)."""
+    return (info.n_pos_per_token + 1) * n_ubatch * 4
 
 
 def reserve(c: Costs, dev: Device) -> int:
@@ -128,7 +139,11 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
     dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
-    dp.compute = _device_compute(c, bool(layers), has_output, n_used, pipeline=n_cpu_slots == 0)
+    dp.state = sum(c.layer_state[i] for i in layers)
+    dp.compute = _device_compute(c, _peaks(c, layers), _inputs(c, layers), bool(layers), has_output, n_used,
+                                 pipeline=n_cpu_slots == 0)
+    if n_used > 1:
+        dp.compute += mamba2_split(c, layers, n_cpu_slots)
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
@@ -139,7 +154,42 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     return dp
 
 
-def _device_compute(c: Costs, has_layers: bool, has_output: bool, n_used: int, pipeline: bool) -> int:
+def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
+    """The compute peaks for a device holding `layers`, by the kinds of layer it holds."""
+    if not c.peaks.by_kind:  # not a hybrid: one set of peaks (the search calls this thousands of times)
+        return c.peaks
+    return c.peaks.of({c.info.layers[il].kind for il in layers})
+
+
+def _inputs(c: Costs, layers) -> int:
+    """One copy of a device's split-graph inputs: a device holding layers but no attention receives no
+    masks nor KV indices, only the residual and the position / output ids (hybrids' recurrent layers:
+    their state-copy indices are a few bytes). Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102."""
+    if not c.peaks.by_kind:  # every layer attends (only hybrids measure kinds apart)
+        return c.inputs
+    layers = list(layers)
+    if layers and not any(c.info.layers[il].attention for il in layers):
+        return c.inputs_recurrent
+    return c.inputs
+
+
+def mamba2_split(c: Costs, layers: range, n_cpu_slots: int) -> int:
+    """What a device holding Mamba-2 layers gains in a split graph: a measured term, not a derived one.
+
+    The scheduler's splits (GGML_SCHED_DEBUG=1) on Granite-4-hybrid- and Nemotron-H-shaped tiny models over
+    3 RPC workers show a Mamba-2 layer's ops running partly on the next device that holds recurrent layers:
+    a view of ssm_in's output (2 MiB) goes there and the convolved xBC (1 MiB) comes back, each in
+    SCHED_COPIES copies. Real: 8.0-9.0 MiB more on the later device, 3.5-4.5 on the earlier one, nothing on
+    a device without recurrent layers. Planned: SCHED_COPIES x ssm_in's output [d_in_proj, n_ubatch] f32 on
+    every device holding Mamba-2 layers (8.6-9.1 MiB here), an upper bound on both sides."""
+    if not c.info.ssm_in_rows or not any(c.info.layers[il].recurrent for il in layers):
+        return 0
+    copies = SCHED_COPIES if n_cpu_slots == 0 else 1
+    return copies * c.info.ssm_in_rows * c.n_ubatch * 4
+
+
+def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_layers: bool, has_output: bool,
+                    n_used: int, pipeline: bool) -> int:
     """A device's compute buffer (scripts/underestimates.py checks each branch against llama.cpp on 37 cells).
 
     With several devices the graph is split and each device receives its split's inputs; with pipeline
@@ -147,21 +197,24 @@ def _device_compute(c: Costs, has_layers: bool, has_output: bool, n_used: int, p
     else one. The steady peak already holds one copy."""
     if n_used <= 1:  # one device, no split: the graph's own peak, at the head or in the layers' steady state
         # (Phi-3-mini at 32k on the CPU: the layers' peak, 24 MiB above the one-layer model's)
-        return max(c.peaks.output, c.peaks.layer_steady) if has_output else c.peaks.layer_steady
+        return max(peaks.output, peaks.layer_steady) if has_output else peaks.layer_steady
     copies = SCHED_COPIES if pipeline else 1
     if has_output and not has_layers:  # the output head alone: no attention, so no mask copies
-        if not c.flash_attn:  # the one-layer peak is its KQ matrix, which this device never computes
+        # the one-layer peak is its KQ matrix (flash attention off) or, where the head does not raise it
+        # (small vocabularies: gpt-oss- and LFM2-shaped tiny models, 6.5 MiB real, 41 planned before), its
+        # attention: neither is computed on this device
+        if not c.flash_attn or peaks.output <= peaks.layer_full:
             return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
-        return c.peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
-    steady = c.peaks.layer_steady + (copies - 1) * c.inputs
+        return peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
+    steady = peaks.layer_steady + (copies - 1) * inputs
     if not has_output:
         return steady
-    head = c.head + copies * c.inputs
-    if c.peaks.output <= c.peaks.layer_full:  # the head does not raise the one-layer peak
+    head = c.head + copies * inputs
+    if peaks.output <= peaks.layer_full:  # the head does not raise the one-layer peak
         return max(steady, head)
     # e.g. Mistral-Nemo-12B at 4k; with an f16 cache the output device keeps 3 residual-sized tensors
     # more (Mistral-Nemo-12B, 16k and 32k on 5 RPC devices: 18 MiB above the other terms in real loads)
-    return max(steady, head, c.peaks.output + copies * c.inputs + (3 * c.resid if c.f16_cache else 0))
+    return max(steady, head, peaks.output + copies * inputs + (3 * c.resid if c.f16_cache else 0))
 
 
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
@@ -173,10 +226,11 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.layer_weights[i] for i in layers) \
         + (c.info.output_bytes if has_out else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
+    dp.state = sum(c.layer_state[i] for i in layers)
     if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
-        dp.compute = _device_compute(c, bool(layers), has_out, 1, pipeline=False)
+        dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
     elif len(layers):  # it runs those layers: their peak and one copy of the inputs (no pipeline parallelism)
-        dp.compute = c.peaks.layer_full + c.inputs
+        dp.compute = _peaks(c, layers).layer_full + _inputs(c, layers)
     else:  # the host builds the inputs of a split graph
         dp.compute = (SCHED_COPIES if n_used > 1 else 1) * c.inputs + c.resid
     dp.compute += c.logits
@@ -185,11 +239,12 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
 
 
 def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int) -> float | None:
-    """Decode tokens/s if each token reads every weight and the whole KV cache once (a full context),
-    device after device at its memory bandwidth. An estimate, not a measurement."""
+    """Decode tokens/s if each token reads every weight, the attention layers' whole KV cache (a full
+    context) and the recurrent state once, device after device at its memory bandwidth. An estimate, not a
+    measurement."""
     secs = 0.0
     for dp in [*gpus, host]:
-        read = dp.weights + dp.kv - (token_embd if dp is host else 0)  # embeddings: one row per token
+        read = dp.weights + dp.kv + dp.state - (token_embd if dp is host else 0)  # embeddings: one row per token
         if read <= 0:
             continue
         if not dp.device.bandwidth:

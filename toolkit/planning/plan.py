@@ -26,6 +26,7 @@ class DevicePlan:
     layers: list[int]  # layer indices; n_layer stands for the output head
     weights: int = 0
     kv: int = 0
+    state: int = 0  # recurrent state of its recurrent layers (llama.cpp's RS buffer)
     compute: int = 0  # the compute buffer as the CPU backend sizes it (llama.cpp's own dry run)
     cuda_copies: int = 0  # what CUDA's compute buffer adds (f16 K/V copies, op-offload copies; cuda.py)
     cuda_pool: int = 0  # CUDA's memory pool high-water, outside every buffer (cuda.py)
@@ -38,8 +39,8 @@ class DevicePlan:
 
     @property
     def buffers(self) -> int:
-        """What llama.cpp's log should report for this device (model + KV + compute buffers)."""
-        return self.weights + self.kv + self.compute + self.cuda_copies
+        """What llama.cpp's log should report for this device (model + KV + RS + compute buffers)."""
+        return self.weights + self.kv + self.state + self.compute + self.cuda_copies
 
     @property
     def total(self) -> int:

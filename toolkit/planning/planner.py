@@ -16,7 +16,7 @@ import numpy as np
 
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
-from .memory import Costs, costs, device_cost, estimate_tps, host_cost, layer_kv_bytes
+from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer
 from .options import KV_TYPES, PlanOptions
 from .plan import DevicePlan, ExpertPlacement, Plan
 from ..errors import DoesNotFit, InvalidOption
@@ -236,7 +236,7 @@ def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: Pla
         chosen = max(plans, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
         why = f"{chosen.cpu_layers} layers on the CPU with the smallest KV type that minimises them"
     if chosen.type_k != "f16" and searched:
-        kv_f16 = sum(layer_kv_bytes(info, opts.n_ctx, opts.n_ubatch, "f16", "f16"))
+        kv_f16 = sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, "f16", "f16"))
         kv_got = chosen.host.kv + sum(g.kv for g in chosen.gpus)
         why += (f"; f16 KV ({kv_f16 / GiB:.1f} GiB) does not fit at {opts.n_ctx} tokens, "
                 f"{chosen.type_k} ({kv_got / GiB:.1f} GiB) does")

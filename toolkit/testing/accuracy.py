@@ -59,13 +59,18 @@ class CellResult:
         return max(self.devices, key=lambda d: abs(d.error))
 
 
+def _on_cpu(buffers: dict[str, int]) -> int:
+    return sum(v for k, v in buffers.items() if k.startswith("CPU"))
+
+
 def _measure_child(model: str, kwargs: dict) -> dict:
     """In the child: load for real, return llama.cpp's allocations as plain dicts."""
     from ..llama.measure import measure
 
     m = measure(model, **kwargs)
     a = m.allocations
-    return {"model": a.model, "kv": a.kv, "compute": a.compute, "output": a.output, "layers": a.layers}
+    return {"model": a.model, "kv": a.kv, "state": a.state, "compute": a.compute, "output": a.output,
+            "layers": a.layers}
 
 
 def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
@@ -93,16 +98,17 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
     endpoints = workers.endpoints if workers else []
     for i, g in enumerate(p.gpus):
         name = f"RPC0[{endpoints[i]}]" if i < len(endpoints) else f"RPC{i}"
-        checks.append(DeviceCheck(g.device.name, {"weights": g.weights, "kv": g.kv, "compute": g.compute},
+        checks.append(DeviceCheck(g.device.name, {"weights": g.weights, "kv": g.kv, "state": g.state,
+                                                   "compute": g.compute},
                                   {"weights": real["model"].get(name, 0), "kv": real["kv"].get(name, 0),
-                                   "compute": real["compute"].get(name, 0)}))
+                                   "state": real["state"].get(name, 0), "compute": real["compute"].get(name, 0)}))
     h = p.host
     # CPU_REPACK holds re-laid-out copies of weights that stay mapped from the file (CPU_Mapped);
     # the model's own bytes are the mapped and plain CPU buffers.
     host_model = sum(v for k, v in real["model"].items() if k.startswith("CPU") and k != "CPU_REPACK")
     host_out = sum(real["output"].values())
-    checks.append(DeviceCheck("CPU", {"weights": h.weights, "kv": h.kv, "compute": h.compute},
-                              {"weights": host_model, "kv": sum(v for k, v in real["kv"].items() if k.startswith("CPU")),
+    checks.append(DeviceCheck("CPU", {"weights": h.weights, "kv": h.kv, "state": h.state, "compute": h.compute},
+                              {"weights": host_model, "kv": _on_cpu(real["kv"]), "state": _on_cpu(real["state"]),
                                "compute": sum(v for k, v in real["compute"].items() if k.startswith("CPU")) + host_out}))
     # layer assignment: the plan's device for each layer slot vs llama.cpp's log
     want = {il: f"RPC{i}" for i, g in enumerate(p.gpus) for il in g.layers}  # device names: RPC<i>
