@@ -18,6 +18,7 @@ from ..errors import ConversionError
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .experts import Layout
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Family:
     ties_output: bool = False  # llama.cpp's graph computes the output with token_embd, whatever lm_head holds
     extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None
     check: Callable[[dict], None] | None = None  # refuses configs llama.cpp would compute differently
+    experts: "Layout | None" = None  # mixture of experts: how packed expert tensors are laid out (experts.py)
 
     @property
     def arch_name(self) -> str:
@@ -144,9 +146,10 @@ def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
 @dataclass
 class TensorPlan:
     """One output tensor: GGUF name, numpy shape, output type, and its float32 data as blocks of
-    whole rows (a generator, so only one block is in memory)."""
+    whole rows in C order (a generator, so only one block is in memory)."""
 
     name: str
     shape: tuple[int, ...]
     type: gguf.GGMLQuantizationType
     blocks: Callable[[], Iterable[np.ndarray]]
+    raw: bool = False  # blocks are already `type`'s bytes in ggml's layout (MXFP4 experts), written as they are
