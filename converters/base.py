@@ -85,6 +85,10 @@ def write_common(cfg: dict, w: gguf.GGUFWriter) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(r["factor"]))
         w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
+        if r.get("beta_fast") is not None:  # llama.cpp's defaults are 32 and 1 (llama_hparams)
+            w.add_rope_scaling_yarn_beta_fast(float(r["beta_fast"]))
+        if r.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(r["beta_slow"]))
     elif kind not in ("default", "llama3"):  # llama3 is written as the rope_freqs tensor
         raise ConversionError(f"RoPE type {kind!r} is not supported by ctxq convert yet")
 

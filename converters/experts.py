@@ -68,7 +68,7 @@ def write_counts(cfg: dict, w: gguf.GGUFWriter, n_ff_exp: int | None) -> None:
     """The keys llama.cpp's load_hparams reads for every MoE arch (LLM_KV_EXPERT_COUNT, _USED_COUNT),
     and expert_feed_forward_length where the arch reads it."""
     w.add_expert_count(n_experts(cfg))
-    w.add_expert_used_count(int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0))
+    w.add_expert_used_count(int(cfg.get("num_experts_per_tok") or cfg.get("num_experts_per_token") or 0))
     if n_ff_exp:
         w.add_expert_feed_forward_length(int(n_ff_exp))
 

@@ -140,14 +140,20 @@ def test_moe_quantizes_with_llama_cpp(moe, family, qtype, tmp_path):
     ref = reference_logits(folder, ids)
     r = convert(folder, qtype, tmp_path / f"{family}-{qtype}.gguf", check=False)
     assert model_info(r.path).file_type == qtype
-    types = {t.name: t.type for t in read_gguf(r.path, skip_arrays=True).tensors}
+    from gguf import GGMLQuantizationType as T
+
+    types = {t.name: T(t.type).name for t in read_gguf(r.path, skip_arrays=True).tensors}
     want = "MXFP4" if qtype == "MXFP4_MOE" else None
     for proj in ("gate", "up", "down"):
         t = types[f"blk.0.ffn_{proj}_exps.weight"]
         assert (t == want) if want else t in ("Q4_K", "Q5_K", "Q6_K"), (proj, t)
     got, _ = llama_logits(r.path, ids)
-    rel, _, _ = compare(ref, got)
-    assert rel < 0.35, f"{family} {qtype}: relative L2 {rel:.2f}"  # 4-bit weights on random models
+    # 4-bit weights of random models move logits a lot; a wrong layout makes them unrelated
+    # (top-1 agreement near chance, 1 in 340)
+    rel = float(np.mean(np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+    agree = float((ref.argmax(1) == got.argmax(1)).mean())
+    print(f"{family} {qtype}: mean relative L2 {rel:.3f}, top-1 agreement {agree:.3f}")
+    assert rel < 0.5 and agree > 0.5, (rel, agree)
 
 
 def test_dense_layers_in_a_qwen3_moe_are_refused_in_one_line(tmp_path):
