@@ -181,3 +181,66 @@ def test_missing_expert_is_one_line(moe, tmp_path):
     assert len(rc.stderr.strip().splitlines()) == 1
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["MixtralForCausalLM"]
+
+
+def _hf_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(..., n) float weights as OpenAI's MXFP4 checkpoint bytes: blocks (..., n/32, 16) with element 2k
+    in byte k's low nibble, and e8m0 scales (..., n/32). Written here from the format's definition;
+    the reference dequantizes them with transformers' own convert_moe_packed_tensors."""
+    fp4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    x = w.reshape(*w.shape[:-1], -1, 32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0))  # the largest code, 6, covers the block
+    codes = np.abs(x[..., None] / 2.0 ** exp[..., None] - fp4).argmin(-1).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(exp[..., 0] + 127, np.uint8)
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_checkpoint_is_copied_as_mxfp4(moe, tmp_path):
+    """gpt-oss as OpenAI releases it: expert weights as MXFP4 blocks and scales. ctxq copies them into
+    ggml's MXFP4 tensors; transformers' dequantized weights give the reference."""
+    from gguf import GGMLQuantizationType as T
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ctxq.gguf.reader import read_gguf
+
+    src = moe["gpt-oss"]
+    folder = tmp_path / "mxfp4"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    sd = load_file(src / "model.safetensors")
+    out, deq = {}, {}
+    for k, v in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _hf_mxfp4(v.transpose(1, 2).numpy())  # stored (E, out, in) when quantized
+            out[k + "_blocks"], out[k + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+            deq[k] = convert_moe_packed_tensors(out[k + "_blocks"], out[k + "_scales"], dtype=torch.float32)
+            assert deq[k].shape == v.shape
+        else:
+            out[k] = v
+    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    # the reference: the float model with transformers' dequantization of those bytes
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model.load_state_dict({**model.state_dict(), **deq})
+    ids = hf_ids(src)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    r = convert(folder, "f32", tmp_path / "g.gguf")
+    types = {t.name: T(t.type).name for t in read_gguf(r.path, skip_arrays=True).tensors}
+    assert {types[f"blk.{il}.ffn_{p}_exps.weight"] for il in (0, 1) for p in ("gate", "up", "down")} == {"MXFP4"}
+    assert types["blk.0.attn_q.weight"] == "F32" and types["blk.0.ffn_gate_exps.bias"] == "F32"
+    got, _ = llama_logits(r.path, ids)
+    rel, flips, _ = compare(ref, got)
+    print(f"gpt-oss MXFP4 checkpoint: relative L2 {rel:.2e}, {flips} top-1 changes in {len(ids)} positions")
+    # llama.cpp multiplies MXFP4 weights with activations rounded to Q8_0 (ggml_vec_dot_mxfp4_q8_0)
+    assert rel < 3e-2 and flips <= 2, (rel, flips)
+    # MXFP4_MOE from it keeps the experts' bytes
+    q = convert(folder, "MXFP4_MOE", tmp_path / "q.gguf", check=False)
+    assert {T(t.type).name for t in read_gguf(q.path, skip_arrays=True).tensors if "_exps.weight" in t.name} == {"MXFP4"}
