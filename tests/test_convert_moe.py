@@ -129,6 +129,17 @@ def test_moe_family_matches_transformers(moe, family, tmp_path):
 
 
 @pytest.mark.slow
+def test_gpt_oss_yarn(tmp_path):
+    """gpt-oss's YaRN RoPE (factor 32, beta 32/1), with a short original context so that it bites.
+    transformers' truncate=false is not expressible in llama.cpp (a warning says so); truncated matches."""
+    rp = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+              original_max_position_embeddings=64, truncate=True)
+    folder = make_moe(tmp_path / "y", "gpt-oss", rope_parameters=rp)
+    ids = hf_ids(folder)
+    _check(folder, reference_logits(folder, ids), ids, tmp_path / "y.gguf", "f32", 1e-3)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family,qtype", [("qwen3moe", "Q4_K_M"), ("mixtral", "MXFP4_MOE"),
                                           ("gpt-oss", "MXFP4_MOE"), ("gpt-oss", "Q4_K_M")])
 def test_moe_quantizes_with_llama_cpp(moe, family, qtype, tmp_path):
