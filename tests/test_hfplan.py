@@ -88,3 +88,36 @@ def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
     r = run_ctxq("convert", str(hf), "auto", "-o", str(tmp_path / "x.gguf"))
     assert r.returncode == 1 and "--ctx" in r.stderr and r.stderr.count("\n") == 1
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "gpt-oss"])
+def test_moe_predicted_sizes(family, tmp_path):
+    """Issue 21: MoE checkpoints planned per quantization, MXFP4_MOE included; predicted sizes are
+    the real conversions' (stacked experts in the header as ctxq writes them)."""
+    from .test_convert_moe import make_moe
+
+    folder = make_moe(tmp_path / family, family)
+    src = header_gguf(folder)
+    real_f16 = convert(folder, "f16", output=tmp_path / "f16.gguf")
+    assert src.stat().st_size == real_f16.path.stat().st_size
+    for qtype in ("Q4_K_M", "MXFP4_MOE"):
+        _, predicted, _ = predicted_gguf(src, qtype)
+        real = convert(tmp_path / "f16.gguf", qtype, output=tmp_path / f"{qtype}.gguf", check=False)
+        assert _within_1pct(predicted, real.path.stat().st_size), (qtype, predicted, real.path.stat().st_size)
+    r = plan_hf(folder, 4096, gpus="1")
+    types = [c.type for c in r.candidates]
+    assert "MXFP4_MOE" in types and types.index("MXFP4_MOE") < types.index("Q4_K_M")
+    assert all(c.fits for c in r.candidates) and r.recommended.type == "F16"  # 4 MiB on a 1 GiB card
+    by = {c.type: c.size for c in r.candidates}
+    assert by["MXFP4_MOE"] < by["Q8_0"] / 1.5
+
+
+@pytest.mark.slow
+def test_only_moe_checkpoints_get_the_mxfp4_candidate(tmp_path):
+    from ctxq.planning.hfplan import _is_moe
+
+    from .test_convert_moe import make_moe
+
+    assert not _is_moe(header_gguf(make_tiny(tmp_path / "q", "qwen3")))
+    assert _is_moe(header_gguf(make_moe(tmp_path / "m", "qwen3moe")))
