@@ -258,6 +258,9 @@ def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key:
     tmp = tempfiles.create(dest, mid)  # beside the destination, then deleted
     try:
         _write_checked(ckpt, name, mid, tmp, pre, progress)
+        if qname != "MXFP4_MOE" and any(t.dtype == "U8" and t.name.endswith("_blocks") for t in ckpt.tensors.values()):
+            log.warning("%s stores its experts as MXFP4: %s requantizes them (MXFP4_MOE keeps them as they are)",
+                        ckpt.folder, qname)
         qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
         r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=key["extra"], progress=qprogress,
                             **options)

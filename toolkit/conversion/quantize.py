@@ -302,7 +302,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                                   "pass force=True to overwrite it or choose another `output` path")
         g = read_gguf(src, skip_arrays=True)  # GGUFError for a file that is not a GGUF model
         was_quantized = _is_quantized(g)
-        if was_quantized:
+        if was_quantized and cache_key_extra is None:  # (ctxq convert says it in its own words)
             log.warning("%s is already quantized: requantizing it to %s loses more quality than "
                         "quantizing the original f16/bf16 model", src, name)
         writable(dst)  # one line for an unwritable destination, before any work
