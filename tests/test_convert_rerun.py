@@ -19,6 +19,13 @@ def home(tmp_path):
     return {"CTXQ_HOME": str(tmp_path / "home")}  # the output records live in ctxq's cache
 
 
+def _children_cpu() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _stamp(path):
     st = path.stat()
     return st.st_size, st.st_mtime_ns, st.st_ino, path.read_bytes()
@@ -31,13 +38,15 @@ def test_second_identical_convert_is_up_to_date(tmp_path, home, kind):
     rc = run_ctxq("convert", str(folder), kind, "-o", str(out), env=home)
     assert rc.returncode == 0, rc.stderr
     before = _stamp(out)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _children_cpu()
     rc = run_ctxq("convert", str(folder), kind, "-o", str(out), env=home)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
     assert rc.returncode == 0, rc.stderr
     assert "(up to date)" in rc.stdout and str(out) in rc.stdout
     assert _stamp(out) == before  # not rewritten: same bytes, same mtime, same inode
-    assert wall < 1.0, f"an up-to-date rerun took {wall:.2f} s"
+    # 0.46-0.53 s of wall time measured on an idle machine; CPU time is what a shared machine cannot
+    # inflate (the suite runs beside other jobs), the wall time gets room for that
+    assert cpu < 1.0 and wall < 3.0, f"an up-to-date rerun took {wall:.2f} s ({cpu:.2f} s of CPU)"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "m", "o.gguf"]  # no temporaries
 
 

@@ -121,3 +121,24 @@ def test_only_moe_checkpoints_get_the_mxfp4_candidate(tmp_path):
 
     assert not _is_moe(header_gguf(make_tiny(tmp_path / "q", "qwen3")))
     assert _is_moe(header_gguf(make_moe(tmp_path / "m", "qwen3moe")))
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_checkpoint_planned_from_headers(smollm2, tmp_path):
+    """Issue 21's shape as a Hugging Face folder (48 layers, 128 experts of width 768, per-expert
+    tensors as save_pretrained writes them, data a sparse hole): sizes per quantization."""
+    from ctxq.testing.moe_hf import MOE_GEOMETRIES, write_sparse_moe_checkpoint
+
+    hf = write_sparse_moe_checkpoint(tmp_path / "a3b", MOE_GEOMETRIES["qwen3-30b-a3b"], rebuild_smollm2_hf())
+    src = header_gguf(hf)
+    from ctxq.gguf.reader import read_gguf
+
+    g = read_gguf(src, skip_arrays=True)
+    shapes = {t.name: t.shape for t in g.tensors}
+    assert shapes["blk.47.ffn_down_exps.weight"] == (768, 2048, 128) and len(g.tensors) == 3 + 48 * 12
+    _, q4, _ = predicted_gguf(src, "Q4_K_M")
+    assert q4 == pytest.approx(18.6e9, rel=0.01)  # Qwen's Qwen3-30B-A3B-Q4_K_M.gguf is 18.6 GB
+    _, mx, _ = predicted_gguf(src, "MXFP4_MOE")
+    assert mx < q4
+    r = plan_hf(hf, 65536, gpus="12", types=("Q4_K_M",))
+    assert r.candidates[0].size == q4 and r.candidates[0].plan is not None
