@@ -111,11 +111,14 @@ def _hf_extra(ckpt: Checkpoint, pre: str | None) -> dict:
 
 
 def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
-    """What determines a float/q8_0 conversion's bytes, as make_cache_key does for quantized types."""
+    """What determines a float/q8_0 conversion's bytes, as make_cache_key does for quantized types.
+    The source files by size and mtime, not digest: hashing them first would read a large
+    checkpoint twice on its first conversion (the quantized types' cache needs the digests)."""
     import importlib.metadata as md
 
-    return {"extra": _hf_extra(ckpt, pre), "type": kind, "ctxq": md.version("ctxq"),
-            "llama_cpp_python": md.version("llama_cpp_python")}
+    files = [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in _source_files(ckpt)]
+    return {"extra": {"hf_files": files, "pre": pre, "converter": _CONVERTER}, "type": kind,
+            "ctxq": md.version("ctxq"), "llama_cpp_python": md.version("llama_cpp_python")}
 
 
 def _download(model: str, revision: str | None) -> Path:
@@ -291,8 +294,12 @@ def _source_digest(ckpt: Checkpoint) -> str:
     from .quantize import file_digest
 
     h = hashlib.sha256()
-    files = sorted({t.file for t in ckpt.tensors.values()} |
-                   {p for p in ckpt.folder.iterdir() if p.suffix in (".json", ".model", ".jinja")})
-    for f in files:
+    for f in _source_files(ckpt):
         h.update(f.name.encode() + b"\0" + file_digest(f).encode())
     return h.hexdigest()
+
+
+def _source_files(ckpt: Checkpoint) -> list[Path]:
+    """The files a conversion reads: weights, configs, tokenizer, chat template."""
+    return sorted({t.file for t in ckpt.tensors.values()} |
+                  {p for p in ckpt.folder.iterdir() if p.suffix in (".json", ".model", ".jinja")})
