@@ -18,6 +18,7 @@ from ..errors import ConversionError
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .experts import Layout
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Family:
     ties_output: bool = False  # llama.cpp's graph computes the output with token_embd, whatever lm_head holds
     extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None
     check: Callable[[dict], None] | None = None  # refuses configs llama.cpp would compute differently
+    experts: "Layout | None" = None  # mixture of experts: how packed expert tensors are laid out (experts.py)
 
     @property
     def arch_name(self) -> str:
@@ -83,6 +85,10 @@ def write_common(cfg: dict, w: gguf.GGUFWriter) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(float(r["factor"]))
         w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
+        if r.get("beta_fast") is not None:  # llama.cpp's defaults are 32 and 1 (llama_hparams)
+            w.add_rope_scaling_yarn_beta_fast(float(r["beta_fast"]))
+        if r.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(r["beta_slow"]))
     elif kind not in ("default", "llama3"):  # llama3 is written as the rope_freqs tensor
         raise ConversionError(f"RoPE type {kind!r} is not supported by ctxq convert yet")
 
@@ -144,9 +150,10 @@ def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
 @dataclass
 class TensorPlan:
     """One output tensor: GGUF name, numpy shape, output type, and its float32 data as blocks of
-    whole rows (a generator, so only one block is in memory)."""
+    whole rows in C order (a generator, so only one block is in memory)."""
 
     name: str
     shape: tuple[int, ...]
     type: gguf.GGMLQuantizationType
     blocks: Callable[[], Iterable[np.ndarray]]
+    raw: bool = False  # blocks are already `type`'s bytes in ggml's layout (MXFP4 experts), written as they are

@@ -65,7 +65,15 @@ class TensorRef:
                 return False
         return True
 
-    def _rows(self, first: int, count: int) -> np.ndarray:
+    def rows(self, first: int, count: int) -> np.ndarray:
+        """Rows [first, first+count) as float32 (along axis 0: for a packed expert tensor, experts)."""
+        return self._rows(first, count)
+
+    def raw(self, row: int) -> np.ndarray:
+        """Row `row` (axis 0) as stored, undecoded (e.g. MXFP4 bytes)."""
+        return self._rows(row, 1, decode=False)[0]
+
+    def _rows(self, first: int, count: int, decode: bool = True) -> np.ndarray:
         """Rows [first, first+count) as float32, read through a map of only those bytes."""
         np_dtype = _DTYPES[self.dtype]
         shape = (count, *self.shape[1:]) if self.shape else ()
@@ -80,7 +88,9 @@ class TensorRef:
             mm = mmap.mmap(f.fileno(), start - base + n * size, access=mmap.ACCESS_READ, offset=base)
         try:
             raw = np.frombuffer(mm, dtype=np_dtype, count=n, offset=start - base).reshape(shape)
-            if self.dtype == "BF16":
+            if not decode:
+                out = raw.copy()
+            elif self.dtype == "BF16":
                 out = (raw.astype(np.uint32) << 16).view(np.float32)  # bf16 is the top half of an f32
             else:
                 out = raw.astype(np.float32)  # always a copy, so the map can close

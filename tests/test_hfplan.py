@@ -88,3 +88,57 @@ def test_convert_auto_takes_the_recommended_type(smollm2, tmp_path):
     r = run_ctxq("convert", str(hf), "auto", "-o", str(tmp_path / "x.gguf"))
     assert r.returncode == 1 and "--ctx" in r.stderr and r.stderr.count("\n") == 1
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "gpt-oss"])
+def test_moe_predicted_sizes(family, tmp_path):
+    """Issue 21: MoE checkpoints planned per quantization, MXFP4_MOE included; predicted sizes are
+    the real conversions' (stacked experts in the header as ctxq writes them)."""
+    from .test_convert_moe import make_moe
+
+    folder = make_moe(tmp_path / family, family)
+    src = header_gguf(folder)
+    real_f16 = convert(folder, "f16", output=tmp_path / "f16.gguf")
+    assert src.stat().st_size == real_f16.path.stat().st_size
+    for qtype in ("Q4_K_M", "MXFP4_MOE"):
+        _, predicted, _ = predicted_gguf(src, qtype)
+        real = convert(tmp_path / "f16.gguf", qtype, output=tmp_path / f"{qtype}.gguf", check=False)
+        assert _within_1pct(predicted, real.path.stat().st_size), (qtype, predicted, real.path.stat().st_size)
+    r = plan_hf(folder, 4096, gpus="1")
+    types = [c.type for c in r.candidates]
+    assert "MXFP4_MOE" in types and types.index("MXFP4_MOE") < types.index("Q4_K_M")
+    assert all(c.fits for c in r.candidates) and r.recommended.type == "F16"  # 4 MiB on a 1 GiB card
+    by = {c.type: c.size for c in r.candidates}
+    assert by["MXFP4_MOE"] < by["Q8_0"] / 1.5
+
+
+@pytest.mark.slow
+def test_only_moe_checkpoints_get_the_mxfp4_candidate(tmp_path):
+    from ctxq.planning.hfplan import _is_moe
+
+    from .test_convert_moe import make_moe
+
+    assert not _is_moe(header_gguf(make_tiny(tmp_path / "q", "qwen3")))
+    assert _is_moe(header_gguf(make_moe(tmp_path / "m", "qwen3moe")))
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_checkpoint_planned_from_headers(smollm2, tmp_path):
+    """Issue 21's shape as a Hugging Face folder (48 layers, 128 experts of width 768, per-expert
+    tensors as save_pretrained writes them, data a sparse hole): sizes per quantization."""
+    from ctxq.testing.moe_hf import MOE_GEOMETRIES, write_sparse_moe_checkpoint
+
+    hf = write_sparse_moe_checkpoint(tmp_path / "a3b", MOE_GEOMETRIES["qwen3-30b-a3b"], rebuild_smollm2_hf())
+    src = header_gguf(hf)
+    from ctxq.gguf.reader import read_gguf
+
+    g = read_gguf(src, skip_arrays=True)
+    shapes = {t.name: t.shape for t in g.tensors}
+    assert shapes["blk.47.ffn_down_exps.weight"] == (768, 2048, 128) and len(g.tensors) == 3 + 48 * 12
+    _, q4, _ = predicted_gguf(src, "Q4_K_M")
+    assert q4 == pytest.approx(18.6e9, rel=0.01)  # Qwen's Qwen3-30B-A3B-Q4_K_M.gguf is 18.6 GB
+    _, mx, _ = predicted_gguf(src, "MXFP4_MOE")
+    assert mx < q4
+    r = plan_hf(hf, 65536, gpus="12", types=("Q4_K_M",))
+    assert r.candidates[0].size == q4 and r.candidates[0].plan is not None

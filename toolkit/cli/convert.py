@@ -90,7 +90,7 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
         r = convert(model, type, output, revision=revision, pre=pre, progress=bars, force=force, **quant)
     finally:
         bars.close()
-    note = " (from the cache)" if r.cached else f" in {r.seconds:.1f} s"
+    note = " (up to date)" if r.up_to_date else " (from the cache)" if r.cached else f" in {r.seconds:.1f} s"
     if r.source_was_quantized:
         click.echo("note: the source GGUF was already quantized; this requantizes it, and the quality check "
                    "compares against that quantized source, not the original weights", err=True)

@@ -15,34 +15,21 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import gguf
-import numpy as np
-from gguf import GGMLQuantizationType as T
-from gguf import LlamaFileType as FT
 
 from .. import tempfiles
+from . import output as _out
 from ..llama import backend
 from ..converters import family_for
-from ..converters.base import (Family, TensorPlan, head_dim, output_is_token_embd, permute_rope, text_config,
-                               write_common)
+from ..converters.base import Family, text_config
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
-from ..gguf.reader import tensor_nbytes
+from .tensors import FLOAT_TYPES, Progress, nbytes, plan_tensors, write  # noqa: F401 (plan_tensors: API)
 from ..models import models_dir
 from ..units import MiB
 
 log = logging.getLogger(__name__)
 
-# progress(done, total, what): what is "write:<tensor>" while bytes are written here, and
-# "quantize:<tensor>" while ctxq.conversion.quantize works tensor by tensor.
-Progress = Callable[[int, int, str], None]
-
-FLOAT_TYPES = {"f32": (T.F32, FT.ALL_F32), "f16": (T.F16, FT.MOSTLY_F16), "bf16": (T.BF16, FT.MOSTLY_BF16),
-               "q8_0": (T.Q8_0, FT.MOSTLY_Q8_0)}
-_QK8_0 = gguf.GGML_QUANT_SIZES[T.Q8_0][0]  # 32 weights per Q8_0 block
 _DISK_MARGIN = 64 * MiB  # header, alignment padding and the filesystem's own slack
 
 
@@ -59,6 +46,7 @@ class ConvertResult:
     cached: bool = False
     quality: dict | None = None  # the quantization quality gate's numbers (ctxq.conversion.quality), when it ran
     source_was_quantized: bool = False  # requantized from an already quantized GGUF
+    up_to_date: bool = False  # the same conversion was already at `path`: nothing was written
 
 
 def convert(model: str | os.PathLike, type: str | None = None, output: str | os.PathLike | None = None, *,
@@ -68,7 +56,9 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
 
     `type` defaults to the checkpoint's own float type; `output` to
     `<ctxq models dir>/<name>-<TYPE>.gguf`. `quant_options` go to `ctxq.conversion.quantize.quantize_gguf`
-    for types other than f32/f16/bf16/q8_0.
+    for types other than f32/f16/bf16/q8_0. The same conversion into the same path again returns
+    at once (`up_to_date`, the file untouched); another source or type into an existing file needs
+    `force` (`ctxq.conversion.output`).
     """
     t0 = time.perf_counter()
     kind = type.lower() if type else None
@@ -83,13 +73,52 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     ckpt = Checkpoint(folder)
     kind = kind or ckpt.source_float_type()
     name = _model_name(model, folder)
+    source = str(folder.resolve()) if src.is_dir() else str(model).split("@")[0]
     if kind in FLOAT_TYPES:
         if quant_options:
             names = ", ".join(f"`{k}`" for k in sorted(quant_options))
             raise ConversionError(f"{names}: only for quantized types (e.g. q4_k_m), not {kind}")
-        dest = _dest(output, name, kind, force)
-        return _convert_float(ckpt, name, kind, dest, pre, progress, t0)
-    return _convert_quantized(ckpt, name, kind, output, pre, force, progress, quant_options, t0)
+        qname, key = kind, _float_key(ckpt, kind, pre)
+    else:
+        q = _quantize_module()
+        qname, _ = q.parse_type(kind)
+        if q.needs_imatrix(qname) and not quant_options.get("imatrix"):  # refuse before converting anything
+            raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf (llama-imatrix output)")
+        key = q.make_cache_key(qname, cache_key_extra=_hf_extra(ckpt, pre), **{k: v for k, v in quant_options.items()
+                               if k in _KEYED_OPTIONS})
+    dest = _dest_path(output, name, qname)
+    if kind not in FLOAT_TYPES and not force and dest.exists() and _is_cached_at(key, dest):
+        _out.remember(dest, source, qname, key)  # (recorded by a ctxq from before the output records)
+    if _out.state(dest, source, qname, key, force) is _out.State.UP_TO_DATE:
+        return _cached_result(dest, qname, pre, ckpt, t0, up_to_date=True)
+    _out.writable(dest)
+    tempfiles.sweep(dest.parent)  # what killed runs left here
+    if kind in FLOAT_TYPES:
+        r = _convert_float(ckpt, name, kind, dest, pre, progress, t0)
+    else:
+        r = _convert_quantized(ckpt, name, qname, dest, key, pre, progress, quant_options, t0)
+    _out.remember(dest, source, qname, key)
+    return r
+
+
+# The quantization options that change a quantized file's bytes (`check` does not).
+_KEYED_OPTIONS = ("imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")
+_CONVERTER = "ctxq.conversion/1"  # bump when this module's output for the same input changes
+
+
+def _hf_extra(ckpt: Checkpoint, pre: str | None) -> dict:
+    return {"hf_source": _source_digest(ckpt), "pre": pre, "converter": _CONVERTER}
+
+
+def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
+    """What determines a float/q8_0 conversion's bytes, as make_cache_key does for quantized types.
+    The source files by size and mtime, not digest: hashing them first would read a large
+    checkpoint twice on its first conversion (the quantized types' cache needs the digests)."""
+    import importlib.metadata as md
+
+    files = [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in _source_files(ckpt)]
+    return {"extra": {"hf_files": files, "pre": pre, "converter": _CONVERTER}, "type": kind,
+            "ctxq": md.version("ctxq"), "llama_cpp_python": md.version("llama_cpp_python")}
 
 
 def _download(model: str, revision: str | None) -> Path:
@@ -112,16 +141,6 @@ def _model_name(model, folder: Path) -> str:
 def _dest_path(output, name: str, kind: str) -> Path:
     dest = Path(output).expanduser() if output else models_dir() / f"{name}-{kind.upper()}.gguf"
     return dest / f"{name}-{kind.upper()}.gguf" if dest.is_dir() else dest
-
-
-def _dest(output, name: str, kind: str, force: bool) -> Path:
-    """The output path, refused when it exists (unless force); its folder is created."""
-    dest = _dest_path(output, name, kind)
-    if dest.exists() and not force:
-        raise ConversionError(f"{dest} exists; pass force=True to replace it or another `output` path")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tempfiles.sweep(dest.parent)  # what killed runs left here
-    return dest
 
 
 # --- float and q8_0 output ------------------------------------------------------------------------
@@ -152,17 +171,16 @@ def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str |
     plans = plan_tensors(ckpt, family, cfg, kind)
     embd = next(p for p in plans if p.name == "token_embd.weight")
     vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], pre)
-    total = sum(_nbytes(p) for p in plans)
+    total = sum(nbytes(p) for p in plans)
     free = shutil.disk_usage(tmp.parent).free
     if free < total + _DISK_MARGIN:
         raise ConversionError(f"{tmp.parent} has {free / MiB:.1f} MiB free, the output needs about "
                               f"{(total + _DISK_MARGIN) / MiB:.1f} MiB; free space or write the `output` on another disk")
-    _write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
+    write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
     verify_loads(tmp)
     return family, len(plans), vocab
 
 
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # llama_vocab::impl::load sets Phi-3 token attributes when general.name contains "phi3"/"phi-3",
 # looking these tokens up with unordered_map::at: a vocabulary without them would not load.
 _PHI3_NAME_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
@@ -174,105 +192,6 @@ def _safe_name(name: str, vocab: Vocab) -> str:
                     name, re.sub(r"(?i)phi-?3", "phi_3", name))
         return re.sub(r"(?i)phi-?3", "phi_3", name)
     return name
-
-
-def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list[TensorPlan]:
-    """Every output tensor in llama.cpp's naming with its type and a loader applying the family's transforms."""
-    n_layer = cfg["num_hidden_layers"]
-    nmap = gguf.get_tensor_name_map(family.arch, n_layer)
-    n_head = cfg["num_attention_heads"]
-    n_head_kv = cfg.get("num_key_value_heads") or n_head
-    skip_head = output_is_token_embd(ckpt, family, cfg)
-    plans: list[TensorPlan] = []
-    for hf_name, ref in ckpt.tensors.items():
-        if hf_name.endswith("rotary_emb.inv_freq") or (skip_head and hf_name == "lm_head.weight"):
-            continue  # llama.cpp derives these (or duplicates token_embd for a tied output)
-        name = nmap.get_name(hf_name.removeprefix("language_model."), try_suffixes=(".weight", ".bias"))
-        if name is None:
-            raise ConversionError(f"tensor {hf_name} has no place in llama.cpp's {family.arch_name} architecture")
-        transform = None
-        if family.permute_qk and re.search(r"\.attn_(q|k)\.", name):
-            heads = n_head if ".attn_q." in name else n_head_kv
-            transform = (lambda h: lambda x: permute_rope(x, h))(heads)
-        elif family.norm_shift and name.endswith("norm.weight"):
-            transform = (lambda s: lambda x: x + np.float32(s))(family.norm_shift)
-        # Whole tensor when a transform needs it (Q/K permutation mixes rows within a head, and
-        # those tensors are small); otherwise row blocks, so the embedding never sits in memory whole.
-        blocks = (lambda r, f: (lambda: [f(r.load_f32())]) if f else r.iter_f32)(ref, transform)
-        plans.append(TensorPlan(name, ref.shape, _out_type(name, ref.shape, kind), blocks))
-    for name, arr in (family.extra_tensors(cfg) if family.extra_tensors else {}).items():
-        plans.append(TensorPlan(name, arr.shape, T.F32, (lambda a: lambda: [a])(arr)))
-    if not any(p.name == "token_embd.weight" for p in plans):
-        raise ConversionError(f"{ckpt.folder}: no token embedding tensor (model.embed_tokens.weight)")
-    if head_dim(cfg) % 2:
-        raise ConversionError(f"head_dim {head_dim(cfg)} is odd; rotary embeddings need an even head size")
-    plans.sort(key=lambda p: (int(m.group(1)) if (m := _BLOCK_RE.match(p.name)) else
-                              (-1 if p.name.startswith("token_embd") else n_layer), p.name))
-    return plans
-
-
-def _out_type(name: str, shape: tuple[int, ...], kind: str) -> T:
-    # As llama.cpp's converter: norms, biases and other 1-D tensors stay F32 (they are tiny and
-    # several ops need F32 for them); Q8_0 needs rows that are whole blocks, else F16.
-    if len(shape) < 2 or name.endswith("norm.weight"):
-        return T.F32
-    target = FLOAT_TYPES[kind][0]
-    if target == T.Q8_0 and shape[-1] % _QK8_0:
-        return T.F16
-    return target
-
-
-def _nbytes(p: TensorPlan) -> int:
-    return tensor_nbytes(p.type, tuple(reversed(p.shape)))  # TensorPlan shapes are in numpy order
-
-
-def _encode(x: np.ndarray, t: T) -> np.ndarray:
-    if t == T.F32:
-        return np.ascontiguousarray(x, dtype=np.float32)
-    if t == T.F16:
-        return x.astype(np.float16)
-    return gguf.quants.quantize(x, t)  # BF16 (round to nearest even) and Q8_0, in numpy
-
-
-def _write(path: Path, family: Family, cfg: dict, vocab: Vocab, plans: list[TensorPlan], kind: str,
-           name: str, progress: Progress | None, total: int) -> None:
-    w = gguf.GGUFWriter(path, family.arch_name)
-    w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(name)
-    w.add_file_type(FLOAT_TYPES[kind][1])
-    if kind == "q8_0":
-        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    write_common(cfg, w)
-    w.add_vocab_size(len(vocab.tokens))
-    if family.extra_hparams:
-        family.extra_hparams(cfg, w)
-    vocab.write(w)
-    for p in plans:
-        w.add_tensor_info(p.name, p.shape, np.dtype(np.float32), _nbytes(p), raw_dtype=p.type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    # Tensor data is written here block by block (GGUFWriter.write_tensor_data takes whole
-    # tensors): each tensor starts at the next multiple of the alignment, as the offsets it wrote say.
-    f = w.fout[0]
-    align = w.data_alignment
-    done = 0
-    try:
-        for p in plans:
-            f.write(b"\0" * (-f.tell() % align))
-            start = f.tell()
-            for block in p.blocks():
-                data = _encode(block, p.type)
-                data.tofile(f)
-                done += data.nbytes
-                del data, block
-                if progress:
-                    progress(done, total, f"write:{p.name}")
-            if f.tell() - start != _nbytes(p):
-                raise ConversionError(f"{p.name}: wrote {f.tell() - start} bytes, expected {_nbytes(p)}")
-        f.write(b"\0" * (-f.tell() % align))
-    finally:
-        w.close()
 
 
 def verify_loads(path: Path) -> None:
@@ -325,21 +244,12 @@ def _arch_and_count(path) -> tuple[str, int]:
     return g.arch, len(g.tensors)
 
 
-def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, force: bool, progress, options: dict,
-                       t0: float) -> ConvertResult:
+def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key: dict, pre, progress,
+                       options: dict, t0: float) -> ConvertResult:
     q = _quantize_module()
-    qname, _ = q.parse_type(kind)
-    if q.needs_imatrix(qname) and not options.get("imatrix"):  # refuse before converting anything
-        raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf (llama-imatrix output)")
-    extra = {"hf_source": _source_digest(ckpt), "pre": pre, "converter": "ctxq.conversion/1"}
-    key = q.make_cache_key(qname, cache_key_extra=extra, **{k: v for k, v in options.items() if k in (
-        "imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")})
-    cached = None if force else q.cache_lookup(key)
-    wanted = _dest_path(output, name, qname)
-    if cached is not None and wanted.exists() and cached.resolve() == wanted.resolve():
-        return _cached_result(wanted, qname, pre, ckpt, t0)  # the same conversion is already there
-    dest = _dest(output, name, qname, force)
-    if cached is not None:  # done before, elsewhere: copy it instead of converting again
+    cached = q.cache_lookup(key)
+    if cached is not None and cached.resolve() != dest.resolve():
+        # done before, elsewhere: copy it instead of converting again
         part = tempfiles.create(dest, "copy")
         try:
             shutil.copyfile(cached, part)
@@ -351,19 +261,30 @@ def _convert_quantized(ckpt: Checkpoint, name: str, kind: str, output, pre, forc
     tmp = tempfiles.create(dest, mid)  # beside the destination, then deleted
     try:
         _write_checked(ckpt, name, mid, tmp, pre, progress)
+        if qname != "MXFP4_MOE" and any(t.dtype == "U8" and t.name.endswith("_blocks") for t in ckpt.tensors.values()):
+            log.warning("%s stores its experts as MXFP4: %s requantizes them (MXFP4_MOE keeps them as they are)",
+                        ckpt.folder, qname)
         qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
-        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=extra, progress=qprogress, **options)
+        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=key["extra"], progress=qprogress,
+                            **options)
     finally:
         tmp.unlink(missing_ok=True)
+    if r.quality and r.quality.get("reference") == str(tmp):  # the temporary is gone: name what it was
+        r.quality["reference"] = f"the {mid} conversion"
     arch, n_tensors = _arch_and_count(r.path)
     return ConvertResult(Path(r.path), r.type, arch, r.size, n_tensors, pre, str(ckpt.folder),
                          time.perf_counter() - t0, quality=r.quality)
 
 
-def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float) -> ConvertResult:
+def _is_cached_at(key: dict, dest: Path) -> bool:
+    cached = _quantize_module().cache_lookup(key)
+    return cached is not None and cached.resolve() == dest.resolve()
+
+
+def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float, up_to_date: bool = False) -> ConvertResult:
     arch, n_tensors = _arch_and_count(path)
     return ConvertResult(path, qname, arch, path.stat().st_size, n_tensors, pre, str(ckpt.folder),
-                         time.perf_counter() - t0, cached=True)
+                         time.perf_counter() - t0, cached=True, up_to_date=up_to_date)
 
 
 def _source_digest(ckpt: Checkpoint) -> str:
@@ -373,8 +294,12 @@ def _source_digest(ckpt: Checkpoint) -> str:
     from .quantize import file_digest
 
     h = hashlib.sha256()
-    files = sorted({t.file for t in ckpt.tensors.values()} |
-                   {p for p in ckpt.folder.iterdir() if p.suffix in (".json", ".model", ".jinja")})
-    for f in files:
+    for f in _source_files(ckpt):
         h.update(f.name.encode() + b"\0" + file_digest(f).encode())
     return h.hexdigest()
+
+
+def _source_files(ckpt: Checkpoint) -> list[Path]:
+    """The files a conversion reads: weights, configs, tokenizer, chat template."""
+    return sorted({t.file for t in ckpt.tensors.values()} |
+                  {p for p in ckpt.folder.iterdir() if p.suffix in (".json", ".model", ".jinja")})

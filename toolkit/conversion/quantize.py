@@ -33,6 +33,7 @@ from ..errors import ConversionError, CtxqError
 from ..gguf.reader import GGUFFile, read_gguf
 from ..paths import ctxq_home
 from ..units import GiB
+from .output import writable
 from .quantize_process import Worker
 
 log = logging.getLogger(__name__)
@@ -301,10 +302,10 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                                   "pass force=True to overwrite it or choose another `output` path")
         g = read_gguf(src, skip_arrays=True)  # GGUFError for a file that is not a GGUF model
         was_quantized = _is_quantized(g)
-        if was_quantized:
+        if was_quantized and cache_key_extra is None:  # (ctxq convert says it in its own words)
             log.warning("%s is already quantized: requantizing it to %s loses more quality than "
                         "quantizing the original f16/bf16 model", src, name)
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        writable(dst)  # one line for an unwritable destination, before any work
         tempfiles.sweep(dst.parent)  # what killed runs left here
         _refuse_second_writer(dst)
         need, free = estimate_size(g, name), shutil.disk_usage(dst.parent).free

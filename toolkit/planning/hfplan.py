@@ -37,6 +37,10 @@ from ..units import last_error_line
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS")
+# Mixture-of-experts checkpoints also get llama.cpp's MXFP4_MOE (experts MXFP4 at 4.25 bits, the rest
+# Q8_0; gpt-oss's own expert format), placed before Q4_K_M: its experts have as many bits, its
+# attention more.
+MOE_CANDIDATES = ("F16", "Q8_0", "Q6_K", "Q5_K_M", "MXFP4_MOE", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_XS")
 # llama.cpp's published quality figures (tools/quantize/quantize.cpp, QUANT_OPTIONS of the
 # installed version): perplexity increase over f16 on the named model.
 QUALITY = {
@@ -44,6 +48,7 @@ QUALITY = {
     "Q5_K_M": "+0.0569 ppl @ Llama-3-8B", "Q4_K_M": "+0.1754 ppl @ Llama-3-8B",
     "Q3_K_M": "+0.6569 ppl @ Llama-3-8B", "Q2_K": "+3.5199 ppl @ Llama-3-8B",
     "IQ4_XS": "4.25 bpw (no ppl figure published)",
+    "MXFP4_MOE": "experts MXFP4 4.25 bpw, the rest Q8_0 (no ppl figure published)",
 }
 QUALITY_SOURCE = "llama.cpp tools/quantize/quantize.cpp (QUANT_OPTIONS), llama-cpp-python 0.3.36"
 # llama_model_quantize adds general.quantization_version (u32) to the header: key length (8) +
@@ -163,9 +168,10 @@ def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:
     return out, size, needs
 
 
-def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=CANDIDATES,
+def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=None,
             options: PlanOptions | None = None, **settings) -> HFPlan:
-    """For each candidate type: the predicted size and the plan at n_ctx; one recommended.
+    """For each candidate type (default CANDIDATES, or MOE_CANDIDATES for a mixture of experts):
+    the predicted size and the plan at n_ctx; one recommended.
     `settings` (or `options`) are the `PlanOptions` each candidate is planned with, on devices
     resolved once; a `split` is refused (it is evaluated for one file, not a choice of types)."""
     opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
@@ -175,6 +181,8 @@ def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=CANDIDA
     devices, cpu = resolve_devices(opts)
     folder = _resolve(model)
     src = header_gguf(folder)
+    if types is None:
+        types = MOE_CANDIDATES if _is_moe(src) else CANDIDATES
     result = HFPlan(str(model), opts.n_ctx)
     for qt in types:
         if qt.upper() in ("F16", "BF16"):
@@ -196,6 +204,14 @@ def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=CANDIDA
     if best:
         best.recommended = True
     return result
+
+
+def _is_moe(src: Path) -> bool:
+    """From the header ctxq wrote: {arch}.expert_count > 0 (what llama.cpp's load_hparams reads)."""
+    from ..gguf.reader import read_gguf
+
+    g = read_gguf(src, skip_arrays=True)
+    return int(g.get(f"{g.arch}.expert_count") or 0) > 0
 
 
 def _resolve(model) -> Path:
