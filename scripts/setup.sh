@@ -29,13 +29,13 @@ gpu_present() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/nul
 if [ "$CTXQ_CUDA" = 1 ] || { [ "$CTXQ_CUDA" = auto ] && gpu_present && command -v nvcc >/dev/null 2>&1; }; then
     # nvcc, plus cuBLAS / the runtime from PyPI's wheels and a link-time libcuda stand-in where the
     # system lacks them (scripts/cuda_toolkit.sh; docs/gpu.md "Building the CUDA wheel").
-    cuda_root="$(PYTHON="$PYTHON" bash scripts/cuda_toolkit.sh)"
+    cuda_root="$(PYTHON="$VENV/bin/python" bash scripts/cuda_toolkit.sh)"
     # The present card's architecture, else CTXQ_CUDA_ARCH (CMake's list, e.g. "89;90"), default
-    # sm_90: each architecture adds ~33 minutes on 2 cores and ~40 MiB to the wheel (docs/gpu.md).
+    # sm_90: each architecture adds ~33 minutes on 2 cores and ~40 MiB to the wheel (shared/NOTES).
     cuda_arch="${CTXQ_CUDA_ARCH:-$(gpu_present && echo native || echo 90)}"
-    # GGML_BACKEND_DL: ggml-cuda (and the CPU and RPC backends) become modules that ctxq loads with
-    # ggml_backend_load_all_from_path, so a machine without the NVIDIA driver (no libcuda.so.1)
-    # skips the CUDA module and still runs on the CPU. CMAKE_INSTALL_BINDIR puts ggml's own
+    # GGML_BACKEND_DL: ggml-cuda (and the CPU and RPC backends) become modules that ctxq loads one by
+    # one (ctxq.llama.backend), so a machine without the NVIDIA driver (no libcuda.so.1) skips the
+    # CUDA module and still runs on the CPU. CMAKE_INSTALL_BINDIR puts ggml's own
     # install of the modules where llama-cpp-python's goes, so the wheel holds one copy of each.
     # LLAVA_BUILD=OFF: ctxq does not use mtmd (multimodal), a CUDA build of it is minutes more.
     # GGML_NATIVE=OFF: llama.cpp refuses it with BACKEND_DL (ggml-cpu/CMakeLists.txt); its default
@@ -65,7 +65,7 @@ stamp="$VENV/.llama-cpp-key"
 if [ "$installed" != "$LLAMA_CPP_PYTHON_VERSION" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
     if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         case "$cmake_args" in
-            *GGML_CUDA=ON*) took="the CUDA backend took 34 minutes per architecture on 2 cores" ;;
+            *GGML_CUDA=ON*) took="the CUDA backend alone took 33 minutes per architecture on 2 idle cores (NOTES)" ;;
             *) took="about 4 minutes on 2 cores" ;;
         esac
         echo "ctxq setup: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION ($cmake_args); $took"
