@@ -65,7 +65,7 @@ carry_cuda_wheel() {
     wheel="$("$py" - <<'PY'
 import glob, os, zipfile
 from pathlib import Path
-home = Path(os.environ.get("CTXQ_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctxq")
+home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctxq"  # as scripts/setup.sh
 found = [w for w in glob.glob(str(home / "wheels/*/llama_cpp_python-*.whl"))
          if "llama_cpp/lib/libggml-cuda.so" in zipfile.ZipFile(w).namelist()]
 print(max(found, key=os.path.getmtime) if found else "")

@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxq.paths import ctxq_home
-
-from .test_package import _run, ctxq, dist, user_venv  # noqa: F401  (dist is a fixture)
+from .test_package import _run, ctxq, dist, setup_cache, user_venv  # noqa: F401  (dist is a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +23,7 @@ NO_CUDA = "CUDA build, no CUDA device visible"
 def cuda_wheel() -> Path | None:
     """The newest cached llama-cpp-python wheel that holds the CUDA backend."""
     found = []
-    for w in (ctxq_home() / "wheels").glob("*/llama_cpp_python-*.whl"):
+    for w in (setup_cache() / "wheels").glob("*/llama_cpp_python-*.whl"):
         with zipfile.ZipFile(w) as z:
             if "llama_cpp/lib/libggml-cuda.so" in z.namelist():
                 found.append(w)
@@ -34,14 +32,14 @@ def cuda_wheel() -> Path | None:
 
 def nvidia_site() -> Path | None:
     """Where scripts/cuda_toolkit.sh installed PyPI's nvidia-cublas wheel (cuBLAS for the build)."""
-    return next(iter(sorted((ctxq_home() / "cuda").glob("*/site/nvidia"))), None)
+    return next(iter(sorted((setup_cache() / "cuda").glob("*/site/nvidia"))), None)
 
 
 @pytest.fixture(scope="module")
 def the_cuda_wheel() -> Path:
     wheel = cuda_wheel()
     if wheel is None:
-        pytest.skip(f"no cached CUDA llama-cpp-python wheel under {ctxq_home() / 'wheels'}: "
+        pytest.skip(f"no cached CUDA llama-cpp-python wheel under {setup_cache() / 'wheels'}: "
                     "build it with `CTXQ_CUDA=1 make setup` (docs/gpu.md)")
     return wheel
 
@@ -103,7 +101,7 @@ def test_toolkit_root_builds_and_links_cublas_and_the_driver_stand_in(tmp_path):
     """scripts/cuda_toolkit.sh's merged root, where it was made, used as CMake uses it for ggml-cuda
     (-isystem ROOT/include, the libraries from ROOT/lib64): nvcc compiles a file that includes cuBLAS
     from the PyPI wheel and links cuBLAS and libcuda (the stand-in, soname libcuda.so.1)."""
-    roots = sorted((ctxq_home() / "cuda").glob("*/root"))
+    roots = sorted((setup_cache() / "cuda").glob("*/root"))
     if not roots:
         pytest.skip("no merged CUDA toolkit under ~/.cache/ctxq/cuda (scripts/cuda_toolkit.sh makes it)")
     root = roots[-1]

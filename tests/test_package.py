@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from ctxq.paths import ctxq_home
-
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> source folder, as setup.py maps them
 SOURCES = {"ctxq": ROOT / "toolkit", "ctxq/converters": ROOT / "converters", "ctxq/profiles": ROOT / "profiles"}
@@ -35,12 +33,17 @@ def _run(cmd, *, cwd, env=None, timeout=300, check=True) -> subprocess.Completed
     return p
 
 
+def setup_cache() -> Path:
+    """Where scripts/setup.sh keeps built wheels (wheels/<key>/) and the CUDA toolkit (cuda/): not CTXQ_HOME."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctxq"
+
+
 def llama_cpp_wheel() -> Path | None:
     """The llama-cpp-python wheel scripts/setup.sh installed into this venv (its cache key is stamped there)."""
     stamp = Path(sys.prefix) / ".llama-cpp-key"
     if not stamp.is_file():
         return None
-    wheels = sorted((ctxq_home() / "wheels" / stamp.read_text().strip()).glob("llama_cpp_python-*.whl"))
+    wheels = sorted((setup_cache() / "wheels" / stamp.read_text().strip()).glob("llama_cpp_python-*.whl"))
     return wheels[0] if wheels else None
 
 
