@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 CTXQ := .venv/bin/ctxq
 
-.PHONY: setup setup-test demo test bench clean
+.PHONY: setup setup-test demo test dist bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,8 +15,15 @@ demo: setup
 	$(CTXQ) plan --ctx 65536 --gpus 16,16,16,8,8
 	$(CTXQ) run --ctx 65536 -ctk q8_0 -ctv q8_0 -n 24 -p "The capital of France is"
 
+# The suite includes tests/test_package.py: the built sdist and wheel, installed into a fresh venv
+# outside the checkout, every command run from another folder (about 2 minutes; marked slow).
 test: setup-test
 	$(PY) -m pytest -q
 
+# The sdist and the wheel, as tests/test_package.py builds them (setuptools' hook, then the wheel from the sdist).
+dist: setup
+	rm -rf dist && $(PY) -c "from setuptools import build_meta as b; b.build_sdist('dist')"
+	$(PY) -m pip wheel -q --no-deps --no-build-isolation -w dist dist/ctxq-*.tar.gz
+
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv build dist *.egg-info

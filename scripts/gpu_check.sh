@@ -52,7 +52,48 @@ prepare() {
     # SmolLM2's header (geometry, tensor table, tokenizer): its 98 MB of weights do not fit the transfer,
     # so gpu_check.py rebuilds a file of the same layout with random weights of the same types.
     "$py" scripts/gpu_check.py smollm2-header "$GPU_DIR/smollm2-header.gguf" || die "no SmolLM2 header"
+    carry_cuda_wheel "$py"
     du -cb "$GPU_DIR"/* | awk '{printf "%8.2f MiB  %s\n", $1 / 1048576, $2}'
+}
+
+carry_cuda_wheel() {
+    # The CUDA wheel `CTXQ_CUDA=1 make setup` cached (docs/gpu.md), so that `run` spends no device time
+    # compiling. It goes without llama-cpp-python's second copies of its libraries and headers outside
+    # llama_cpp/ (site-packages/lib, include: nothing loads them), and only if it then fits beside the
+    # rest: the device tool carries 64 MiB in all, the working tree included.
+    local py="$1" limit=$(( ${CUDA_WHEEL_LIMIT_MIB:-52} * 1048576 )) wheel
+    wheel="$("$py" - <<'PY'
+import glob, os, zipfile
+from pathlib import Path
+home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ctxq"  # as scripts/setup.sh
+found = [w for w in glob.glob(str(home / "wheels/*/llama_cpp_python-*.whl"))
+         if "llama_cpp/lib/libggml-cuda.so" in zipfile.ZipFile(w).namelist()]
+print(max(found, key=os.path.getmtime) if found else "")
+PY
+)"
+    [ -n "$wheel" ] || { echo "gpu_check prepare: no cached CUDA wheel; \`run\` builds one on the device"; return 0; }
+    mkdir -p "$GPU_DIR/cuda-wheel"
+    "$py" - "$wheel" "$GPU_DIR/cuda-wheel/$(basename "$wheel")" <<'PY'
+import sys, zipfile
+src, dst = sys.argv[1:]
+drop = ("lib/", "include/", "bin/")
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
+    for info in zin.infolist():
+        if info.filename.startswith(drop):
+            continue
+        data = zin.read(info)
+        if info.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(l + b"\n" for l in data.splitlines() if not l.decode().startswith(drop))
+        zout.writestr(info, data)
+PY
+    local size; size="$(stat -c %s "$GPU_DIR"/cuda-wheel/*.whl)"
+    if [ "$size" -gt "$limit" ]; then
+        echo "gpu_check prepare: the CUDA wheel is $((size / 1048576)) MiB even trimmed, over $((limit / 1048576)) MiB:" \
+             "not carried; \`run\` builds it on the device (docs/gpu.md)"
+        rm -rf "$GPU_DIR/cuda-wheel"
+    else
+        echo "gpu_check prepare: carrying the CUDA wheel ($((size / 1048576)) MiB, from $wheel)"
+    fi
 }
 
 cuda_lib_args() {
@@ -85,6 +126,12 @@ build_llama() {
     cuda_lib_args
     if ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
         echo '{"build_s": null, "reused": true}' > "$OUT/build.json"
+        return 0
+    fi
+    if [ -z "${NO_CARRIED_WHEEL:-}" ] && ls "$GPU_DIR"/cuda-wheel/llama_cpp_python-*.whl >/dev/null 2>&1; then
+        mkdir -p "$wheel_dir" && cp "$GPU_DIR"/cuda-wheel/llama_cpp_python-*.whl "$wheel_dir"/
+        echo '{"build_s": 0, "carried": true}' > "$OUT/build.json"
+        echo "gpu_check: using the carried CUDA wheel (built by \`CTXQ_CUDA=1 make setup\`)"
         return 0
     fi
     [ -f "$sdist" ] || die "$sdist missing: run 'scripts/gpu_check.sh prepare' first and carry $GPU_DIR"
@@ -121,6 +168,14 @@ run() {
                 "$BUILD_DIR"/wheel/llama_cpp_python-*.whl
             python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
                 --target "$site" . || die "cannot install ctxq"
+            # A carried wheel that finds no CUDA device here (another CUDA major, a missing cuBLAS):
+            # build from the sdist after all.
+            if grep -q '"carried": true' "$OUT/build.json" && ! python3 -c \
+                    'import sys; from ctxq.llama import backend; m = backend.cuda_unavailable(); print(m or "CUDA ok"); sys.exit(bool(m))'; then
+                rm -rf "$BUILD_DIR/wheel"
+                NO_CARRIED_WHEEL=1 build_llama && python3 -m pip install -q --no-index --no-deps --no-cache-dir \
+                    --upgrade --target "$site" "$BUILD_DIR"/wheel/llama_cpp_python-*.whl
+            fi
             local left=$((budget - (SECONDS - start)))
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0)) \
                 --stages "${GPU_CHECK_STAGES:-doctor,cells,workers,speed}"

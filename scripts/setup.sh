@@ -25,9 +25,26 @@ PIP=("$VENV/bin/python" -m pip)
 
 # --- llama-cpp-python -------------------------------------------------------------------
 cmake_args="-DGGML_RPC=ON"
-if [ "$CTXQ_CUDA" = 1 ] || { [ "$CTXQ_CUDA" = auto ] && command -v nvidia-smi >/dev/null 2>&1 \
-        && nvidia-smi -L >/dev/null 2>&1 && command -v nvcc >/dev/null 2>&1; }; then
-    cmake_args="$cmake_args -DGGML_CUDA=ON"
+gpu_present() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+if [ "$CTXQ_CUDA" = 1 ] || { [ "$CTXQ_CUDA" = auto ] && gpu_present && command -v nvcc >/dev/null 2>&1; }; then
+    # nvcc, plus cuBLAS / the runtime from PyPI's wheels and a link-time libcuda stand-in where the
+    # system lacks them (scripts/cuda_toolkit.sh; docs/gpu.md "Building the CUDA wheel").
+    cuda_root="$(PYTHON="$VENV/bin/python" bash scripts/cuda_toolkit.sh)"
+    # The present card's architecture, else CTXQ_CUDA_ARCH (CMake's list, e.g. "89;90"), default
+    # sm_90: each architecture adds ~33 minutes on 2 cores and ~40 MiB to the wheel (shared/NOTES).
+    cuda_arch="${CTXQ_CUDA_ARCH:-$(gpu_present && echo native || echo 90)}"
+    # GGML_BACKEND_DL: ggml-cuda (and the CPU and RPC backends) become modules that ctxq loads one by
+    # one (ctxq.llama.backend), so a machine without the NVIDIA driver (no libcuda.so.1) skips the
+    # CUDA module and still runs on the CPU. CMAKE_INSTALL_BINDIR puts ggml's own
+    # install of the modules where llama-cpp-python's goes, so the wheel holds one copy of each.
+    # LLAVA_BUILD=OFF: ctxq does not use mtmd (multimodal), a CUDA build of it is minutes more.
+    # GGML_NATIVE=OFF: llama.cpp refuses it with BACKEND_DL (ggml-cpu/CMakeLists.txt); its default
+    # instruction set then is AVX2/FMA/F16C/BMI2, which also runs on the GPU machine's own CPU.
+    cmake_args="$cmake_args -DGGML_CUDA=ON -DGGML_BACKEND_DL=ON -DGGML_NATIVE=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
+    cmake_args="$cmake_args -DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=$cuda_arch"
+    cmake_args="$cmake_args -DCUDAToolkit_ROOT=$cuda_root -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc"
+    # The linker resolves libcublas.so's own libcublasLt.so.13 through the loader's path.
+    export LD_LIBRARY_PATH="$cuda_root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 if [ "$(uname -m)" = x86_64 ]; then
     # llama.cpp's AMX kernels (ggml_backend_amx_mul_mat) crash with SIGSEGV on the first
@@ -47,7 +64,11 @@ installed="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.vers
 stamp="$VENV/.llama-cpp-key"
 if [ "$installed" != "$LLAMA_CPP_PYTHON_VERSION" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$key" ]; then
     if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-        echo "ctxq setup: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION ($cmake_args); about 4 minutes on 2 cores"
+        case "$cmake_args" in
+            *GGML_CUDA=ON*) took="the CUDA backend alone took 33 minutes per architecture on 2 idle cores (NOTES)" ;;
+            *) took="about 4 minutes on 2 cores" ;;
+        esac
+        echo "ctxq setup: building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION ($cmake_args); $took"
         tmp="$(mktemp -d)"
         # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a build
         # made with other flags.

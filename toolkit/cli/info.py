@@ -23,6 +23,8 @@ def doctor(as_json: bool):
     click.echo(f"ctxq {r.ctxq_version}, llama-cpp-python {r.llama_cpp_python_version}, Python {r.python}")
     click.echo(f"build: CUDA {'yes' if f['cuda'] else 'no'}, RPC {'yes' if f['rpc'] else 'no'}, "
                f"GPU offload {'yes' if f['gpu_offload'] else 'no'}")
+    if r.cuda_unavailable:
+        click.echo(f"{r.cuda_unavailable}: runs use the CPU")
     click.echo(f"llama.cpp: {r.system_info}")
     click.echo("ggml devices:")
     for d in r.ggml_devices:

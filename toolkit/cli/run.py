@@ -59,6 +59,7 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, cha
     processes only the prompt.
     """
     from ..errors import ReorderNeeded
+    from ..llama import backend
     from ..runtime import runner
 
     if hf_file:
@@ -78,6 +79,8 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, cha
             return
         if prepared.rpc:
             _one_line_on_worker_loss()
+        if (no_cuda := backend.cuda_unavailable()) is not None:
+            click.echo(f"ctxq: {no_cuda}; running on the CPU", err=True)
         bar = None if as_json else _ProgressBar()
         try:
             r = runner.execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_loaded=_loaded,

@@ -35,6 +35,7 @@ def llama_cpp():
     except ImportError as e:  # pragma: no cover - setup installs it
         raise BuildError(f"llama-cpp-python is not installed ({e}); run `make setup`") from None
     _install_log_callback(lc)
+    _load_backend_modules()
     return lc
 
 
@@ -127,6 +128,85 @@ def lib_dir() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise BuildError("llama-cpp-python is not installed: run `make setup`")
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+# --- a GGML_BACKEND_DL build: backends are modules loaded at run time ------------------------------
+# The CUDA wheel (scripts/setup.sh, CTXQ_CUDA=1) is built with GGML_BACKEND_DL, so that a machine
+# without the NVIDIA driver still runs: libggml-cuda.so needs libcuda.so.1 and is skipped when it
+# cannot load. Such a build registers no backend until its modules are loaded, and llama.cpp's own
+# ggml_backend_load_all() searches only the executable's folder and the current one, not the wheel's
+# lib folder, so ctxq loads them before anything asks llama.cpp for a device. The plain build (CPU +
+# RPC linked in, what CI uses) has its backends registered already and loads nothing here.
+
+# llama.cpp's order (ggml_backend_load_all_from_path): GPUs before RPC before the CPU.
+_MODULE_ORDER = ("cuda", "rpc", "cpu")
+_modules_lock = threading.Lock()  # not _lock: ggml logs while loading, and the log callback takes _lock
+_modules_done = False
+module_errors: dict[str, str] = {}  # backend module ("cuda") -> why it did not load
+
+
+def _load_backend_modules() -> None:
+    global _modules_done
+    with _modules_lock:
+        if _modules_done:
+            return
+        _modules_done = True
+        d = lib_dir()
+        g = ctypes.CDLL(str(d / "libggml.so.0"))
+        g.ggml_backend_reg_count.restype = ctypes.c_size_t
+        if g.ggml_backend_reg_count():  # the plain build: backends linked in
+            return
+        g.ggml_backend_load.restype = ctypes.c_void_p
+        g.ggml_backend_load.argtypes = [ctypes.c_char_p]
+        names = [p.name[len("libggml-"):-len(".so")] for p in d.glob("libggml-*.so")]
+        names = sorted((n for n in names if n != "base"),
+                       key=lambda n: _MODULE_ORDER.index(n) if n in _MODULE_ORDER else -1)
+        if "cuda" in names:
+            _preload_cuda_libraries()
+        for name in names:
+            path = d / f"libggml-{name}.so"
+            if g.ggml_backend_load(str(path).encode()):
+                continue
+            try:  # ggml logs the loader's reason at ERROR level; keep it for doctor's one line
+                ctypes.CDLL(str(path))
+                module_errors[name] = "ggml_backend_init failed"
+            except OSError as e:
+                module_errors[name] = str(e).replace(f"{path}: ", "")
+            log.info("llama.cpp backend %s not loaded: %s", name, module_errors[name])
+
+
+def _preload_cuda_libraries() -> None:
+    """cuBLAS and the CUDA runtime from PyPI's nvidia-* wheels, when installed and the loader cannot
+    find them otherwise: libggml-cuda.so's own search path is only its folder ($ORIGIN)."""
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    for stem in ("libcudart", "libcublasLt", "libcublas"):  # dependencies first
+        for root in spec.submodule_search_locations:
+            for f in sorted(Path(root).glob(f"cu*/lib/{stem}.so.*")):
+                try:
+                    ctypes.CDLL(f.name, mode=ctypes.RTLD_GLOBAL)  # the system's copy, if it has one
+                except OSError:
+                    try:
+                        ctypes.CDLL(str(f), mode=ctypes.RTLD_GLOBAL)
+                    except OSError as e:
+                        log.info("cannot preload %s: %s", f, e)
+
+
+def rpc_library_path() -> Path:
+    """libggml-rpc: the SONAME file libllama links in the plain build, the module in a BACKEND_DL
+    build (the one ggml loaded; a second name would be a second copy with its own state)."""
+    d = _lib_dir()
+    return next((p for p in (d / "libggml-rpc.so.0", d / "libggml-rpc.so") if p.is_file()), d / "libggml-rpc.so.0")
+
+
+def cuda_unavailable() -> str | None:
+    """One line when this is a CUDA build but ggml lists no CUDA device (no driver, no GPU, an empty
+    CUDA_VISIBLE_DEVICES), else None: the run then falls back to the CPU."""
+    if not build_features()["cuda"] or any(d.name.startswith("CUDA") for d in ggml_devices()):
+        return None
+    why = module_errors.get("cuda")
+    return "CUDA build, no CUDA device visible" + (f" (libggml-cuda.so: {why})" if why else "")
 
 
 def _lib_dir() -> Path:

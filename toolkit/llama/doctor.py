@@ -36,6 +36,9 @@ class Report:
     cpu: dict
     ram_total: int  # bytes
     ram_available: int  # bytes
+    # "CUDA build, no CUDA device visible (…)" when a CUDA build finds no CUDA device; None otherwise
+    cuda_unavailable: str | None = None
+    module_errors: dict[str, str] = field(default_factory=dict)  # backend module -> why it did not load
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -91,12 +94,16 @@ def doctor() -> Report:
              "logical_cores": psutil.cpu_count(logical=True), "usable_cores": default_threads()},
         ram_total=vm.total,
         ram_available=vm.available,
+        cuda_unavailable=backend.cuda_unavailable(),
+        module_errors=dict(backend.module_errors),
     )
     if gpus and not features["cuda"]:
         report.warnings.append(f"{len(gpus)} NVIDIA GPU(s) present but this llama-cpp-python has no CUDA: "
                                "rebuild with `CTXQ_CUDA=1 make setup`")
     if not features["rpc"]:
-        report.warnings.append("this llama-cpp-python has no RPC: rebuild with `make setup`")
+        report.warnings.append("this llama-cpp-python has no RPC (--rpc, --simulate and `ctxq worker` need it): "
+                               "rebuild it with `make setup`, or with CMAKE_ARGS=-DGGML_RPC=ON pip install "
+                               "--force-reinstall --no-cache-dir llama-cpp-python==0.3.36")
     if features["amx_int8"]:
         report.warnings.append("this build has llama.cpp's AMX kernels, which crash on quantized models "
                                "on some CPUs: rebuild with `make setup` (it builds without them)")

@@ -29,9 +29,8 @@ DEFAULT_PORT = 50052  # llama.cpp's rpc-server default (tools/rpc/rpc-server.cpp
 
 
 def _libs():
-    """libggml and libggml-rpc by their SONAME files (the copies libllama links; NOTES trap)."""
-    lib_dir = backend._lib_dir()
-    rpc = ctypes.CDLL(str(lib_dir / "libggml-rpc.so.0"))
+    """libggml and libggml-rpc, the copies libllama uses (NOTES trap; `backend.rpc_library_path`)."""
+    rpc = ctypes.CDLL(str(backend.rpc_library_path()))
     rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
     rpc.ggml_backend_rpc_start_server.restype = None
