@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from . import compute as compute_mod
 from . import cuda as cuda_mod
@@ -58,6 +58,25 @@ class Costs:
     f16_cache: bool = True
     cuda: cuda_mod.LayerTable | None = None  # CUDA's per-layer terms, when a device's backend is CUDA
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
+    layer_experts: list[int] = field(default_factory=list)  # routed-expert bytes per layer (part of layer_weights)
+    cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
+
+    def with_cpu_experts(self, layers) -> Costs:
+        """These costs with the experts of `layers` in CPU memory: those layers' device weights lose them.
+        Any tensor override turns llama.cpp's pipeline parallelism off (`pipeline`)."""
+        cpu = frozenset(layers)
+        lw = [d + (0 if il in cpu else e) for il, (d, e) in
+              enumerate(zip(self.info_dense, self.layer_experts))]
+        return replace(self, layer_weights=lw, cpu_experts=cpu)
+
+    @property
+    def info_dense(self) -> list[int]:
+        return [la.dense_bytes for la in self.info.layers]
+
+    def pipeline(self, n_cpu_slots: int) -> bool:
+        """llama_context: pipeline parallelism only when every layer is offloaded and no tensor is
+        overridden (`!model.has_tensor_overrides()`)."""
+        return n_cpu_slots == 0 and not self.cpu_experts
 
 
 def kv_by_layer(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
@@ -90,7 +109,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  f16_cache=type_k == "f16" and type_v == "f16",
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
-                 reserve=opts.reserve)
+                 reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers])
 
 
 def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:
@@ -140,8 +159,10 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
+    dp.cpu_experts = [il for il in layers if il in c.cpu_experts]
     dp.compute = _device_compute(c, _peaks(c, layers), _inputs(c, layers), bool(layers), has_output, n_used,
-                                 pipeline=n_cpu_slots == 0)
+                                 pipeline=c.pipeline(n_cpu_slots))
+    dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
     if n_used > 1:
         dp.compute += mamba2_split(c, layers, n_cpu_slots)
     if dev.kind != "gpu":
@@ -149,7 +170,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         return dp
     dp.margin = reserve(c, dev)
     if dev.backend == "cuda" and c.cuda is not None:
-        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin)
+        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts)
         dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
 
@@ -184,7 +205,7 @@ def mamba2_split(c: Costs, layers: range, n_cpu_slots: int) -> int:
     every device holding Mamba-2 layers (8.6-9.1 MiB here), an upper bound on both sides."""
     if not c.info.ssm_in_rows or not any(c.info.layers[il].recurrent for il in layers):
         return 0
-    copies = SCHED_COPIES if n_cpu_slots == 0 else 1
+    copies = SCHED_COPIES if c.pipeline(n_cpu_slots) else 1
     return copies * c.info.ssm_in_rows * c.n_ubatch * 4
 
 
@@ -218,33 +239,41 @@ def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_
 
 
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
-    """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU)."""
+    """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU) and
+    the experts of c.cpu_experts (tensor overrides to the CPU buffer type) of the layers on devices."""
     n = c.info.n_layer
     layers = range(0, min(n_cpu_layers, n))
     has_out = n_cpu_layers == n + 1
     dp = DevicePlan(cpu, list(layers) + ([n] if has_out else []))
+    moved = sorted(il for il in c.cpu_experts if il >= len(layers))  # experts of device layers kept here
+    dp.cpu_experts = moved
+    expert_host = sum(c.layer_experts[i] for i in moved)
     dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.layer_weights[i] for i in layers) \
-        + (c.info.output_bytes if has_out else 0)
+        + (c.info.output_bytes if has_out else 0) + expert_host
+    dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
     if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
         dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
-    elif len(layers):  # it runs those layers: their peak and one copy of the inputs (no pipeline parallelism)
-        dp.compute = _peaks(c, layers).layer_full + _inputs(c, layers)
+    elif len(layers) or moved:  # it runs those layers (or their experts' matmuls): their peak and one copy
+        # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
+        dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved])
     else:  # the host builds the inputs of a split graph
-        dp.compute = (SCHED_COPIES if n_used > 1 else 1) * c.inputs + c.resid
+        dp.compute = (SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1) * c.inputs + c.resid
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
 
 
-def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int) -> float | None:
-    """Decode tokens/s if each token reads every weight, the attention layers' whole KV cache (a full
-    context) and the recurrent state once, device after device at its memory bandwidth. An estimate, not a
-    measurement."""
+def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int, expert_fraction: float = 1.0) -> float | None:
+    """Decode tokens/s if each token reads every dense weight, expert_fraction (expert_used_count /
+    expert_count) of each device's expert bytes, the attention layers' whole KV cache (a full context) and
+    the recurrent state once, device after device at its memory bandwidth (the host's for the experts kept in
+    CPU memory: decode batches of one token stay below the op-offload batch). An estimate, not a measurement."""
     secs = 0.0
     for dp in [*gpus, host]:
-        read = dp.weights + dp.kv + dp.state - (token_embd if dp is host else 0)  # embeddings: one row per token
+        read = dp.weights - dp.experts + int(dp.experts * expert_fraction) + dp.kv + dp.state \
+            - (token_embd if dp is host else 0)  # embeddings: one row per token
         if read <= 0:
             continue
         if not dp.device.bandwidth:
