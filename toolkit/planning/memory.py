@@ -160,7 +160,10 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
     dp.cpu_experts = [il for il in layers if il in c.cpu_experts]
-    dp.compute = _device_compute(c, _peaks(c, layers), _inputs(c, layers), bool(layers), has_output, n_used,
+    peaks = _peaks(c, layers)
+    if c.cpu_experts and n_used > 1:
+        peaks = _moe_split_peaks(c, peaks, layers)
+    dp.compute = _device_compute(c, peaks, _inputs(c, layers), bool(layers), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
     if n_used > 1:
@@ -180,6 +183,20 @@ def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
     if not c.peaks.by_kind:  # not a hybrid: one set of peaks (the search calls this thousands of times)
         return c.peaks
     return c.peaks.of({c.info.layers[il].kind for il in layers})
+
+
+def _moe_split_peaks(c: Costs, peaks: compute_mod.ComputePeaks, layers) -> compute_mod.ComputePeaks:
+    """A device's peaks in a split graph with experts in CPU memory (no pipeline parallelism): measured on
+    RPC devices, Qwen3-30B-A3B-shaped layers (scripts/accuracy.py --moe, docs/planner.md).
+
+    - a device all of whose layers keep their experts on the CPU runs only their attention and router: the
+      mul_mat_id intermediates are the host's, and two layers keep no more alive than one (16k: 64.0 MiB
+      real, layer_full 80.5 planned, layer_steady 104.0);
+    - the output device holds no second copy of its inputs (16k: 304.75 / 300.75 MiB real, the one-device
+      graph's peak 304.75): the head's peak stands alone (max of head and output peaks below)."""
+    layers = list(layers)
+    steady = peaks.layer_full if layers and all(il in c.cpu_experts for il in layers) else peaks.layer_steady
+    return compute_mod.ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True)
 
 
 def _inputs(c: Costs, layers) -> int:
@@ -230,6 +247,8 @@ def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_
     steady = peaks.layer_steady + (copies - 1) * inputs
     if not has_output:
         return steady
+    if peaks.moe_split:  # experts in CPU memory (_moe_split_peaks)
+        return max(steady, c.head, peaks.output)
     head = c.head + copies * inputs
     if peaks.output <= peaks.layer_full:  # the head does not raise the one-layer peak
         return max(steady, head)
@@ -248,7 +267,7 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     moved = sorted(il for il in c.cpu_experts if il >= len(layers))  # experts of device layers kept here
     dp.cpu_experts = moved
     expert_host = sum(c.layer_experts[i] for i in moved)
-    dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.layer_weights[i] for i in layers) \
+    dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.info.layer_bytes[i] for i in layers) \
         + (c.info.output_bytes if has_out else 0) + expert_host
     dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)
     dp.kv = sum(c.layer_kv[i] for i in layers)
