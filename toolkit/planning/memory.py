@@ -186,16 +186,17 @@ def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
 
 
 def _moe_split_peaks(c: Costs, peaks: compute_mod.ComputePeaks, layers) -> compute_mod.ComputePeaks:
-    """A device's peaks in a split graph with experts in CPU memory (no pipeline parallelism): measured on
-    RPC devices, Qwen3-30B-A3B-shaped layers (scripts/accuracy.py --moe, docs/planner.md).
+    """A device's peaks in a split graph with experts in CPU memory (no pipeline parallelism): a measured
+    rule, not a derived one (RPC devices, Qwen3-30B-A3B-shaped layers, 16k and 64k; scripts/accuracy.py --moe).
 
-    - a device all of whose layers keep their experts on the CPU runs only their attention and router: the
-      mul_mat_id intermediates are the host's, and two layers keep no more alive than one (16k: 64.0 MiB
-      real, layer_full 80.5 planned, layer_steady 104.0);
-    - the output device holds no second copy of its inputs (16k: 304.75 / 300.75 MiB real, the one-device
-      graph's peak 304.75): the head's peak stands alone (max of head and output peaks below)."""
-    layers = list(layers)
-    steady = peaks.layer_full if layers and all(il in c.cpu_experts for il in layers) else peaks.layer_steady
+    - the layers' steady peak, less the down projection's f32 result [n_embd, n_expert_used, n_ubatch] of
+      build_moe_ffn (llama-graph.cpp), which the host computes for an overridden layer; never below the
+      one-layer peak. Real 64.0 / 76.5 MiB at 16k (experts of all / some layers on the CPU), planned 80.5;
+      112.0 / 112.0 at 64k, planned 120.0 (the steady peak alone: 104.0 and 152.0);
+    - the output device holds no second copy of its inputs: real 304.75 / 300.75 MiB, the one-device graph's
+      output peak 304.75, planned the larger of it and the head's (308.75)."""
+    down = c.info.n_embd * max(c.info.n_expert_used, 1) * c.n_ubatch * 4
+    steady = max(peaks.layer_steady - down, peaks.layer_full)
     return compute_mod.ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True)
 
 
