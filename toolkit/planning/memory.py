@@ -160,6 +160,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
     dp.cpu_experts = [il for il in layers if il in c.cpu_experts]
+    dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
     peaks = _peaks(c, layers)
     if c.cpu_experts and n_used > 1:
         peaks = _moe_split_peaks(c, peaks, layers)
@@ -267,7 +268,7 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp = DevicePlan(cpu, list(layers) + ([n] if has_out else []))
     moved = sorted(il for il in c.cpu_experts if il >= len(layers))  # experts of device layers kept here
     dp.cpu_experts = moved
-    expert_host = sum(c.layer_experts[i] for i in moved)
+    dp.cpu_expert_bytes = expert_host = sum(c.layer_experts[i] for i in moved)
     dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.info.layer_bytes[i] for i in layers) \
         + (c.info.output_bytes if has_out else 0) + expert_host
     dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)

@@ -33,6 +33,7 @@ class DevicePlan:
     margin: int = 0  # kept free: a GPU's reserve, an RPC worker's rounding, the host's process and OS
     experts: int = 0  # of `weights`, the routed-expert bytes held here (MoE; the host: all it keeps)
     cpu_experts: list[int] = field(default_factory=list)  # its layers whose experts are in CPU memory
+    cpu_expert_bytes: int = 0  # their expert bytes (in the host's weights, not in this device's)
     # (the host: the layers on devices whose experts it holds)
 
     @property

@@ -290,8 +290,10 @@ def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: Pla
     """The plan the policy prefers, with the reason."""
     full = [p for p in plans if p.cpu_layers == 0 or not devices]
     if full:
-        # quality: the first KV type (the best) that holds every layer; speed: the fewest experts in CPU memory
-        chosen = full[0] if opts.prefer == "quality" else min(full, key=lambda p: len(p.cpu_expert_layers))
+        # the fewest experts in CPU memory (none for a dense model), then the better KV type; quality keeps KV
+        # at q8_0 or better, as for layers below
+        good = [p for p in full if p.type_v != "q4_0"] if opts.prefer == "quality" else []
+        chosen = min(good or full, key=lambda p: (len(p.cpu_expert_layers), KV_TYPES.index(p.type_v)))
         why = "all layers on the GPUs" if devices else "no GPUs: everything on the CPU"
         if devices and chosen.cpu_expert_layers:
             why += f", the experts of {len(chosen.cpu_expert_layers)} in CPU memory"
@@ -302,7 +304,11 @@ def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: Pla
     else:
         chosen = max(plans, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
         why = f"{chosen.cpu_layers} layers on the CPU with the smallest KV type that minimises them"
-    if chosen.type_k != "f16" and searched:
+    f16_full = next((p for p in full if p.type_k == "f16" and p.type_v == "f16"), None) if devices else None
+    if chosen.type_k != "f16" and searched and f16_full is not None:
+        why += (f"; f16 KV would keep the experts of {len(f16_full.cpu_expert_layers)} layers in CPU memory, "
+                f"{chosen.type_k} of {len(chosen.cpu_expert_layers)}")
+    elif chosen.type_k != "f16" and searched:
         kv_f16 = sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, "f16", "f16"))
         kv_got = chosen.host.kv + sum(g.kv for g in chosen.gpus)
         why += (f"; f16 KV ({kv_f16 / GiB:.1f} GiB) does not fit at {opts.n_ctx} tokens, "
