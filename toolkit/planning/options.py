@@ -17,6 +17,7 @@ from ..gguf.info import KV_TYPES  # also the search order of kv="auto"
 DEFAULT_N_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
 DEFAULT_N_BATCH = 2048  # common_params.n_batch
 DEFAULT_N_UBATCH = 512  # common_params.n_ubatch
+MAX_N_CTX = 2**32 - 1  # llama_context_params.n_ctx is a uint32_t
 DEFAULT_PREFER = "quality"
 DEFAULT_KV = "auto"
 PREFER = ("quality", "speed")
@@ -91,6 +92,9 @@ class PlanOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise InvalidOption(f"{name} must be positive, got {value}", option=name, value=value)
+        if self.n_ctx is not None and self.n_ctx > MAX_N_CTX:
+            raise InvalidOption(f"n_ctx {self.n_ctx} is beyond llama.cpp's largest context, {MAX_N_CTX} tokens "
+                                "(a 32-bit count)", option="n_ctx", value=self.n_ctx, limit=MAX_N_CTX)
         if self.reserve is not None and self.reserve < 0:
             raise InvalidOption(f"reserve must be 0 or more bytes, got {self.reserve}", option="reserve",
                                 value=self.reserve)

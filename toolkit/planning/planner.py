@@ -175,6 +175,7 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     auto_experts = bool(experts.expert_layers) and not experts.fixed and opts.expert_offload is not False
     candidates = opts.kv_candidates()
     _check_reserve(devices, opts)
+    _check_kv_can_fit(info, devices, cpu, opts, candidates)
     cuda = any(d.backend == "cuda" for d in devices)
     for tk, tv in candidates:
         for name, t in (("type_k", tk), ("type_v", tv)):
@@ -200,6 +201,18 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     if not plans:
         raise _does_not_fit(cpu, hosts, opts.n_ctx)
     return experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1))
+
+
+def _check_kv_can_fit(info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions, candidates) -> None:
+    """Refuse, before llama.cpp is asked (its dry run would throw std::bad_alloc), a context whose KV cache
+    alone, at the smallest KV type tried, exceeds all devices and the host together."""
+    kv = min((sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, tk, tv)) for tk, tv in candidates
+              if tk in info.kv_bytes_per_token and tv in info.kv_bytes_per_token), default=0)
+    room = sum(d.usable for d in devices) + cpu.usable
+    if kv > room:
+        raise DoesNotFit(f"{opts.n_ctx} tokens do not fit: their KV cache alone needs {kv / GiB:,.1f} GiB, "
+                         f"the devices and the host have {room / GiB:,.1f} GiB",
+                         "give a smaller n_ctx", option="n_ctx", value=opts.n_ctx)
 
 
 def _check_reserve(devices: list[Device], opts: PlanOptions) -> None:
