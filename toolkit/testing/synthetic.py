@@ -54,6 +54,9 @@ GEOMETRIES = {
     # Qwen3-30B-A3B (config.json: hidden 2048, 48 layers, 32/4 heads of 128, 128 experts of 768, 8 used)
     "qwen3-30b-a3b": Geometry("Qwen3-30B-A3B", "qwen3moe", 48, 2048, 32, 4, 128, 6144, 151936, 40960,
                               n_expert=128, n_expert_used=8, n_ff_exp=768),
+    # Qwen3-235B-A22B (hidden 4096, 94 layers, 64/4 heads of 128, 128 experts of 1536, 8 used)
+    "qwen3-235b-a22b": Geometry("Qwen3-235B-A22B", "qwen3moe", 94, 4096, 64, 4, 128, 12288, 151936, 40960,
+                                n_expert=128, n_expert_used=8, n_ff_exp=1536),
     # A small model for fast tests: same structure, tiny sizes (rows stay multiples of 256).
     "tiny": Geometry("tiny", "llama", 4, 256, 4, 2, 64, 512, 1024, 4096),
 }
