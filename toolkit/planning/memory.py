@@ -190,14 +190,21 @@ def _moe_split_peaks(c: Costs, peaks: compute_mod.ComputePeaks, layers) -> compu
     """A device's peaks in a split graph with experts in CPU memory (no pipeline parallelism): a measured
     rule, not a derived one (RPC devices, Qwen3-30B-A3B-shaped layers, 16k and 64k; scripts/accuracy.py --moe).
 
-    - the layers' steady peak, less the down projection's f32 result [n_embd, n_expert_used, n_ubatch] of
-      build_moe_ffn (llama-graph.cpp), which the host computes for an overridden layer; never below the
-      one-layer peak. Real 64.0 / 76.5 MiB at 16k (experts of all / some layers on the CPU), planned 80.5;
-      112.0 / 112.0 at 64k, planned 120.0 (the steady peak alone: 104.0 and 152.0);
+    - a device keeping the experts of at most one of its layers: the layers' steady peak, less the down
+      projection's f32 result [n_embd, n_expert_used, n_ubatch] of build_moe_ffn (llama-graph.cpp), which
+      the host computes for an overridden layer; never below the one-layer peak (plus two residuals when
+      it keeps one). Real 64.0 / 76.5 MiB at 16k (experts of no / one layer kept), planned 80.5 / 88.5;
+      112.0 / 112.0 at 64k, planned 120.0 (the steady peak alone: 104.0 and 152.0); keeping two or more,
+      the steady peak;
     - the output device holds no second copy of its inputs: real 304.75 / 300.75 MiB, the one-device graph's
       output peak 304.75, planned the larger of it and the head's (308.75)."""
     down = c.info.n_embd * max(c.info.n_expert_used, 1) * c.n_ubatch * 4
-    steady = max(peaks.layer_steady - down, peaks.layer_full)
+    kept = sum(1 for il in layers if il not in c.cpu_experts and c.layer_experts[il])
+    # two layers keeping their experts: the measured two-layer peak (16k: 100.0 real, 104.0 planned)
+    # one layer keeping them: its one-layer peak with the residual-sized copies in and out of the host's
+    # expert splits alive beside it (16k, q8_0: 84.1 real, one-layer peak 80.5, planned 88.5)
+    steady = peaks.layer_steady if kept >= 2 else max(peaks.layer_steady - down,
+                                                      peaks.layer_full + (2 * c.resid if kept else 0))
     return compute_mod.ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True)
 
 

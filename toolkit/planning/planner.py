@@ -194,7 +194,9 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
         if auto_experts and devices and (p is None or p.cpu_layers):
-            p, host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
+            q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
+            if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
+                p, host = q, q_host
         hosts.append((host, tv))
         if p is not None:
             plans.append(p)
@@ -269,6 +271,8 @@ def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opt
             got = _restore_experts(bare, ds, cand)
             if best is None or len(got[0].cpu_experts) < len(best[0].cpu_experts):
                 best = got
+    if best is None:  # the split found does not hold once costed exactly: whole layers only
+        return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
     ce, cand = best
     gplans = _layout(ce, ds, cand)
     host = host_cost(ce, n + 1 - slots, sum(1 for k in cand if k), cpu)
