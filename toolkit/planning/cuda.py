@@ -270,23 +270,20 @@ def cuda_device_terms(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str
     """
     if backend != "cuda":
         return CudaTerms(reserve=cuda_reserve(backend) if reserve is None else reserve)
-    layers, cpu_layers = list(layers), list(cpu_layers)
-    offload = 0
-    if first:
-        offload = max(offload_weight_copies(info, cpu_layers, output_on_cpu, n_ctx, n_ubatch),
-                      offload_kv_copies(info, cpu_layers, n_ctx, n_ubatch, type_k, type_v, flash_attn))
-    on_device = layers + (cpu_layers if offload else [])
-    pool = max(fa_off_pool(info, on_device, n_ctx, n_ubatch, flash_attn),
-               matmul_pool(info, on_device, has_output or (offload > 0 and output_on_cpu), n_ctx, n_ubatch, cc))
-    return CudaTerms(fa_kv_copies=fa_quantized_kv_copies(info, layers, n_ctx, n_ubatch, type_k, type_v, flash_attn),
-                     offload_copies=offload, pool=pool, reserve=cuda_reserve() if reserve is None else reserve)
+    cpu_layers = list(cpu_layers)
+    if cpu_layers != list(range(len(cpu_layers))):  # llama.cpp keeps the first layers on the CPU
+        raise ValueError("cpu_layers must be the first layers (0, 1, ...), as llama.cpp leaves them")
+    table = layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+                        cc=cc)
+    n_cpu_slots = len(cpu_layers) + (1 if output_on_cpu and len(cpu_layers) == info.n_layer else 0)
+    return table.terms(layers, has_output, first, n_cpu_slots, cuda_reserve() if reserve is None else reserve)
 
 
 @dataclass(frozen=True)
 class LayerTable:
-    """cuda_device_terms' per-layer pieces, computed once per (model, n_ctx, KV types, ...) so that the
-    planner's search can cost thousands of layouts: every term is a maximum over layers, so a device's
-    term is the maximum of its layers' entries (`terms()` equals cuda_device_terms, tests check it)."""
+    """CUDA's per-layer pieces, computed once per (model, n_ctx, KV types, ...) so that the planner's search
+    can cost thousands of layouts: every term is a maximum over layers, so a device's term is the maximum of
+    its layers' entries. `cuda_device_terms` is the one-device view of the same table."""
 
     fa: tuple[int, ...]  # fa_layer_copies per layer
     pool: tuple[int, ...]  # max(fa_off_pool, matmul_pool) of each layer alone
@@ -315,7 +312,7 @@ class LayerTable:
 
 def layer_table(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str, flash_attn: bool,
                 cc: int = CC_TURING) -> LayerTable:
-    """The per-layer pieces of cuda_device_terms for one plan's settings."""
+    """The per-layer pieces of CUDA's terms for one plan's settings."""
     args = (n_ctx, n_ubatch)
     n = info.n_layer
     offload, prefix = 0, [0]
