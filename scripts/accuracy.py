@@ -10,6 +10,12 @@ local ggml RPC workers, and compares llama.cpp's own log lines per device.
     .venv/bin/python scripts/accuracy.py --hybrid --out docs/accuracy-hybrid.md   # issue 22's families
     .venv/bin/python scripts/accuracy.py --hybrid --models qwen35-9b-4l --devices rpc2 --ctx 16384,65536
 
+`--moe` takes a Qwen3-30B-A3B-shaped model cut to 4 layers (real widths: 128 experts of 768, 8 used;
+Q4_K_M) with the experts placed four ways: none on the CPU, `cpu_moe`, `n_cpu_moe=2`, and `auto` (RPC
+devices of 1 GiB each that the planner fills, choosing which layers keep their experts on the host):
+
+    .venv/bin/python scripts/accuracy.py --moe --out docs/accuracy-moe.md
+
 `--hybrid` takes the tiny hybrid-recurrent and gpt-oss models of `ctxq.testing.hybrid` (written as GGUF
 in llama.cpp's layout, sparse data) instead of the real geometries, over flash attention on and off.
 """
@@ -31,6 +37,10 @@ from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 from ctxq.units import GiB, MiB
 
 DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc3": [2, 1, 1], "rpc5": [16, 16, 16, 8, 8]}
+MOE = dict(models="qwen3-30b-a3b-4l", devices="cpu,rpc2", ctx="16384,65536", kv="f16,q8_0")
+MOE_MODELS = {"qwen3-30b-a3b-4l": GEOMETRIES["qwen3-30b-a3b"].scaled(n_layer=4, name="Qwen3-30B-A3B-4l")}
+# placement -> check_cell keywords; "auto": devices of 1 GiB each, filled by the planner's own search
+PLACEMENTS = {"none": {}, "cpu_moe": {"cpu_moe": True}, "ncmoe2": {"n_cpu_moe": 2}, "auto": {"search": True}}
 HYBRID = dict(models=",".join(MAKERS), devices="cpu,rpc2,rpc3", ctx="16384,65536", kv="f16,q8_0", fa="on,off")
 
 
@@ -44,6 +54,7 @@ def main() -> int:
                     help="skip cells whose KV cache exceeds this (RAM of this machine)")
     ap.add_argument("--quick", action="store_true", help="llama3-8b and gemma2-9b at 4096 on cpu and rpc5")
     ap.add_argument("--hybrid", action="store_true", help="issue 22's tiny hybrid and gpt-oss models")
+    ap.add_argument("--moe", action="store_true", help="issue 21's MoE cells: experts placed four ways")
     ap.add_argument("--fa", default="on", help="flash attention: on, off or on,off")
     ap.add_argument("--out", default=None, help="write the table as Markdown")
     a = ap.parse_args()
@@ -53,26 +64,37 @@ def main() -> int:
         for k, v in HYBRID.items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
+    if a.moe:
+        for k, v in MOE.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
     for name in a.models.split(","):
         model = str({**MAKERS, **REALISTIC}[name](tmp / f"{name}.gguf") if a.hybrid
-                    else write_synthetic_gguf(tmp / f"{name}.gguf", GEOMETRIES[name]))
+                    else write_synthetic_gguf(tmp / f"{name}.gguf", {**GEOMETRIES, **MOE_MODELS}[name]))
         info = model_info(model)
         for dev in a.devices.split(","):
             sizes = DEVICE_SETS[dev]
             with start_workers(len(sizes)) if sizes else nullcontext() as w:
                 for ctx in map(int, a.ctx.split(",")):
-                    for kv, fa in [(kv, fa) for kv in a.kv.split(",") for fa in a.fa.split(",")]:
+                    for kv, fa, place in [(kv, fa, pl) for kv in a.kv.split(",") for fa in a.fa.split(",")
+                                          for pl in (PLACEMENTS if a.moe else ["none"])]:
+                        moe = dict(PLACEMENTS[place])
+                        if moe.get("search") and not sizes:
+                            continue  # no devices to fill
                         kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
                         if kv_gib > a.max_kv_gib:
                             print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
                             continue
                         if fa == "off" and kv != "f16":  # a quantized V cache needs flash attention
                             continue
-                        label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "")
-                        r = check_cell(model, ctx, kv, sizes, workers=w, label=label, flash_attn=fa == "on")
-                        kv = kv + (" fa-off" if fa == "off" else "")
+                        label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "") \
+                            + (f" experts:{place}" if a.moe else "")
+                        cell_sizes = [1.0] * len(sizes) if moe.get("search") else sizes
+                        r = check_cell(model, ctx, kv, cell_sizes, workers=w, label=label, flash_attn=fa == "on",
+                                       **moe)
+                        kv = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if a.moe else "")
                         for d in r.devices:
                             rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
                                          d.error / MiB, "ok" if d.ok else "OVER", "yes" if r.layers_match else "NO"])

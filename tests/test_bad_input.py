@@ -42,3 +42,15 @@ def test_negative_reserve_is_refused_in_the_flags_unit(smollm2):
     assert line == "Error: --reserve must be 0 GiB or more, got -1 GiB"
     r = run_ctxq("plan", str(smollm2), "--ctx", "4096", "--gpus", "8", "--reserve", "0.5", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["gpus"][0]["margin"] == 512 << 20
+
+
+def test_a_context_beyond_llama_cpp_s_32_bit_count_is_one_line(smollm2):
+    """`ctxq plan --ctx 99999999999` printed llama.cpp's std::bad_alloc (issue 23, part 4)."""
+    line = one_line_error(run_ctxq("plan", str(smollm2), "--ctx", "99999999999"))
+    assert line == "Error: --ctx 99999999999 is beyond llama.cpp's largest context, 4294967295 tokens (a 32-bit count)"
+
+
+def test_a_context_whose_kv_cache_exceeds_every_device_and_the_host_is_one_line(smollm2):
+    line = one_line_error(run_ctxq("plan", str(smollm2), "--ctx", "4000000000", "--gpus", "8", "--cpu-memory", "16"))
+    assert line.startswith("Error: 4000000000 tokens do not fit: their KV cache alone needs ")
+    assert line.endswith("the devices and the host have 24.0 GiB: give a smaller --ctx")

@@ -56,20 +56,6 @@ def test_cpu_layers_grow_the_first_gpu_by_the_offload_copies(models):
     assert full.cpu_layers == 0 and full.gpus[0].cuda_copies == full.gpus[1].cuda_copies
 
 
-def test_the_search_matches_cuda_device_terms(models):
-    # the planner costs layouts from a per-layer table; it must equal the module's own per-device function
-    p = plan(models["llama3-8b"], 131072, gpus="6,6", kv="q8_0")
-    info = model_info(models["llama3-8b"])
-    n = p.n_layer
-    n_cpu_slots = n + 1 - p.n_gpu_layers
-    assert n_cpu_slots > 0  # a layout with CPU layers, so the offload term is exercised
-    for i, g in enumerate(p.gpus):
-        t = cuda.cuda_device_terms(info, n_ctx=131072, n_ubatch=512, type_k="q8_0", type_v="q8_0", flash_attn=True,
-                                   layers=[il for il in g.layers if il < n], has_output=n in g.layers, first=i == 0,
-                                   cpu_layers=range(min(n_cpu_slots, n)), output_on_cpu=n_cpu_slots > n)
-        assert (g.cuda_copies, g.cuda_pool, g.margin) == (t.compute, t.pool, t.reserve)
-
-
 @pytest.mark.parametrize("model, n_ctx, gpus", [("llama3-70b", 65536, BOX), ("llama3-70b", 32768, "24,24"),
                                                 ("llama3-8b", 131072, "8,8"), ("gemma2-9b", 32768, "12,8"),
                                                 ("llama3-8b", 65536, "6")])

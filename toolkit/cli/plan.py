@@ -45,12 +45,38 @@ def render_plan(p, *, title: str | None = None) -> str:
     if p.device_order:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
     lines.append(f"why: {p.reason}")
+    lines += _expert_lines(p)
     if p.est_decode_tps:
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "
                      "(from memory bandwidth; an estimate, not a measurement)")
     for n in p.notes:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def _ranges(layers: list[int]) -> str:
+    """0-11,25-38: runs of consecutive layers."""
+    out, start = [], None
+    for i, il in enumerate(layers):
+        if start is None:
+            start = il
+        if i + 1 == len(layers) or layers[i + 1] != il + 1:
+            out.append(f"{start}-{il}" if il != start else str(il))
+            start = None
+    return ",".join(out)
+
+
+def _expert_lines(p) -> list[str]:
+    """Per device, the layers whose experts are kept in CPU memory and the host RAM they take."""
+    if not p.cpu_expert_layers:
+        return []
+    out = [f"experts in CPU memory: {len(p.cpu_expert_layers)} of {len(p.expert_layers)} layers, "
+           f"{p.host.experts / GiB:.2f} GiB of host RAM (in the CPU row's weights)"]
+    for d in p.gpus:
+        if d.cpu_experts:
+            out.append(f"  {d.device.name}: layers {_ranges(d.cpu_experts)} ({len(d.cpu_experts)}), "
+                       f"{d.cpu_expert_bytes / GiB:.2f} GiB")
+    return out
 
 
 def svg(p) -> str:

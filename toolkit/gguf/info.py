@@ -145,6 +145,19 @@ class ModelInfo:
     # Mamba-2 layers: rows of ssm_in's output (z, xBC, dt) and of the convolved xBC; 0 without them
     ssm_in_rows: int = 0
     ssm_xbc_rows: int = 0
+    # mixture of experts: {arch}.expert_count / expert_used_count (llama_model_loader LLM_KV_EXPERT_*); 0 when dense
+    n_expert: int = 0
+    n_expert_used: int = 0
+
+    @property
+    def expert_layers(self) -> list[int]:
+        """The layers holding routed-expert tensors."""
+        return [il for il, la in enumerate(self.layers) if la.expert_bytes]
+
+    @property
+    def expert_read_fraction(self) -> float:
+        """The share of a layer's expert bytes one token reads: expert_used_count / expert_count."""
+        return self.n_expert_used / self.n_expert if self.n_expert else 1.0
 
     @property
     def n_head(self) -> list[int]:
@@ -218,6 +231,8 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     state = _state_bytes(g, n_embd)
 
     dense, expert = [0] * n_layer, [0] * n_layer
+    expert_names: list[set[str]] = [set() for _ in range(n_layer)]
+    routers = [False] * n_layer
     token_embd = output = other = 0
     output_type = None
     types: Counter[str] = Counter()
@@ -228,6 +243,9 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         il = block_of(t.name)
         if il is not None and il < n_layer:
             (expert if is_expert(t.name) else dense)[il] += t.nbytes
+            if is_expert(t.name):
+                expert_names[il].add(t.name.split(".")[2])
+            routers[il] |= t.name.split(".")[2] == "ffn_gate_inp"
         elif t.name == "token_embd.weight":
             token_embd += t.nbytes
         elif t.name.startswith("output") or t.name == OUTPUT_NORM.get(arch):
@@ -263,6 +281,11 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         token_embd_bytes=token_embd, output_bytes=output, output_tied=tied, output_type=output_type,
         other_bytes=other, n_pos_per_token=4 if arch in MROPE_ARCHS else 1,
     )
+    n_expert = g.arch_get("expert_count", 0)
+    info.n_expert = int(n_expert) if isinstance(n_expert, int) else 0
+    used = g.arch_get("expert_used_count", 0)
+    info.n_expert_used = int(used) if isinstance(used, int) else 0
+    _check_experts(str(g.path), info.n_expert, expert_names, routers)
     if arch in MAMBA2_ARCHS:  # d_in_proj = 2 d_inner + 2 n_group d_state + n_head (load_arch_tensors)
         d_inner, d_state, n_group, heads = (int(g.arch_get(f"ssm.{k}", 0) or 0) for k in
                                             ("inner_size", "state_size", "group_count", "time_step_rank"))
@@ -276,6 +299,25 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         except GGUFError:
             pass  # rows not a multiple of the type's block: llama.cpp cannot use that KV type
     return info
+
+
+def _check_experts(path: str, n_expert: int, names: list[set[str]], routers: list[bool]) -> None:
+    """A mixture-of-experts GGUF whose layer has a router (ffn_gate_inp) but lacks one of the stacked expert
+    tensors the other layers have, or that llama.cpp's load_tensors requires of every architecture
+    (ffn_down_exps, and ffn_up_exps or the fused ffn_gate_up_exps):
+    llama.cpp would refuse it at load ("missing tensor"), so say which one before planning."""
+    if not n_expert:
+        return
+    every = set().union(*names)  # the expert tensors the other layers have: the same in each MoE layer
+    for il, (have, router) in enumerate(zip(names, routers)):
+        if not router and not have:
+            continue  # a dense layer (leading_dense_block_count, mlp_only_layers)
+        missing = sorted(every - have) + [n for n in ("ffn_down_exps",) if n not in have and n not in every]
+        if "ffn_gate_up_exps" not in have and "ffn_up_exps" not in have:
+            missing.append("ffn_up_exps")
+        if missing:
+            raise GGUFError(f"{path}: blk.{il}.{missing[0]}.weight is missing: a mixture-of-experts layer "
+                            f"({n_expert} experts) needs it; the file is incomplete or not a model llama.cpp loads")
 
 
 def _recurrent_layers(g: GGUFFile, arch: str, n_layer: int, n_head_kv: list[int]) -> list[bool]:

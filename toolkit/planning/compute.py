@@ -56,6 +56,7 @@ class ComputePeaks:
     layer_steady: int  # like layer_full, with two layers of each kind: the graph inputs stay alive across layers
     # hybrid models: the same peaks measured on layers of one kind alone, for a device holding only that kind
     by_kind: dict[str, ComputePeaks] = field(default_factory=dict, compare=False)
+    moe_split: bool = False  # a device's peaks in a split graph with experts in CPU memory (memory._moe_split_peaks)
 
     def of(self, kinds: set[str]) -> ComputePeaks:
         """The peaks of a device holding layers of these kinds: its kind's own, or the largest of its

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..gguf.info import ModelInfo, block_of, kv_cells, layer_kv_bytes
+from ..gguf.info import ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
 from ..gguf.reader import TensorInfo, read_model, tensor_nbytes
 from ..units import MiB, round_up
 
@@ -213,9 +213,13 @@ def matmul_pool_bytes(t: TensorInfo, n_tokens: int, cc: int = CC_TURING) -> int:
 
 
 def matmul_pool(info: ModelInfo, layers, has_output: bool, n_ctx: int, n_ubatch: int, cc: int = CC_TURING) -> int:
-    """Pool high-water of the device's weight matmuls at a full ubatch: the largest of matmul_pool_bytes."""
+    """Pool high-water of the device's weight matmuls at a full ubatch: the largest of matmul_pool_bytes.
+    A stacked expert weight (MUL_MAT_ID) multiplies n_expert_used rows per token (ggml_cuda_mul_mat_id:
+    MMQ quantizes src1 [n_embd, n_expert_used, n_tokens] to q8_1; mmq.cu ggml_cuda_mul_mat_q with ids)."""
     n_tokens = min(n_ctx, n_ubatch)
-    return max((matmul_pool_bytes(t, n_tokens, cc) for t in weight_tensors(info, layers, has_output)), default=0)
+    used = max(info.n_expert_used, 1)
+    return max((matmul_pool_bytes(t, n_tokens * (used if is_expert(t.name) else 1), cc)
+                for t in weight_tensors(info, layers, has_output)), default=0)
 
 
 def cublas_workspace(cc: int = CC_TURING) -> int:
@@ -266,39 +270,40 @@ def cuda_device_terms(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str
     """
     if backend != "cuda":
         return CudaTerms(reserve=cuda_reserve(backend) if reserve is None else reserve)
-    layers, cpu_layers = list(layers), list(cpu_layers)
-    offload = 0
-    if first:
-        offload = max(offload_weight_copies(info, cpu_layers, output_on_cpu, n_ctx, n_ubatch),
-                      offload_kv_copies(info, cpu_layers, n_ctx, n_ubatch, type_k, type_v, flash_attn))
-    on_device = layers + (cpu_layers if offload else [])
-    pool = max(fa_off_pool(info, on_device, n_ctx, n_ubatch, flash_attn),
-               matmul_pool(info, on_device, has_output or (offload > 0 and output_on_cpu), n_ctx, n_ubatch, cc))
-    return CudaTerms(fa_kv_copies=fa_quantized_kv_copies(info, layers, n_ctx, n_ubatch, type_k, type_v, flash_attn),
-                     offload_copies=offload, pool=pool, reserve=cuda_reserve() if reserve is None else reserve)
+    cpu_layers = list(cpu_layers)
+    if cpu_layers != list(range(len(cpu_layers))):  # llama.cpp keeps the first layers on the CPU
+        raise ValueError("cpu_layers must be the first layers (0, 1, ...), as llama.cpp leaves them")
+    table = layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+                        cc=cc)
+    n_cpu_slots = len(cpu_layers) + (1 if output_on_cpu and len(cpu_layers) == info.n_layer else 0)
+    return table.terms(layers, has_output, first, n_cpu_slots, cuda_reserve() if reserve is None else reserve)
 
 
 @dataclass(frozen=True)
 class LayerTable:
-    """cuda_device_terms' per-layer pieces, computed once per (model, n_ctx, KV types, ...) so that the
-    planner's search can cost thousands of layouts: every term is a maximum over layers, so a device's
-    term is the maximum of its layers' entries (`terms()` equals cuda_device_terms, tests check it)."""
+    """CUDA's per-layer pieces, computed once per (model, n_ctx, KV types, ...) so that the planner's search
+    can cost thousands of layouts: every term is a maximum over layers, so a device's term is the maximum of
+    its layers' entries. `cuda_device_terms` is the one-device view of the same table."""
 
     fa: tuple[int, ...]  # fa_layer_copies per layer
     pool: tuple[int, ...]  # max(fa_off_pool, matmul_pool) of each layer alone
     pool_output: int  # matmul_pool of the output head
     offload_prefix: tuple[int, ...]  # [k]: offload copies with layers 0..k-1 on the CPU (k = 0..n_layer)
     offload_output: int  # offload_weight_copies of the output head left on the CPU
+    offload_experts: tuple[int, ...] = ()  # expert_offload_copies of each layer's experts kept in CPU memory
 
-    def terms(self, layers, has_output: bool, first: bool, n_cpu_slots: int, reserve: int) -> CudaTerms:
+    def terms(self, layers, has_output: bool, first: bool, n_cpu_slots: int, reserve: int,
+              cpu_experts=frozenset()) -> CudaTerms:
         """The terms of a CUDA device holding `layers` (+ the output) when the first n_cpu_slots layer
-        slots (llama.cpp keeps those on the CPU; slot n_layer is the output head) sit on the CPU."""
+        slots (llama.cpp keeps those on the CPU; slot n_layer is the output head) sit on the CPU, and the
+        experts of `cpu_experts` in CPU memory."""
         n = len(self.fa)
         n_cpu_layers, output_on_cpu = min(n_cpu_slots, n), n_cpu_slots > n
         offload = 0
         if first:
-            offload = max(self.offload_prefix[n_cpu_layers], self.offload_output if output_on_cpu else 0)
-        on_device = list(layers) + (list(range(n_cpu_layers)) if offload else [])
+            offload = max(self.offload_prefix[n_cpu_layers], self.offload_output if output_on_cpu else 0,
+                          max((self.offload_experts[il] for il in cpu_experts), default=0))
+        on_device = list(layers) + (list(range(n_cpu_layers)) + list(cpu_experts) if offload else [])
         pool = max([self.pool[il] for il in on_device]
                    + [self.pool_output if has_output or (offload and output_on_cpu) else 0])
         return CudaTerms(fa_kv_copies=max((self.fa[il] for il in layers), default=0), offload_copies=offload,
@@ -307,7 +312,7 @@ class LayerTable:
 
 def layer_table(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str, flash_attn: bool,
                 cc: int = CC_TURING) -> LayerTable:
-    """The per-layer pieces of cuda_device_terms for one plan's settings."""
+    """The per-layer pieces of CUDA's terms for one plan's settings."""
     args = (n_ctx, n_ubatch)
     n = info.n_layer
     offload, prefix = 0, [0]
@@ -320,4 +325,22 @@ def layer_table(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str, type
         pool=tuple(max(fa_off_pool(info, [il], *args, flash_attn), matmul_pool(info, [il], False, *args, cc))
                    for il in range(n)),
         pool_output=matmul_pool(info, [], True, *args, cc), offload_prefix=tuple(prefix),
-        offload_output=offload_weight_copies(info, [], True, *args))
+        offload_output=offload_weight_copies(info, [], True, *args),
+        offload_experts=tuple(expert_offload_copies(info, [il], *args) for il in range(n)))
+
+
+def expert_offload_copies(info: ModelInfo, cpu_expert_layers, n_ctx: int, n_ubatch: int,
+                          min_batch: int = OP_OFFLOAD_MIN_BATCH) -> int:
+    """The first CUDA device's compute-buffer room for one CPU-resident expert tensor at a time.
+
+    The same rule as offload_weight_copies (ggml_backend_sched_backend_id_from_cur, "1.off"): a MUL_MAT_ID
+    whose stacked expert weight sits in a host buffer runs on the first CUDA device once its batch
+    (ne[2], the tokens; ggml_backend_cuda_device_offload_op) reaches min_batch, and the scheduler copies the
+    whole 3-D tensor into that device's compute buffer (ggml_dup_tensor_layout of the split input; the
+    copy of only the used experts' ranges, llama.cpp PR #15346, still sizes the buffer by the whole tensor).
+    Each weight starts a new split, so the largest tensor, not the sum."""
+    if min(n_ctx, n_ubatch) < min_batch:
+        return 0
+    by_layer, _ = _matmul_weights(info.path)
+    return max((cuda_nbytes(t) for il in cpu_expert_layers for t in by_layer.get(il, ()) if is_expert(t.name)),
+               default=0)

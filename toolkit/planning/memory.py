@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from . import compute as compute_mod
 from . import cuda as cuda_mod
@@ -58,6 +58,25 @@ class Costs:
     f16_cache: bool = True
     cuda: cuda_mod.LayerTable | None = None  # CUDA's per-layer terms, when a device's backend is CUDA
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
+    layer_experts: list[int] = field(default_factory=list)  # routed-expert bytes per layer (part of layer_weights)
+    cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
+
+    def with_cpu_experts(self, layers) -> Costs:
+        """These costs with the experts of `layers` in CPU memory: those layers' device weights lose them.
+        Any tensor override turns llama.cpp's pipeline parallelism off (`pipeline`)."""
+        cpu = frozenset(layers)
+        lw = [d + (0 if il in cpu else e) for il, (d, e) in
+              enumerate(zip(self.info_dense, self.layer_experts))]
+        return replace(self, layer_weights=lw, cpu_experts=cpu)
+
+    @property
+    def info_dense(self) -> list[int]:
+        return [la.dense_bytes for la in self.info.layers]
+
+    def pipeline(self, n_cpu_slots: int) -> bool:
+        """llama_context: pipeline parallelism only when every layer is offloaded and no tensor is
+        overridden (`!model.has_tensor_overrides()`)."""
+        return n_cpu_slots == 0 and not self.cpu_experts
 
 
 def kv_by_layer(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
@@ -90,7 +109,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  f16_cache=type_k == "f16" and type_v == "f16",
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
-                 reserve=opts.reserve)
+                 reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers])
 
 
 def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:
@@ -140,8 +159,14 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
-    dp.compute = _device_compute(c, _peaks(c, layers), _inputs(c, layers), bool(layers), has_output, n_used,
-                                 pipeline=n_cpu_slots == 0)
+    dp.cpu_experts = [il for il in layers if il in c.cpu_experts]
+    dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
+    peaks = _peaks(c, layers)
+    if c.cpu_experts and n_used > 1:
+        peaks = _moe_split_peaks(c, peaks, layers)
+    dp.compute = _device_compute(c, peaks, _inputs(c, layers), bool(layers), has_output, n_used,
+                                 pipeline=c.pipeline(n_cpu_slots))
+    dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
     if n_used > 1:
         dp.compute += mamba2_split(c, layers, n_cpu_slots)
     if dev.kind != "gpu":
@@ -149,7 +174,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         return dp
     dp.margin = reserve(c, dev)
     if dev.backend == "cuda" and c.cuda is not None:
-        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin)
+        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts)
         dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
 
@@ -159,6 +184,28 @@ def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
     if not c.peaks.by_kind:  # not a hybrid: one set of peaks (the search calls this thousands of times)
         return c.peaks
     return c.peaks.of({c.info.layers[il].kind for il in layers})
+
+
+def _moe_split_peaks(c: Costs, peaks: compute_mod.ComputePeaks, layers) -> compute_mod.ComputePeaks:
+    """A device's peaks in a split graph with experts in CPU memory (no pipeline parallelism): a measured
+    rule, not a derived one (RPC devices, Qwen3-30B-A3B-shaped layers, 16k and 64k; scripts/accuracy.py --moe).
+
+    - a device keeping the experts of at most one of its layers: the layers' steady peak, less the down
+      projection's f32 result [n_embd, n_expert_used, n_ubatch] of build_moe_ffn (llama-graph.cpp), which
+      the host computes for an overridden layer; never below the one-layer peak (plus two residuals when
+      it keeps one). Real 64.0 / 76.5 MiB at 16k (experts of no / one layer kept), planned 80.5 / 88.5;
+      112.0 / 112.0 at 64k, planned 120.0 (the steady peak alone: 104.0 and 152.0); keeping two or more,
+      the steady peak;
+    - the output device holds no second copy of its inputs: real 304.75 / 300.75 MiB, the one-device graph's
+      output peak 304.75, planned the larger of it and the head's (308.75)."""
+    down = c.info.n_embd * max(c.info.n_expert_used, 1) * c.n_ubatch * 4
+    kept = sum(1 for il in layers if il not in c.cpu_experts and c.layer_experts[il])
+    # two layers keeping their experts: the measured two-layer peak (16k: 100.0 real, 104.0 planned)
+    # one layer keeping them: its one-layer peak with the residual-sized copies in and out of the host's
+    # expert splits alive beside it (16k, q8_0: 84.1 real, one-layer peak 80.5, planned 88.5)
+    steady = peaks.layer_steady if kept >= 2 else max(peaks.layer_steady - down,
+                                                      peaks.layer_full + (2 * c.resid if kept else 0))
+    return compute_mod.ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True)
 
 
 def _inputs(c: Costs, layers) -> int:
@@ -184,7 +231,7 @@ def mamba2_split(c: Costs, layers: range, n_cpu_slots: int) -> int:
     every device holding Mamba-2 layers (8.6-9.1 MiB here), an upper bound on both sides."""
     if not c.info.ssm_in_rows or not any(c.info.layers[il].recurrent for il in layers):
         return 0
-    copies = SCHED_COPIES if n_cpu_slots == 0 else 1
+    copies = SCHED_COPIES if c.pipeline(n_cpu_slots) else 1
     return copies * c.info.ssm_in_rows * c.n_ubatch * 4
 
 
@@ -209,6 +256,8 @@ def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_
     steady = peaks.layer_steady + (copies - 1) * inputs
     if not has_output:
         return steady
+    if peaks.moe_split:  # experts in CPU memory (_moe_split_peaks)
+        return max(steady, c.head, peaks.output)
     head = c.head + copies * inputs
     if peaks.output <= peaks.layer_full:  # the head does not raise the one-layer peak
         return max(steady, head)
@@ -218,33 +267,41 @@ def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_
 
 
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
-    """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU)."""
+    """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU) and
+    the experts of c.cpu_experts (tensor overrides to the CPU buffer type) of the layers on devices."""
     n = c.info.n_layer
     layers = range(0, min(n_cpu_layers, n))
     has_out = n_cpu_layers == n + 1
     dp = DevicePlan(cpu, list(layers) + ([n] if has_out else []))
-    dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.layer_weights[i] for i in layers) \
-        + (c.info.output_bytes if has_out else 0)
+    moved = sorted(il for il in c.cpu_experts if il >= len(layers))  # experts of device layers kept here
+    dp.cpu_experts = moved
+    dp.cpu_expert_bytes = expert_host = sum(c.layer_experts[i] for i in moved)
+    dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.info.layer_bytes[i] for i in layers) \
+        + (c.info.output_bytes if has_out else 0) + expert_host
+    dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
     if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
         dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
-    elif len(layers):  # it runs those layers: their peak and one copy of the inputs (no pipeline parallelism)
-        dp.compute = _peaks(c, layers).layer_full + _inputs(c, layers)
+    elif len(layers) or moved:  # it runs those layers (or their experts' matmuls): their peak and one copy
+        # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
+        dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved])
     else:  # the host builds the inputs of a split graph
-        dp.compute = (SCHED_COPIES if n_used > 1 else 1) * c.inputs + c.resid
+        dp.compute = (SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1) * c.inputs + c.resid
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
 
 
-def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int) -> float | None:
-    """Decode tokens/s if each token reads every weight, the attention layers' whole KV cache (a full
-    context) and the recurrent state once, device after device at its memory bandwidth. An estimate, not a
-    measurement."""
+def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int, expert_fraction: float = 1.0) -> float | None:
+    """Decode tokens/s if each token reads every dense weight, expert_fraction (expert_used_count /
+    expert_count) of each device's expert bytes, the attention layers' whole KV cache (a full context) and
+    the recurrent state once, device after device at its memory bandwidth (the host's for the experts kept in
+    CPU memory: decode batches of one token stay below the op-offload batch). An estimate, not a measurement."""
     secs = 0.0
     for dp in [*gpus, host]:
-        read = dp.weights + dp.kv + dp.state - (token_embd if dp is host else 0)  # embeddings: one row per token
+        read = dp.weights - dp.experts + int(dp.experts * expert_fraction) + dp.kv + dp.state \
+            - (token_embd if dp is host else 0)  # embeddings: one row per token
         if read <= 0:
             continue
         if not dp.device.bandwidth:

@@ -12,13 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..errors import InvalidOption
+from ..gguf.info import KV_TYPES  # also the search order of kv="auto"
 
 DEFAULT_N_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
 DEFAULT_N_BATCH = 2048  # common_params.n_batch
 DEFAULT_N_UBATCH = 512  # common_params.n_ubatch
+MAX_N_CTX = 2**32 - 1  # llama_context_params.n_ctx is a uint32_t
 DEFAULT_PREFER = "quality"
 DEFAULT_KV = "auto"
-KV_TYPES = ("f16", "q8_0", "q4_0")  # the search order of kv="auto"
 PREFER = ("quality", "speed")
 
 
@@ -39,7 +40,8 @@ class PlanOptions:
     for CUDA, see planning/cuda.py; a profile may set it per card).
     cpu_moe / n_cpu_moe: keep the expert tensors of a mixture-of-experts model in CPU memory, of every
     layer or of the layers below N, as llama.cpp's --cpu-moe / --n-cpu-moe (router and shared experts
-    stay with their layer).
+    stay with their layer). Neither given: the plan keeps the experts of as few layers as needed in CPU
+    memory before it moves any whole layer there; expert_offload=False turns that off (whole layers only).
     """
 
     n_ctx: int | None = None
@@ -60,6 +62,7 @@ class PlanOptions:
     reserve: int | None = None
     cpu_moe: bool | None = None
     n_cpu_moe: int | None = None
+    expert_offload: bool | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -89,6 +92,9 @@ class PlanOptions:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise InvalidOption(f"{name} must be positive, got {value}", option=name, value=value)
+        if self.n_ctx is not None and self.n_ctx > MAX_N_CTX:
+            raise InvalidOption(f"n_ctx {self.n_ctx} is beyond llama.cpp's largest context, {MAX_N_CTX} tokens "
+                                "(a 32-bit count)", option="n_ctx", value=self.n_ctx, limit=MAX_N_CTX)
         if self.reserve is not None and self.reserve < 0:
             raise InvalidOption(f"reserve must be 0 or more bytes, got {self.reserve}", option="reserve",
                                 value=self.reserve)

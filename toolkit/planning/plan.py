@@ -31,6 +31,10 @@ class DevicePlan:
     cuda_copies: int = 0  # what CUDA's compute buffer adds (f16 K/V copies, op-offload copies; cuda.py)
     cuda_pool: int = 0  # CUDA's memory pool high-water, outside every buffer (cuda.py)
     margin: int = 0  # kept free: a GPU's reserve, an RPC worker's rounding, the host's process and OS
+    experts: int = 0  # of `weights`, the routed-expert bytes held here (MoE; the host: all it keeps)
+    cpu_experts: list[int] = field(default_factory=list)  # its layers whose experts are in CPU memory
+    cpu_expert_bytes: int = 0  # their expert bytes (in the host's weights, not in this device's)
+    # (the host: the layers on devices whose experts it holds)
 
     @property
     def cuda_extra(self) -> int:
@@ -130,10 +134,24 @@ class Plan:
             return f" --n-cpu-moe {n}"
         return " -ot " + shlex.quote(",".join(f"{p}=CPU" for p in self.expert_overrides()))
 
+    def placement(self) -> list[dict]:
+        """Per layer (and the output head, layer n_layer): the device holding it and where its experts are."""
+        out = []
+        cpu = set(self.cpu_expert_layers)
+        has = set(self.expert_layers)
+        for dp in self.devices:
+            for il in dp.layers:
+                row = {"layer": il, "device": dp.device.name}
+                if il in has:
+                    row["experts"] = self.host.device.name if il in cpu else dp.device.name
+                out.append(row)
+        return sorted(out, key=lambda r: r["layer"])
+
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("gpus", "host")}
         d["gpus"] = [g.to_dict() for g in self.gpus]
         d["host"] = self.host.to_dict()
+        d["placement"] = self.placement()
         d["llama_flags"] = self.llama_flags()
         d["cpu_layers"] = self.cpu_layers
         d["expert_overrides"] = self.expert_overrides()
@@ -142,21 +160,25 @@ class Plan:
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Which layers hold experts and which of them keep the experts in CPU memory. For now the user's
-    choice (`cpu_moe`, `n_cpu_moe`); its memory is not costed yet (the plan says so in a note)."""
+    """Which layers hold experts and, when the user chose (`cpu_moe`, `n_cpu_moe`), which of them keep the
+    experts in CPU memory; the planner costs that choice as given, else it chooses (`fixed` False)."""
 
     expert_layers: list[int]
     cpu_layers: list[int]
+    fixed: bool = True  # False: the planner chooses (neither cpu_moe nor n_cpu_moe given)
 
     @classmethod
     def chosen(cls, tensor_names: Iterable[str], n_layer: int, opts: PlanOptions) -> ExpertPlacement:
         """The placement `opts` asks for on a model with these tensors; InvalidOption when it cannot be."""
         layers = expert_layers(tensor_names)
-        return cls(layers, opts.cpu_expert_layers(layers, n_layer))
+        return cls(layers, opts.cpu_expert_layers(layers, n_layer), bool(opts.cpu_moe or opts.n_cpu_moe))
 
     def apply(self, p: Plan) -> Plan:
-        p.expert_layers, p.cpu_expert_layers = list(self.expert_layers), list(self.cpu_layers)
-        if self.cpu_layers:
-            p.notes.append(f"the experts of {len(self.cpu_layers)} of {len(self.expert_layers)} layers are kept in "
-                           "CPU memory; the memory above still counts them with their layers")
+        p.expert_layers = list(self.expert_layers)
+        if self.fixed:
+            p.cpu_expert_layers = list(self.cpu_layers)
+        if p.cpu_expert_layers:
+            p.notes.append(f"the experts of {len(p.cpu_expert_layers)} of {len(self.expert_layers)} layers are kept in "
+                           "CPU memory" + (" as asked" if self.fixed else "")
+                           + " (attention, KV and the rest of each layer stay on its device)")
         return p

@@ -172,8 +172,10 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     path = src.source or src.path  # what llama.cpp loads: a local file, or the Hub model `ctxq run` fetches
     info = model_info(src)
     experts = ExpertPlacement.chosen((t.name for t in src.tensors), info.n_layer, opts)  # checked before the search
+    auto_experts = bool(experts.expert_layers) and not experts.fixed and opts.expert_offload is not False
     candidates = opts.kv_candidates()
     _check_reserve(devices, opts)
+    _check_kv_can_fit(info, devices, cpu, opts, candidates)
     cuda = any(d.backend == "cuda" for d in devices)
     for tk, tv in candidates:
         for name, t in (("type_k", tk), ("type_v", tv)):
@@ -185,17 +187,34 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
                                 option="type_v", value=tv)
     if opts.split is not None:
         tk, tv = candidates[0]
-        return experts.apply(_evaluate_split(costs(info, src, opts, tk, tv, cuda), str(path), devices, cpu, opts, tk, tv))
+        c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
+        return experts.apply(_evaluate_split(c, str(path), devices, cpu, opts, tk, tv))
     plans, hosts = [], []
     for tk, tv in candidates:
-        c = costs(info, src, opts, tk, tv, cuda)
+        c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
+        if auto_experts and devices and (p is None or p.cpu_layers):
+            q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
+            if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
+                p, host = q, q_host
         hosts.append((host, tv))
         if p is not None:
             plans.append(p)
     if not plans:
         raise _does_not_fit(cpu, hosts, opts.n_ctx)
     return experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1))
+
+
+def _check_kv_can_fit(info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions, candidates) -> None:
+    """Refuse, before llama.cpp is asked (its dry run would throw std::bad_alloc), a context whose KV cache
+    alone, at the smallest KV type tried, exceeds all devices and the host together."""
+    kv = min((sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, tk, tv)) for tk, tv in candidates
+              if tk in info.kv_bytes_per_token and tv in info.kv_bytes_per_token), default=0)
+    room = sum(d.usable for d in devices) + cpu.usable
+    if kv > room:
+        raise DoesNotFit(f"{opts.n_ctx} tokens do not fit: their KV cache alone needs {kv / GiB:,.1f} GiB, "
+                         f"the devices and the host have {room / GiB:,.1f} GiB",
+                         "give a smaller n_ctx", option="n_ctx", value=opts.n_ctx)
 
 
 def _check_reserve(devices: list[Device], opts: PlanOptions) -> None:
@@ -215,19 +234,86 @@ def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanO
     host = host_cost(c, n + 1 - slots, sum(1 for k in counts if k), cpu)
     if host.total > host.device.usable:
         return None, host
+    return _make_plan(c, path, opts, tk, tv, slots, counts, gplans, host, order, len(devices)), host
+
+
+def _make_plan(c: Costs, path: str, opts: PlanOptions, tk: str, tv: str, slots: int, counts: list[int],
+               gplans: list[DevicePlan], host: DevicePlan, order: list[int], n_devices: int) -> Plan:
     p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
              flash_attn=opts.flash_attn, n_gpu_layers=slots, tensor_split=counts, gpus=gplans, host=host,
-             n_layer=n, device_order=order if order != list(range(len(devices))) else None)
-    p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes)
-    return p, host
+             n_layer=c.info.n_layer, device_order=order if order != list(range(n_devices)) else None,
+             expert_layers=c.info.expert_layers, cpu_expert_layers=sorted(c.cpu_experts))
+    p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes, c.info.expert_read_fraction)
+    return p
+
+
+# --- expert placement (mixture of experts) ------------------------------------------------------
+
+def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
+    """Whole layers do not all fit: keep the experts of as few layers as needed in CPU memory instead.
+
+    As llama.cpp's --fit does for MoE (common/fit.cpp): first every expert on the CPU, the layers' attention
+    and dense parts split over the devices (whole layers go to the CPU only if even those do not fit); then
+    each device takes back the experts of as many of its layers as it can hold. Unlike --n-cpu-moe N with a
+    proportional split (the first N layers: the last card overflows), each device chooses among its own
+    layers, so none is over its capacity. Within a device the first layers keep their experts on the CPU, so
+    one device gives a prefix (--n-cpu-moe N)."""
+    n = c.info.n_layer
+    bare = c.with_cpu_experts(c.info.expert_layers)
+    found = _best_split(bare, devices, opts.reorder)
+    if found is None:
+        return None, host_cost(bare, n + 1, 0, cpu)
+    slots, order, counts = found
+    ds = [devices[i] for i in order]
+    best = None
+    for cand in (counts, _proportional(ds, slots)):
+        if _counts_fit(bare, ds, cand):
+            got = _restore_experts(bare, ds, cand)
+            if best is None or len(got[0].cpu_experts) < len(best[0].cpu_experts):
+                best = got
+    if best is None:  # the split found does not hold once costed exactly: whole layers only
+        return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
+    ce, cand = best
+    gplans = _layout(ce, ds, cand)
+    host = host_cost(ce, n + 1 - slots, sum(1 for k in cand if k), cpu)
+    if host.total > host.device.usable:
+        return None, host
+    return _make_plan(ce, path, opts, tk, tv, slots, cand, gplans, host, order, len(devices)), host
+
+
+def _restore_experts(bare: Costs, devs: list[Device], counts: list[int]) -> tuple[Costs, list[int]]:
+    """Costs with the experts of as many layers as each device holds back on it (`counts` layer slots per
+    device, all of them fitting with every expert on the CPU)."""
+    n = bare.info.n_layer
+    cpu = set(bare.cpu_experts)
+    start = n + 1 - sum(counts)
+    for d, k in enumerate(counts):
+        mine = [il for il in range(start, min(start + k, n)) if il in cpu]
+        start += k
+        # the most of its layers, from its last one back, whose experts fit on this device with the rest
+        lo, hi = 0, len(mine)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            trial = bare.with_cpu_experts(cpu - set(mine[len(mine) - mid:]))
+            if _counts_fit(trial, devs, counts):
+                lo = mid
+            else:
+                hi = mid - 1
+        cpu -= set(mine[len(mine) - lo:])
+    return bare.with_cpu_experts(cpu), counts
 
 
 def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: PlanOptions, searched: bool) -> Plan:
     """The plan the policy prefers, with the reason."""
     full = [p for p in plans if p.cpu_layers == 0 or not devices]
     if full:
-        chosen = full[0]
+        # the fewest experts in CPU memory (none for a dense model), then the better KV type; quality keeps KV
+        # at q8_0 or better, as for layers below
+        good = [p for p in full if p.type_v != "q4_0"] if opts.prefer == "quality" else []
+        chosen = min(good or full, key=lambda p: (len(p.cpu_expert_layers), KV_TYPES.index(p.type_v)))
         why = "all layers on the GPUs" if devices else "no GPUs: everything on the CPU"
+        if devices and chosen.cpu_expert_layers:
+            why += f", the experts of {len(chosen.cpu_expert_layers)} in CPU memory"
     elif opts.prefer == "quality":
         good = [p for p in plans if p.type_v != "q4_0"] or plans
         chosen = max(good, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
@@ -235,7 +321,11 @@ def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: Pla
     else:
         chosen = max(plans, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
         why = f"{chosen.cpu_layers} layers on the CPU with the smallest KV type that minimises them"
-    if chosen.type_k != "f16" and searched:
+    f16_full = next((p for p in full if p.type_k == "f16" and p.type_v == "f16"), None) if devices else None
+    if chosen.type_k != "f16" and searched and f16_full is not None:
+        why += (f"; f16 KV would keep the experts of {len(f16_full.cpu_expert_layers)} layers in CPU memory, "
+                f"{chosen.type_k} of {len(chosen.cpu_expert_layers)}")
+    elif chosen.type_k != "f16" and searched:
         kv_f16 = sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, "f16", "f16"))
         kv_got = chosen.host.kv + sum(g.kv for g in chosen.gpus)
         why += (f"; f16 KV ({kv_f16 / GiB:.1f} GiB) does not fit at {opts.n_ctx} tokens, "
@@ -283,7 +373,8 @@ def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opt
     if over:
         p.notes.append("does not fit: " + ", ".join(
             f"{g.device.name} needs {g.total / GiB:.2f} GiB of {g.device.usable / GiB:.2f}" for g in over))
-    p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes)
+    p.expert_layers, p.cpu_expert_layers = c.info.expert_layers, sorted(c.cpu_experts)
+    p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes, c.info.expert_read_fraction)
     return p
 
 

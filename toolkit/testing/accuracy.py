@@ -63,10 +63,25 @@ def _on_cpu(buffers: dict[str, int]) -> int:
     return sum(v for k, v in buffers.items() if k.startswith("CPU"))
 
 
-def _measure_child(model: str, kwargs: dict) -> dict:
-    """In the child: load for real, return llama.cpp's allocations as plain dicts."""
-    from ..llama.measure import measure
+def _measure_child(model: str, kwargs: dict, cpu_patterns: tuple[str, ...] = ()) -> dict:
+    """In the child: load for real, return llama.cpp's allocations as plain dicts. cpu_patterns: tensor
+    buffer overrides to the CPU (the plan's experts in CPU memory), set on the params llama.cpp receives,
+    as `ctxq.llama.overrides.create_llama` does for `Llama`."""
+    import ctypes
 
+    from ..llama.measure import measure
+    from ..llama.overrides import TensorOverrides
+
+    lc = backend.llama_cpp()
+    if cpu_patterns:
+        ov = TensorOverrides.to_cpu(cpu_patterns)
+        load = lc.llama_model_load_from_file
+
+        def with_overrides(path, params):
+            params.tensor_buft_overrides = ctypes.cast(ov.array, ctypes.c_void_p)
+            return load(path, params)
+
+        lc.llama_model_load_from_file = with_overrides  # this child process only
     m = measure(model, **kwargs)
     a = m.allocations
     return {"model": a.model, "kv": a.kv, "state": a.state, "compute": a.compute, "output": a.output,
@@ -75,23 +90,31 @@ def _measure_child(model: str, kwargs: dict) -> dict:
 
 def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
                label: str = "", n_ubatch: int = 512, flash_attn: bool | None = None,
-               search: bool = False) -> CellResult:
+               search: bool = False, cpu_moe: bool | None = None, n_cpu_moe: int | None = None,
+               cpu_memory: int | None = None) -> CellResult:
     """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios
-    (or, with `search`, RPC devices of those sizes that the planner fills, leaving the rest on the CPU)."""
+    (or, with `search`, RPC devices of those sizes that the planner fills, leaving the rest on the CPU).
+    cpu_moe / n_cpu_moe: the user's expert placement (else, with `search`, the planner's). A plan with experts
+    in CPU memory is loaded without mmap: llama.cpp's CPU_Mapped buffer would report the file's span from the
+    first host tensor to the last (address space, not RAM); without mmap the host buffers hold exactly the
+    host's tensors, what the plan's RAM figure counts."""
+    moe = dict(cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_memory=cpu_memory)
     from ..rpc import run_supervised
 
     if sizes_gib:
         devices = [Device(name=f"RPC{i}", kind="rpc", total=int(s * GiB), usable=int(s * GiB))
                    for i, s in enumerate(sizes_gib)]
         p: Plan = plan(model, n_ctx, devices=devices, kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn,
-                       split=None if search else ":".join(f"{s:g}" for s in sizes_gib))
+                       split=None if search else ":".join(f"{s:g}" for s in sizes_gib), **moe)
     else:
-        p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn)
+        p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn, **moe)
+    patterns = tuple(p.expert_overrides())
     kw = dict(n_ctx=n_ctx, n_gpu_layers=p.n_gpu_layers, type_k=p.type_k, type_v=p.type_v,
-              flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full)
+              flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full,
+              use_mmap=not patterns)
     if sizes_gib:  # the ratios, as a user would give them, or the plan's layer counts
         kw["tensor_split"] = [float(c) for c in p.tensor_split] if search else [float(s) for s in sizes_gib]
-    real = run_supervised(_measure_child, model, kw, rpc=workers.endpoints if workers else (),
+    real = run_supervised(_measure_child, model, kw, patterns, rpc=workers.endpoints if workers else (),
                           workers=workers, timeout=900)
     checks = []
     # llama.cpp names RPC buffers "RPC<d>[host:port]" (d: the device on that worker), in worker order
@@ -105,7 +128,8 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
     h = p.host
     # CPU_REPACK holds re-laid-out copies of weights that stay mapped from the file (CPU_Mapped);
     # the model's own bytes are the mapped and plain CPU buffers.
-    host_model = sum(v for k, v in real["model"].items() if k.startswith("CPU") and k != "CPU_REPACK")
+    # the model's own bytes are the mapped and plain CPU buffers (without mmap, the repacked ones are the only copy).
+    host_model = sum(v for k, v in real["model"].items() if k.startswith("CPU") and (k != "CPU_REPACK" or patterns))
     host_out = sum(real["output"].values())
     checks.append(DeviceCheck("CPU", {"weights": h.weights, "kv": h.kv, "state": h.state, "compute": h.compute},
                               {"weights": host_model, "kv": _on_cpu(real["kv"]), "state": _on_cpu(real["state"]),

@@ -34,6 +34,9 @@ class Geometry:
     fused_qkv: bool = False  # phi3: attn_qkv and a fused gate+up ffn_up
     tied: bool = False
     n_swa: int = 0  # gemma2/3 sliding window
+    n_expert: int = 0  # mixture of experts (qwen3moe): experts per layer, used per token, their width
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     def scaled(self, **kw) -> "Geometry":
         return replace(self, **kw)
@@ -48,6 +51,12 @@ GEOMETRIES = {
     "mistral-nemo-12b": Geometry("Mistral-Nemo-12B", "llama", 40, 5120, 32, 8, 128, 14336, 131072, 131072),
     "phi3-mini": Geometry("Phi-3-mini-4k", "phi3", 32, 3072, 32, 32, 96, 8192, 32064, 4096, fused_qkv=True),
     "llama3-70b": Geometry("Llama-3-70B", "llama", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
+    # Qwen3-30B-A3B (config.json: hidden 2048, 48 layers, 32/4 heads of 128, 128 experts of 768, 8 used)
+    "qwen3-30b-a3b": Geometry("Qwen3-30B-A3B", "qwen3moe", 48, 2048, 32, 4, 128, 6144, 151936, 40960,
+                              n_expert=128, n_expert_used=8, n_ff_exp=768),
+    # Qwen3-235B-A22B (hidden 4096, 94 layers, 64/4 heads of 128, 128 experts of 1536, 8 used)
+    "qwen3-235b-a22b": Geometry("Qwen3-235B-A22B", "qwen3moe", 94, 4096, 64, 4, 128, 12288, 151936, 40960,
+                                n_expert=128, n_expert_used=8, n_ff_exp=1536),
     # A small model for fast tests: same structure, tiny sizes (rows stay multiples of 256).
     "tiny": Geometry("tiny", "llama", 4, 256, 4, 2, 64, 512, 1024, 4096),
 }
@@ -57,9 +66,11 @@ def _q4_k_m(name: str, il: int, n_layer: int, ne0: int) -> T:
     """The type llama.cpp's Q4_K_M recipe gives a tensor (simplified to the tensors these models have)."""
     if name.endswith("norm.weight") or name.endswith(".bias") or name.startswith("rope_"):
         return T.F32
+    if name == "ffn_gate_inp.weight":  # the router stays F32 (llama_tensor_get_type: ffn_gate_inp is not quantized)
+        return T.F32
     if name == "output.weight":
         t = T.Q6_K
-    elif name in ("attn_v.weight", "ffn_down.weight", "attn_qkv.weight"):
+    elif name in ("attn_v.weight", "ffn_down.weight", "attn_qkv.weight", "ffn_down_exps.weight"):
         # use_more_bits(i, n): i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2
         more = il < n_layer // 8 or il >= 7 * n_layer // 8 or (il - n_layer // 8) % 3 == 2
         t = T.Q6_K if more and name != "attn_qkv.weight" else (T.Q5_K if name == "attn_qkv.weight" else T.Q4_K)
@@ -89,6 +100,13 @@ def tensor_specs(g: Geometry, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int,
             if g.qkv_bias:
                 layer += [("attn_q.bias", (q,)), ("attn_k.bias", (kv,)), ("attn_v.bias", (kv,))]
         layer += [("attn_output.weight", (q, g.n_embd)), ("ffn_norm.weight", (g.n_embd,))]
+        if g.n_expert:  # qwen3moe: q/k norms, the router and the stacked experts (no dense FFN)
+            e, f = g.n_expert, g.n_ff_exp
+            layer += [("attn_q_norm.weight", (g.head_dim,)), ("attn_k_norm.weight", (g.head_dim,)),
+                      ("ffn_gate_inp.weight", (g.n_embd, e)), ("ffn_gate_exps.weight", (g.n_embd, f, e)),
+                      ("ffn_up_exps.weight", (g.n_embd, f, e)), ("ffn_down_exps.weight", (f, g.n_embd, e))]
+            out += [(f"blk.{il}.{n}", s, typ(n, il, s[0])) for n, s in layer]
+            continue
         if g.arch == "gemma2":
             layer += [("post_attention_norm.weight", (g.n_embd,)), ("post_ffw_norm.weight", (g.n_embd,))]
         if g.fused_qkv:
@@ -122,6 +140,10 @@ def write_synthetic_gguf(path: str | os.PathLike, g: Geometry, mix: str = "Q4_K_
         w.add_vocab_size(g.n_vocab)
         if g.n_swa:
             w.add_sliding_window(g.n_swa)
+        if g.n_expert:
+            w.add_expert_count(g.n_expert)
+            w.add_expert_used_count(g.n_expert_used)
+            w.add_expert_feed_forward_length(g.n_ff_exp)
         w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
 
     return write_sparse_gguf(path, g.arch, tensor_specs(g, mix), metadata)
