@@ -63,10 +63,15 @@ def test_flags_say_where_the_experts_are(moe):
                                       r"blk\.1\.ffn_(up|down|gate|gate_up)_(ch|)exps"]
     assert plan(moe, 1024, n_cpu_moe=0).cpu_expert_layers == []
     assert any("experts of 2 of 4 layers are kept in CPU memory" in n for n in two.notes)
-    # Layers that are not the first N: one -ot pattern per layer, quoted for a shell.
+    # Layers that are not the first N: one -ot pattern naming them, quoted for a shell, that matches their
+    # expert tensors and no other tensor (llama.cpp searches every tensor name with it).
     odd = ExpertPlacement([0, 1, 2, 3], [1, 3]).apply(plan(moe, 1024))
     words = shlex.split(odd.llama_flags())
-    assert words[-2] == "-ot" and words[-1] == f"{expert_pattern(1)}=CPU,{expert_pattern(3)}=CPU"
+    assert words[-2] == "-ot" and words[-1] == r"blk\.(1|3)\.ffn_(up|down|gate|gate_up)_(ch|)exps=CPU"
+    names = [f"blk.{il}.{k}.weight" for il in (1, 3, 11, 13, 31) for k in
+             ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_inp", "ffn_up_shexp", "attn_q")]
+    matched = [n for n in names if re.search(words[-1].removesuffix("=CPU"), n)]
+    assert matched == [f"blk.{il}.ffn_{k}_exps.weight" for il in (1, 3) for k in ("gate", "up", "down")]
     # A model whose layer 0 is dense (DeepSeek's leading dense blocks): experts below 3 are layers 1-2.
     lead = ExpertPlacement([1, 2, 3], [1, 2]).apply(plan(moe, 1024))
     assert lead.llama_flags().endswith(" --n-cpu-moe 3")

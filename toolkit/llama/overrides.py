@@ -38,6 +38,16 @@ def expert_pattern(layer: int) -> str:
     return f"blk\\.{layer}{FFN_EXPS_REGEX}"
 
 
+def experts_pattern(layers: Iterable[int]) -> str:
+    """One regex for the expert tensors of several layers (for layers 1, 3 and 5: blk, a dot, (1|3|5), then the
+    expert suffix): what a llama.cpp user types as one `-ot` pattern instead of one per layer. The dot after the
+    group keeps layer 1 from matching layer 13."""
+    layers = list(layers)
+    if len(layers) == 1:
+        return expert_pattern(layers[0])
+    return f"blk\\.({'|'.join(map(str, layers))}){FFN_EXPS_REGEX}"
+
+
 def expert_layers(tensor_names: Iterable[str]) -> list[int]:
     """The layers that hold expert tensors (the names llama.cpp's expert regex matches), in order."""
     return sorted({int(m.group(1)) for n in tensor_names if (m := _EXPERT_TENSOR.match(n))})

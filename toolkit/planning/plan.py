@@ -13,7 +13,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from ..llama.overrides import expert_layers, expert_pattern
+from ..llama.overrides import expert_layers, expert_pattern, experts_pattern
 from .devices import Device
 from .options import PlanOptions
 
@@ -123,7 +123,7 @@ class Plan:
 
     def _expert_flags(self) -> str:
         """The expert placement as a llama.cpp user types it: --cpu-moe (all), --n-cpu-moe N (the expert
-        layers below N), else one -ot pattern per layer."""
+        layers below N), else one -ot pattern naming the layers."""
         cpu = self.cpu_expert_layers
         if not cpu:
             return ""
@@ -132,7 +132,7 @@ class Plan:
         n = cpu[-1] + 1
         if cpu == [il for il in self.expert_layers if il < n]:
             return f" --n-cpu-moe {n}"
-        return " -ot " + shlex.quote(",".join(f"{p}=CPU" for p in self.expert_overrides()))
+        return " -ot " + shlex.quote(f"{experts_pattern(cpu)}=CPU")
 
     def placement(self) -> list[dict]:
         """Per layer (and the output head, layer n_layer): the device holding it and where its experts are."""
