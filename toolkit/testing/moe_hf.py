@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+from .synthetic import write_sparse_safetensors
 
 
 @dataclass(frozen=True)
@@ -68,18 +69,5 @@ def write_sparse_moe_checkpoint(dest: str | os.PathLike, g: MoEGeometry, tokeniz
             x = f"{p}mlp.experts.{e}."
             shapes.update({x + "gate_proj.weight": (g.n_ff_exp, g.n_embd), x + "up_proj.weight": (g.n_ff_exp, g.n_embd),
                            x + "down_proj.weight": (g.n_embd, g.n_ff_exp)})
-    header, off = {}, 0
-    for name, shape in shapes.items():
-        n = 2  # bf16
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    path = dest / "model.safetensors"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        f.truncate(8 + len(raw) + off)  # the weights: a sparse hole
+    write_sparse_safetensors(dest / "model.safetensors", shapes)
     return dest

@@ -8,7 +8,9 @@ Type mixes follow llama.cpp's Q4_K_M recipe (llama_tensor_get_type in src/llama-
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -155,9 +157,7 @@ _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 def write_sparse_hf_checkpoint(dest: str | os.PathLike, g: Geometry, tokenizer_from: str | os.PathLike) -> Path:
     """A Hugging Face folder (config.json, tokenizer files, one bf16 model.safetensors whose data is a
     sparse hole) with geometry g: enough for `ctxq plan HF_FOLDER`, which reads headers only."""
-    import json
     import shutil
-    import struct
 
     if g.arch not in _HF_ARCH:
         raise ValueError(f"no Hugging Face config for {g.arch}")
@@ -187,18 +187,22 @@ def write_sparse_hf_checkpoint(dest: str | os.PathLike, g: Geometry, tokenizer_f
         if g.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+    write_sparse_safetensors(dest / "model.safetensors", shapes)
+    return dest
+
+
+def write_sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A BF16 safetensors file with these tensors' header and their data left as a sparse hole."""
     header, off = {}, 0
     for name, shape in shapes.items():
-        n = 2
+        n = 2  # bf16
         for d in shape:
             n *= d
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    path = dest / "model.safetensors"
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         f.truncate(8 + len(raw) + off)  # the weights: a sparse hole
-    return dest
