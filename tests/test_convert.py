@@ -122,14 +122,20 @@ def make_tiny(folder: Path, family: str, seed: int = 0, tokenizer: str | None = 
     torch.manual_seed(seed)
     model_cls = getattr(transformers, ARCH_CLASS.get(family, cfg_name.replace("Config", "ForCausalLM")))
     model = model_cls(cfg).float().eval()
-    with torch.no_grad():  # weights big enough that logits are far from ties, norms away from 1 (or 0)
+    randomize(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def randomize(model) -> None:
+    """Weights big enough that logits are far from ties (and routers spread, so every expert is used),
+    norms away from 1 (or 0)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def reference_logits(folder: Path, ids: list[int]) -> np.ndarray:

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers", reason="reference logits need
 from ctxq import convert  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
-from .test_convert import compare, hf_ids, llama_logits, reference_logits, write_bpe_tokenizer  # noqa: E402
+from .test_convert import (compare, hf_ids, llama_logits, randomize, reference_logits,  # noqa: E402
+                           write_bpe_tokenizer)
 
 COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
               max_position_embeddings=512)
@@ -40,12 +41,7 @@ def make_moe(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **overrides, "vocab_size": n_tok + 7})
     torch.manual_seed(seed)
     model = getattr(transformers, cfg_name.replace("Config", "ForCausalLM"))(cfg).float().eval()
-    with torch.no_grad():  # logits far from ties; routers spread, so every expert is used
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    randomize(model)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
