@@ -35,6 +35,8 @@ def test_quantized_model_generates_paris(smollm2):
     alloc = backend.parse_allocations(lines)
     assert alloc.kv["CPU"] > 0 and alloc.compute["CPU"] > 0
     assert set(alloc.layers) == set(range(31))  # 30 layers + the output layer
+    # each size is printed once per buffer (to 0.01 MiB): the accuracy tables' resolution counts them
+    assert alloc.printed["CPU"] == sum(1 for l in lines if " CPU " in l and "buffer size" in l) >= 3
 
 
 def test_inspect_smollm2(smollm2):

@@ -142,12 +142,17 @@ class ModelInfo:
     other_bytes: int  # tensors outside layers, embeddings and output (rope factors, ...)
     kv_bytes_per_token: dict[str, int] = field(default_factory=dict)  # f16 / q8_0 / q4_0, attention layers
     n_pos_per_token: int = 1  # positions per token in the graph's inp_pos (4 with multi-section rope)
-    # Mamba-2 layers: rows of ssm_in's output (z, xBC, dt) and of the convolved xBC; 0 without them
+    # Mamba-2 layers: rows of ssm_in's output (z, xBC, dt) and of z (d_inner); 0 without them
     ssm_in_rows: int = 0
-    ssm_xbc_rows: int = 0
+    ssm_d_inner: int = 0
     # mixture of experts: {arch}.expert_count / expert_used_count (llama_model_loader LLM_KV_EXPERT_*); 0 when dense
     n_expert: int = 0
     n_expert_used: int = 0
+
+    @property
+    def mamba2_layers(self) -> list[int]:
+        """The Mamba-2 layers (build_mamba2_layer): the recurrent layers of a Mamba-2 family."""
+        return [il for il, la in enumerate(self.layers) if la.recurrent] if self.ssm_in_rows else []
 
     @property
     def expert_layers(self) -> list[int]:
@@ -289,8 +294,8 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     if arch in MAMBA2_ARCHS:  # d_in_proj = 2 d_inner + 2 n_group d_state + n_head (load_arch_tensors)
         d_inner, d_state, n_group, heads = (int(g.arch_get(f"ssm.{k}", 0) or 0) for k in
                                             ("inner_size", "state_size", "group_count", "time_step_rank"))
-        info.ssm_xbc_rows = d_inner + 2 * n_group * d_state
-        info.ssm_in_rows = info.ssm_xbc_rows + d_inner + heads
+        info.ssm_in_rows = 2 * d_inner + 2 * n_group * d_state + heads
+        info.ssm_d_inner = d_inner
     for kv in KV_TYPES:
         try:
             info.kv_bytes_per_token[kv] = sum(

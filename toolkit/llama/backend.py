@@ -99,6 +99,7 @@ class Allocations:
     compute: dict[str, int] = field(default_factory=dict)
     output: dict[str, int] = field(default_factory=dict)
     layers: dict[int, str] = field(default_factory=dict)  # layer index -> device name
+    printed: dict[str, int] = field(default_factory=dict)  # buffer name -> how many sizes were printed for it
 
     def total(self, buffer: str) -> int:
         return sum(d.get(buffer, 0) for d in (self.model, self.kv, self.state, self.compute, self.output))
@@ -113,6 +114,7 @@ def parse_allocations(lines: list[str]) -> Allocations:
         if m:
             d = kinds[m.group(3)]
             d[m.group(2)] = d.get(m.group(2), 0) + round(float(m.group(4)) * MiB)
+            a.printed[m.group(2)] = a.printed.get(m.group(2), 0) + 1
             continue
         m = _LAYER_RE.search(line)
         if m:

@@ -60,6 +60,7 @@ class Costs:
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
     layer_experts: list[int] = field(default_factory=list)  # routed-expert bytes per layer (part of layer_weights)
     cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
+    mamba2_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (mamba2_tails)
 
     def with_cpu_experts(self, layers) -> Costs:
         """These costs with the experts of `layers` in CPU memory: those layers' device weights lose them.
@@ -109,7 +110,8 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  f16_cache=type_k == "f16" and type_v == "f16",
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
-                 reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers])
+                 reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
+                 mamba2_tails=mamba2_tails(info))
 
 
 def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:
@@ -167,8 +169,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.compute = _device_compute(c, peaks, _inputs(c, layers), bool(layers), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
-    if n_used > 1:
-        dp.compute += mamba2_split(c, layers, n_cpu_slots)
+    if n_used > 1 or n_cpu_slots:
+        dp.compute += mamba2_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
@@ -220,19 +222,40 @@ def _inputs(c: Costs, layers) -> int:
     return c.inputs
 
 
-def mamba2_split(c: Costs, layers: range, n_cpu_slots: int) -> int:
-    """What a device holding Mamba-2 layers gains in a split graph: a measured term, not a derived one.
+def mamba2_tails(info: ModelInfo) -> list[tuple[int, int]]:
+    """The Mamba-2 layers whose output tail another layer's state reads come before: (layer, reader) pairs.
 
-    The scheduler's splits (GGML_SCHED_DEBUG=1) on Granite-4-hybrid- and Nemotron-H-shaped tiny models over
-    3 RPC workers show a Mamba-2 layer's ops running partly on the next device that holds recurrent layers:
-    a view of ssm_in's output (2 MiB) goes there and the convolved xBC (1 MiB) comes back, each in
-    SCHED_COPIES copies. Real: 8.0-9.0 MiB more on the later device, 3.5-4.5 on the earlier one, nothing on
-    a device without recurrent layers. Planned: SCHED_COPIES x ssm_in's output [d_in_proj, n_ubatch] f32 on
-    every device holding Mamba-2 layers (8.6-9.1 MiB here), an upper bound on both sides."""
-    if not c.info.ssm_in_rows or not any(c.info.layers[il].recurrent for il in layers):
-        return 0
-    copies = SCHED_COPIES if c.pipeline(n_cpu_slots) else 1
-    return copies * c.info.ssm_in_rows * c.n_ubatch * 4
+    build_mamba2_layer (models/mamba-base.cpp) expands its state copies into the graph at once, but its
+    output (`ggml_cont(z)`, the gated norm, ssm_out) only when a later layer uses it. The next layer that
+    expands anything is the one that pulls it in: an attention layer's Q/K/V depend on it, so the tail
+    follows at once; a recurrent layer's llm_graph_context::build_rs first expands its state reads
+    (scale, get_rows, cpy on its own RS buffer), which depend on nothing, so the tail comes after them.
+    The scheduler's pass 2 ("expand gpu down", ggml_backend_sched_split_graph) gives each weightless node
+    the backend of the node before it: `ggml_cont(z)` runs where the reader's state lives."""
+    pairs = []
+    for il in info.mamba2_layers:
+        reader = next((j for j in range(il + 1, info.n_layer) if info.layers[j].kind != "ffn"), None)
+        if reader is not None and info.layers[reader].recurrent:
+            pairs.append((il, reader))
+    return pairs
+
+
+def mamba2_split(c: Costs, layers, copies: int) -> int:
+    """Split inputs of Mamba-2 tails (mamba2_tails) whose reader is on another device: that device
+    receives the view `z` of ssm_in's output (its span: (n_ubatch - 1) rows of ssm_in plus d_inner), and
+    the layer's device receives `ggml_cont(z)` back (f32 [d_inner, n_ubatch]), each in `copies` copies,
+    plus one residual-sized tensor in the split that finishes the layer (measured, not derived).
+    Real loads on RPC workers (scripts/accuracy.py --hybrid), beside the other terms: tiny Granite-4-hybrid
+    and Nemotron-H-shaped models, 16k: the reader's device 7.2-9.0 MiB (planned 8.6), the layer's 3.0-4.5
+    (planned 4.5); Nemotron-H-8B's shapes: the reader's 120.0-128.0 MiB (planned 128.0), the layer's 60.1
+    (planned 72.0)."""
+    held, extra = set(layers), 0
+    for il, reader in c.mamba2_tails:
+        if il in held and reader not in held:
+            extra += copies * c.info.ssm_d_inner * c.n_ubatch * 4 + c.resid
+        elif reader in held and il not in held:
+            extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4
+    return extra
 
 
 def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_layers: bool, has_output: bool,
@@ -285,7 +308,8 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
         dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
     elif len(layers) or moved:  # it runs those layers (or their experts' matmuls): their peak and one copy
         # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
-        dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved])
+        dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved]) \
+            + (mamba2_split(c, layers, 1) if n_used else 0)
     else:  # the host builds the inputs of a split graph
         dp.compute = (SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1) * c.inputs + c.resid
     dp.compute += c.logits

@@ -292,6 +292,21 @@ MAKERS: dict[str, Callable[..., Path]] = {
 # 32k vocabulary: a realistic layer that a machine without a GPU still loads (1.9 GiB of f16 weights).
 QWEN35_9B_4L = HybridGeometry(n_layer=4, n_embd=4096, n_ff=12288, n_head=16, n_head_kv=4, head_dim=256,
                               n_vocab=32768, ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=32)
+# Nemotron-H-8B's per-layer shapes (4096 wide, Mamba-2 of 128 heads of 64 with 8 groups of state 128, attention
+# 32 heads / 8 KV of 128, squared-ReLU MLP of 21504) on 5 layers "MM-M*" and a 32k vocabulary: over 2 RPC
+# workers split 1:1 the Mamba-2 layer 1 ends the first device and its reader, layer 3, starts the second.
+NEMOTRON_H_8B_5L = HybridGeometry(n_layer=5, n_embd=4096, n_ff=21504, n_head=32, n_head_kv=8, head_dim=128,
+                                  n_vocab=32768, ssm_d_state=128, ssm_n_group=8, ssm_dt_rank=128)
+# Granite-4.0-H-Micro's (2048 wide, Mamba-2 of 64 heads of 64, one group of state 128, attention 16 / 4 KV of
+# 128, FFN 8192) on 5 layers, the last one attention, so that a Mamba-2 layer is read across the devices.
+GRANITE_4_H_MICRO_5L = HybridGeometry(n_layer=5, n_embd=2048, n_ff=8192, n_head=16, n_head_kv=4, head_dim=128,
+                                      n_vocab=32768, ssm_d_state=128, ssm_n_group=1, ssm_dt_rank=64)
+# LFM2-2.6B's (2048 wide, FFN 10752, attention 32 / 8 KV of 64, short convolutions of 3) on 6 layers.
+LFM2_2_6B_6L = HybridGeometry(n_layer=6, n_embd=2048, n_ff=10752, n_head=32, n_head_kv=8, head_dim=64,
+                              n_vocab=32768)
 REALISTIC: dict[str, Callable[..., Path]] = {
     "qwen35-9b-4l": lambda path: write_qwen35(path, QWEN35_9B_4L),
+    "nemotron-h-8b-5l": lambda path: write_nemotron_h(path, NEMOTRON_H_8B_5L, pattern="MM-M*"),
+    "granite-4-h-micro-5l": lambda path: write_granite_hybrid(path, GRANITE_4_H_MICRO_5L, attention=(4,)),
+    "lfm2-2.6b-6l": lambda path: write_lfm2(path, LFM2_2_6B_6L),
 }
