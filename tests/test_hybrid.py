@@ -52,6 +52,22 @@ def test_qwen3next_experts_are_split_from_dense_weights(hybrids):
     assert la.dense_bytes > 0  # the router and the shared expert stay dense
 
 
+def test_qwen35moe_nextn_block_is_a_slot_that_holds_nothing(hybrids):
+    """llama.cpp creates a NextN block's tensors with TENSOR_SKIP and keeps no KV for it (load_mtp off)."""
+    from ctxq.gguf.reader import read_gguf
+
+    info = model_info(hybrids["qwen35moe"])
+    assert info.n_layer == 9 and info.layers[8].kind == "mtp"
+    assert [la.kind for la in info.layers[:8]] == (["recurrent"] * 3 + ["attention"]) * 2
+    in_file = sum(t.nbytes for t in read_gguf(hybrids["qwen35moe"]).tensors if t.name.startswith("blk.8."))
+    assert in_file > 0 and info.layers[8].weight_bytes == 0
+    g = HybridGeometry()
+    assert info.kv_bytes_per_token["f16"] == 2 * 2 * g.n_head_kv * g.head_dim * 2  # layers 3 and 7 only
+    # a real load agrees: weights, KV and state of the trunk only, the slot still counted by -ngl
+    with start_workers(3) as w:
+        assert_close(check_cell(hybrids["qwen35moe"], 16384, "f16", [2, 1, 1], workers=w, label="qwen35moe"))
+
+
 def test_gpt_oss_alternates_sliding_and_full_attention(hybrids):
     g = HybridGeometry(n_layer=6)
     info = model_info(hybrids["gpt-oss"])

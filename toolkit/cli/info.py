@@ -75,10 +75,15 @@ def inspect(model: str, hf_file: str | None, as_json: bool):
     click.echo(f"  sliding window {swa}")
     n_attn, n_recr = sum(la.attention for la in info.layers), sum(info.recurrent_layers)
     if n_attn < info.n_layer or n_recr:
-        click.echo(f"  layer kinds    {n_attn} of {info.n_layer} layers attend, {n_recr} recurrent"
-                   f" (recurrent state {human(info.state_bytes_per_seq)} per sequence)")
+        n_mtp = sum(la.mtp for la in info.layers)
+        kinds = [f"{n_attn} of {info.n_layer} layers attend"]
+        if n_recr:
+            kinds.append(f"{n_recr} recurrent (recurrent state {human(info.state_bytes_per_seq)} per sequence)")
+        if n_mtp:
+            kinds.append(f"{n_mtp} NextN (multi-token prediction: not loaded)")
+        click.echo(f"  layer kinds    {', '.join(kinds)}")
     click.echo(f"  vocabulary     {info.n_vocab}")
-    lb = info.layer_bytes
+    lb = [b for b, la in zip(info.layer_bytes, info.layers) if not la.mtp]
     click.echo(f"  weights        layers {human(sum(lb))} ({mib(min(lb))}..{mib(max(lb))} each), "
                f"token embeddings {human(info.token_embd_bytes)}, output {human(info.output_bytes)}"
                f"{' (tied to token embeddings)' if info.output_tied else ''}")

@@ -31,7 +31,7 @@ SWA_RULES: dict[str, tuple[int | None, int]] = {
 # "kv0_ff0": recurrent when head_count_kv(il) == 0 and feed_forward_length(il) == 0; a layer with
 #   neither is an MLP layer with no memory at all (nemotron_h, llama_model::create_memory's filters).
 RECURRENT_RULES: dict[str, str] = {
-    "qwen35": "interval", "qwen3next": "interval",
+    "qwen35": "interval", "qwen35moe": "interval", "qwen3next": "interval",
     "lfm2": "kv0", "granitehybrid": "kv0",
     "nemotron_h": "kv0_ff0",
 }
@@ -41,6 +41,12 @@ MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen3
 # Mamba-2 mixers (llama_model_granite_hybrid / nemotron_h: ssm_in, ssm_conv1d, ssm_scan).
 MAMBA2_ARCHS = {"granitehybrid", "nemotron_h", "mamba2", "falcon-h1"}
 FULL_ATTENTION_INTERVAL = 4  # the default of llama_model_qwen35 / qwen3next::load_arch_hparams
+# Multi-token-prediction (NextN) blocks: the last `{arch}.nextn_predict_layers` blocks. These architectures
+# create their tensors with TENSOR_SKIP unless llama_model_params.load_mtp (false by default; the
+# load_arch_tensors of src/models/<arch>.cpp), and the KV cache keeps only il < n_layer()
+# (llama_model::create_memory's filters): they stay layer slots (-ngl counts them) that hold nothing.
+MTP_ARCHS = {"qwen35", "qwen35moe", "qwen3next", "glm4moe", "glm-dsa", "glm5-next", "deepseek2", "deepseek32",
+             "deepseek4", "nemotron_h", "mimo2", "step35", "bailingmoe3", "cohere2moe", "hy_v3"}
 STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::create_memory)
 
 # Output norms under another name (LLM_TENSOR_OUTPUT_NORM_LFM2 is "token_embd_norm", llama-arch.cpp): they sit
@@ -104,10 +110,14 @@ class LayerFacts:
     state_bytes: int  # recurrent state per sequence: f32 rows of n_embd_r + n_embd_s (llama_memory_recurrent)
     dense_bytes: int  # weights of blk.<il>.* that are not routed experts
     expert_bytes: int  # routed-expert weights (EXPERT_RE)
+    mtp: bool = False  # a NextN block llama.cpp does not load (MTP_ARCHS): no weights, KV or state
 
     @property
     def kind(self) -> str:
-        """attention, sliding, recurrent, attention+recurrent, or ffn (no memory: Nemotron-H's MLP layers)."""
+        """attention, sliding, recurrent, attention+recurrent, ffn (no memory: Nemotron-H's MLP layers), or
+        mtp (a NextN block left unloaded)."""
+        if self.mtp:
+            return "mtp"
         attn = "sliding" if self.sliding else "attention" if self.attention else ""
         return "+".join(k for k in (attn, "recurrent" if self.recurrent else "") if k) or "ffn"
 
@@ -230,8 +240,11 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     head_dim_k = int(g.arch_get("attention.key_length", n_embd // h0))
     head_dim_v = int(g.arch_get("attention.value_length", n_embd // h0))
 
-    recurrent = _recurrent_layers(g, arch, n_layer, n_head_kv)
-    attention = [not r and kv > 0 for r, kv in zip(recurrent, n_head_kv)]
+    n_mtp = g.arch_get("nextn_predict_layers", 0) if arch in MTP_ARCHS else 0
+    n_mtp = n_mtp if isinstance(n_mtp, int) and 0 < n_mtp < n_layer else 0
+    mtp = [il >= n_layer - n_mtp for il in range(n_layer)]
+    recurrent = [r and not m for r, m in zip(_recurrent_layers(g, arch, n_layer, n_head_kv), mtp)]
+    attention = [not r and not m and kv > 0 for r, m, kv in zip(recurrent, mtp, n_head_kv)]
     n_swa, swa_layers = _sliding_layers(g, arch, n_layer, attention)
     state = _state_bytes(g, n_embd)
 
@@ -247,6 +260,8 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         n_params += t.n_elements
         il = block_of(t.name)
         if il is not None and il < n_layer:
+            if mtp[il]:
+                continue  # TENSOR_SKIP: not loaded
             (expert if is_expert(t.name) else dense)[il] += t.nbytes
             if is_expert(t.name):
                 expert_names[il].add(t.name.split(".")[2])
@@ -261,7 +276,8 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
             other += t.nbytes
     layers = [LayerFacts(attention=attention[il], sliding=swa_layers[il], recurrent=recurrent[il],
                          n_head=n_head[il], n_head_kv=n_head_kv[il] if attention[il] else 0,
-                         state_bytes=state if recurrent[il] else 0, dense_bytes=dense[il], expert_bytes=expert[il])
+                         state_bytes=state if recurrent[il] else 0, dense_bytes=dense[il], expert_bytes=expert[il],
+                         mtp=mtp[il])
               for il in range(n_layer)]
     tied = g.tensor("output.weight") is None
     if tied and g.tensor("token_embd.weight") is not None:

@@ -135,6 +135,8 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                 value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
             if key == f"{arch}.block_count" and layers is not None:
                 value = len(layers)
+            if key == f"{arch}.nextn_predict_layers" and layers is not None:
+                value = 0  # derived models keep no NextN block (compute_peaks leaves them out)
             if key == f"{arch}.vocab_size":
                 value = n_vocab
             w.add_key_value(key, value, gguf.GGUFValueType(vtype),
@@ -180,7 +182,8 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     (llama_model::build_graph asserts is_swa_any), and hybrids a graph over both memories."""
     by_kind: dict[str, list[int]] = {}
     for il, la in enumerate(info.layers):
-        by_kind.setdefault(la.kind, []).append(il)
+        if not la.mtp:  # unloaded NextN blocks are not in the graph
+            by_kind.setdefault(la.kind, []).append(il)
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
     mixed = _peaks(src, info, [ils for ils in by_kind.values()], args)
     if not any(info.recurrent_layers) or len(by_kind) == 1:

@@ -61,6 +61,7 @@ class Costs:
     layer_experts: list[int] = field(default_factory=list)  # routed-expert bytes per layer (part of layer_weights)
     cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
     mamba2_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (mamba2_tails)
+    mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
 
     def with_cpu_experts(self, layers) -> Costs:
         """These costs with the experts of `layers` in CPU memory: those layers' device weights lose them.
@@ -111,7 +112,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
-                 mamba2_tails=mamba2_tails(info))
+                 mamba2_tails=mamba2_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp))
 
 
 def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:
@@ -163,10 +164,11 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.state = sum(c.layer_state[i] for i in layers)
     dp.cpu_experts = [il for il in layers if il in c.cpu_experts]
     dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
-    peaks = _peaks(c, layers)
+    run = [il for il in layers if il not in c.mtp_layers] if c.mtp_layers else layers  # layers in the graph
+    peaks = _peaks(c, run)
     if c.cpu_experts and n_used > 1:
-        peaks = _moe_split_peaks(c, peaks, layers)
-    dp.compute = _device_compute(c, peaks, _inputs(c, layers), bool(layers), has_output, n_used,
+        peaks = _moe_split_peaks(c, peaks, run)
+    dp.compute = _device_compute(c, peaks, _inputs(c, run), bool(run), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
     if n_used > 1 or n_cpu_slots:

@@ -57,9 +57,11 @@ def _h(shape) -> tuple[tuple[int, ...], int]:
     return tuple(shape), T.F16
 
 
-def _qwen35_tensors(g: HybridGeometry, recurrent: list[bool], moe: bool = False) -> list[Spec]:
-    """llama_model_qwen35::load_arch_tensors; moe: qwen3next's (one ssm_ba for beta and alpha, and
-    routed plus shared experts)."""
+def _qwen35_tensors(g: HybridGeometry, recurrent: list[bool], moe: bool = False, fused_ba: bool = False,
+                    n_mtp: int = 0) -> list[Spec]:
+    """llama_model_qwen35::load_arch_tensors; moe: routed plus shared experts (qwen35moe, qwen3next);
+    fused_ba: qwen3next's one ssm_ba for beta and alpha; n_mtp: NextN blocks after the trunk (qwen35moe's
+    load_block_mtp: a full-attention block with the MoE FFN and the nextn projections)."""
     e, q, kv = g.n_embd, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
     key_dim, value_dim = g.ssm_d_state * g.ssm_n_group, g.d_inner
     out: list[Spec] = [("token_embd.weight", *_h((e, g.n_vocab))), ("output_norm.weight", *_f((e,))),
@@ -71,7 +73,7 @@ def _qwen35_tensors(g: HybridGeometry, recurrent: list[bool], moe: bool = False)
                       "ssm_conv1d.weight": _f((g.ssm_d_conv, 2 * key_dim + value_dim)),
                       "ssm_dt.bias": _f((g.ssm_dt_rank,)), "ssm_a": _f((g.ssm_dt_rank,)),
                       "ssm_norm.weight": _f((g.ssm_d_state,)), "ssm_out.weight": _h((value_dim, e))})
-            t.update({"ssm_ba.weight": _h((e, 2 * g.ssm_dt_rank))} if moe else
+            t.update({"ssm_ba.weight": _h((e, 2 * g.ssm_dt_rank))} if fused_ba else
                      {"ssm_beta.weight": _h((e, g.ssm_dt_rank)), "ssm_alpha.weight": _h((e, g.ssm_dt_rank))})
         else:  # the query projection carries the output gate: 2 * q rows
             t.update({"attn_q.weight": _h((e, 2 * q)), "attn_k.weight": _h((e, kv)), "attn_v.weight": _h((e, kv)),
@@ -87,6 +89,9 @@ def _qwen35_tensors(g: HybridGeometry, recurrent: list[bool], moe: bool = False)
         else:
             t.update({"ffn_gate.weight": _h((e, g.n_ff)), "ffn_up.weight": _h((e, g.n_ff)),
                       "ffn_down.weight": _h((g.n_ff, e))})
+        if il >= len(recurrent) - n_mtp:
+            t.update({"nextn.eh_proj.weight": _h((2 * e, e)), "nextn.enorm.weight": _f((e,)),
+                      "nextn.hnorm.weight": _f((e,))})
         out += [(f"blk.{il}.{name}", *st) for name, st in t.items()]
     return out
 
@@ -114,7 +119,8 @@ def _ssm_keys(w: gguf.GGUFWriter, g: HybridGeometry, d_inner: int | None = None)
     w.add_ssm_group_count(g.ssm_n_group)
 
 
-def qwen35_metadata(w: gguf.GGUFWriter, g: HybridGeometry, arch: str = "qwen35", name: str | None = None) -> None:
+def qwen35_metadata(w: gguf.GGUFWriter, g: HybridGeometry, arch: str = "qwen35", name: str | None = None,
+                    n_mtp: int = 0) -> None:
     """The keys llama_model_qwen35 (or qwen3next) ::load_arch_hparams reads, besides the tokenizer's."""
     n_rot = g.head_dim // 4  # partial_rotary_factor 0.25, as Qwen3.5 and Qwen3-Next
     _common_keys(w, g, name or f"tiny-{arch}", tokenizer=name is not None)
@@ -124,25 +130,30 @@ def qwen35_metadata(w: gguf.GGUFWriter, g: HybridGeometry, arch: str = "qwen35",
     w.add_rope_freq_base(1e7)
     _ssm_keys(w, g)
     w.add_full_attention_interval(g.full_attention_interval)
-    if arch == "qwen35":  # multi-section rope: sections sum to n_rot / 2 (Qwen3.5's [11, 11, 10] of 32)
+    if arch in ("qwen35", "qwen35moe"):  # multi-section rope: sections sum to n_rot / 2 (Qwen3.5's [11, 11, 10] of 32)
         third = n_rot // 2 // 3
         w.add_rope_dimension_sections([third, third, n_rot // 2 - 2 * third, 0])
-    else:
+    if n_mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", n_mtp)
+    if arch != "qwen35":
         w.add_expert_count(g.n_expert)
         w.add_expert_used_count(g.n_expert_used)
         w.add_expert_feed_forward_length(g.n_ff)
         w.add_expert_shared_feed_forward_length(g.n_ff)
 
 
-def qwen35_tensors(g: HybridGeometry, arch: str = "qwen35") -> list[Spec]:
-    recurrent = [(il + 1) % g.full_attention_interval != 0 for il in range(g.n_layer)]
-    return _qwen35_tensors(g, recurrent, moe=arch == "qwen3next")
+def qwen35_tensors(g: HybridGeometry, arch: str = "qwen35", n_mtp: int = 0) -> list[Spec]:
+    """g.n_layer counts the NextN blocks too (block_count); the last n_mtp of them are NextN blocks."""
+    recurrent = [(il + 1) % g.full_attention_interval != 0 and il < g.n_layer - n_mtp for il in range(g.n_layer)]
+    return _qwen35_tensors(g, recurrent, moe=arch != "qwen35", fused_ba=arch == "qwen3next", n_mtp=n_mtp)
 
 
-def write_qwen35(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(), arch: str = "qwen35") -> Path:
-    """A Qwen3.5-shaped model (arch "qwen35"; "qwen3next" gives Qwen3-Next's MoE blocks): gated delta net
-    layers, every full_attention_interval-th layer full attention with a gated query."""
-    return write_sparse_gguf(path, arch, qwen35_tensors(g, arch), lambda w: qwen35_metadata(w, g, arch))
+def write_qwen35(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(), arch: str = "qwen35",
+                 n_mtp: int = 0) -> Path:
+    """A Qwen3.5-shaped model (arch "qwen35"; "qwen35moe" and "qwen3next" give the MoE blocks of Qwen3.5-MoE
+    and Qwen3-Next): gated delta net layers, every full_attention_interval-th layer full attention with a
+    gated query; the last n_mtp blocks are NextN (multi-token prediction) blocks."""
+    return write_sparse_gguf(path, arch, qwen35_tensors(g, arch, n_mtp), lambda w: qwen35_metadata(w, g, arch, n_mtp=n_mtp))
 
 
 def _attn(g: HybridGeometry, q: int | None = None, bias: bool = False) -> dict[str, tuple]:
@@ -281,6 +292,8 @@ def write_nemotron_h(path: str | os.PathLike, g: HybridGeometry = HybridGeometry
 MAKERS: dict[str, Callable[..., Path]] = {
     "qwen35": write_qwen35,
     "qwen3next": lambda path, g=HybridGeometry(): write_qwen35(path, g, arch="qwen3next"),
+    # 8 trunk layers and one NextN block, which llama.cpp leaves unloaded
+    "qwen35moe": lambda path, g=HybridGeometry(n_layer=9): write_qwen35(path, g, arch="qwen35moe", n_mtp=1),
     "gpt-oss": write_gpt_oss,
     "lfm2": write_lfm2,
     "granitehybrid": write_granite_hybrid,
