@@ -187,17 +187,20 @@ def _write(path, arch: str, g: HybridGeometry, blocks: list[dict[str, tuple]], m
     return write_sparse_gguf(path, arch, specs, metadata)
 
 
-def write_gpt_oss(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(n_layer=6)) -> Path:
+def write_gpt_oss(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(n_layer=6),
+                  expert_type: int = T.F16) -> Path:
     """A gpt-oss-shaped model (llama_model_openai_moe): sliding-window and full attention alternating
-    (even layers slide), attention sinks and biases, every layer a mixture of experts."""
+    (even layers slide), attention sinks and biases, every layer a mixture of experts (expert_type:
+    gpt-oss ships MXFP4 experts)."""
     e, ff = g.n_embd, g.n_ff
 
     def block() -> dict[str, tuple]:
         return {"attn_norm.weight": _f((e,)), "post_attention_norm.weight": _f((e,)), **_attn(g, bias=True),
                 "attn_sinks.weight": _f((g.n_head,)), "ffn_gate_inp.weight": _f((e, g.n_expert)),
                 "ffn_gate_inp.bias": _f((g.n_expert,)),
-                "ffn_gate_exps.weight": _h((e, ff, g.n_expert)), "ffn_up_exps.weight": _h((e, ff, g.n_expert)),
-                "ffn_down_exps.weight": _h((ff, e, g.n_expert)), "ffn_gate_exps.bias": _f((ff, g.n_expert)),
+                "ffn_gate_exps.weight": ((e, ff, g.n_expert), expert_type),
+                "ffn_up_exps.weight": ((e, ff, g.n_expert), expert_type),
+                "ffn_down_exps.weight": ((ff, e, g.n_expert), expert_type), "ffn_gate_exps.bias": _f((ff, g.n_expert)),
                 "ffn_up_exps.bias": _f((ff, g.n_expert)), "ffn_down_exps.bias": _f((e, g.n_expert))}
 
     def metadata(w: gguf.GGUFWriter) -> None:
@@ -317,9 +320,13 @@ GRANITE_4_H_MICRO_5L = HybridGeometry(n_layer=5, n_embd=2048, n_ff=8192, n_head=
 # LFM2-2.6B's (2048 wide, FFN 10752, attention 32 / 8 KV of 64, short convolutions of 3) on 6 layers.
 LFM2_2_6B_6L = HybridGeometry(n_layer=6, n_embd=2048, n_ff=10752, n_head=32, n_head_kv=8, head_dim=64,
                               n_vocab=32768)
+# gpt-oss-20b's (2880 wide, 64 heads / 8 KV of 64, window 128, 32 MXFP4 experts of 2880, 4 used) on 4 layers.
+GPT_OSS_20B_4L = HybridGeometry(n_layer=4, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, head_dim=64,
+                                n_vocab=32768, n_expert=32, n_expert_used=4, n_swa=128)
 REALISTIC: dict[str, Callable[..., Path]] = {
     "qwen35-9b-4l": lambda path: write_qwen35(path, QWEN35_9B_4L),
     "nemotron-h-8b-5l": lambda path: write_nemotron_h(path, NEMOTRON_H_8B_5L, pattern="MM-M*"),
     "granite-4-h-micro-5l": lambda path: write_granite_hybrid(path, GRANITE_4_H_MICRO_5L, attention=(4,)),
     "lfm2-2.6b-6l": lambda path: write_lfm2(path, LFM2_2_6B_6L),
+    "gpt-oss-20b-4l": lambda path: write_gpt_oss(path, GPT_OSS_20B_4L, expert_type=T.MXFP4),
 }
