@@ -249,13 +249,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key:
     q = _quantize_module()
     cached = q.cache_lookup(key)
     if cached is not None and cached.resolve() != dest.resolve():
-        # done before, elsewhere: copy it instead of converting again
-        part = tempfiles.create(dest, "copy")
-        try:
-            shutil.copyfile(cached, part)
-            os.replace(part, dest)
-        finally:
-            part.unlink(missing_ok=True)
+        _out.place(cached, dest)  # done before, elsewhere: linked or copied instead of converting again
         return _cached_result(dest, qname, pre, ckpt, t0)
     mid = "bf16" if ckpt.source_float_type() == "bf16" else "f16"
     tmp = tempfiles.create(dest, mid)  # beside the destination, then deleted
