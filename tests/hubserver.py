@@ -1,7 +1,8 @@
 """A small stand-in for the Hugging Face Hub on 127.0.0.1, for tests (no hub is reachable here).
 
 It answers what huggingface_hub asks for the calls ctxq makes: the model info with its files and
-sizes (`/api/models/REPO[/revision/REV]`), `HEAD`/`GET` of `/REPO/resolve/REV/PATH` (large files
+sizes (`/api/models/REPO[/revision/REV]`), the file tree snapshot_download lists
+(`/api/models/REPO/tree/REV`), `HEAD`/`GET` of `/REPO/resolve/REV/PATH` (large files
 redirect to `/cdn/...` as the Hub redirects to its CDN; small ones answer directly) with `ETag`,
 `X-Repo-Commit`, `X-Linked-Size`, and `Range` requests (206). Private and gated repos answer 401
 without a token as the Hub does. It counts the requests and the body bytes it serves; it is
@@ -105,6 +106,8 @@ def _handler(hub: HubServer):
             path = unquote(urlsplit(self.path).path)
             if m := re.match(r"^/api/models/([^/]+/[^/]+)(?:/revision/(.+))?$", path):
                 return self._api(m[1], m[2] or "main", head)
+            if m := re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)$", path):  # list_repo_tree (snapshot_download)
+                return self._tree(m[1], m[2], head)
             if m := re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path):
                 return self._resolve(m[1], m[2], m[3], head)
             if m := re.match(r"^/cdn/([^/]+/[^/]+)/([0-9a-f]{40})/(.+)$", path):
@@ -134,6 +137,16 @@ def _handler(hub: HubServer):
             siblings = [{"rfilename": p, "size": f.stat().st_size} for p, f in sorted(repo.files.items())]
             body = json.dumps({"id": name, "modelId": name, "sha": repo.commit, "private": repo.access == "private",
                                "gated": repo.access == "gated" and "auto", "siblings": siblings}).encode()
+            self._send(200, b"" if head else body, {"Content-Type": "application/json"}, length=len(body))
+
+        def _tree(self, name: str, rev: str, head: bool):
+            repo = self._repo(name, rev)
+            if repo is None:
+                return
+            entries = [{"type": "file", "path": p, "size": f.stat().st_size, "oid": _etag(f)}
+                       | ({"lfs": {"oid": _etag(f), "size": f.stat().st_size, "pointerSize": 134}}
+                          if p.endswith(LARGE) else {}) for p, f in sorted(repo.files.items())]
+            body = json.dumps(entries).encode()
             self._send(200, b"" if head else body, {"Content-Type": "application/json"}, length=len(body))
 
         def _resolve(self, name: str, rev: str, file: str, head: bool):

@@ -142,3 +142,40 @@ def test_qwen3_30b_a3b_checkpoint_planned_from_headers(smollm2, tmp_path):
     assert mx < q4
     r = plan_hf(hf, 65536, gpus="12", types=("Q4_K_M",))
     assert r.candidates[0].size == q4 and r.candidates[0].plan is not None
+
+
+@pytest.mark.parametrize("head_dim", [16, 20])
+def test_dense_qwen3_with_narrow_heads_plans_with_the_kv_types_llama_cpp_takes(tmp_path, monkeypatch, head_dim):
+    """Tiny test widths (hidden 60, 2 KV heads): 16-wide heads make 32-wide K rows, so q8_0 and q4_0 divide
+    the row but not the head, and llama.cpp refuses them ("K cache type q8_0 with block size 32 does not
+    divide n_embd_head_k=16"); 20-wide heads divide neither. kv="auto" plans with f16, a type asked for is
+    one line."""
+    import transformers
+
+    from ctxq import plan
+    from ctxq.errors import CtxqError, InvalidOption
+    from ctxq.llama.measure import measure
+
+    from .test_convert import write_bpe_tokenizer
+
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "qwen3"
+    n_tok = write_bpe_tokenizer(folder, "qwen2")
+    cfg = transformers.Qwen3Config(hidden_size=60, intermediate_size=84, num_hidden_layers=2, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512,
+                                   vocab_size=n_tok + 7)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    gguf = convert(folder, "f16", tmp_path / "q.gguf").path
+    # llama.cpp's own answer on the real file: f16 makes a context, q8_0 does not
+    assert measure(str(gguf), n_ctx=4096, type_k="f16", type_v="f16", flash_attn=True, dry_run=True).allocations.compute
+    with pytest.raises(CtxqError, match="could not create the context"):
+        measure(str(gguf), n_ctx=4096, type_k="q8_0", type_v="q8_0", flash_attn=True, dry_run=True)
+
+    r = plan_hf(folder, 4096, gpus="1", types=("F16", "Q8_0", "Q4_K_M"))
+    assert [c.type for c in r.candidates] == ["F16", "Q8_0", "Q4_K_M"]
+    for c in r.candidates:
+        assert c.fits and (c.plan.type_k, c.plan.type_v) == ("f16", "f16"), (c.type, c.why_not)
+    assert r.recommended.type == "F16"
+    assert plan(gguf, 4096, gpus="1").type_k == "f16"
+    with pytest.raises(InvalidOption, match=rf"KV type q8_0 cannot hold .*\({head_dim}-wide heads\); use one of f16$"):
+        plan(gguf, 4096, gpus="1", type_k="q8_0")

@@ -4,9 +4,11 @@ cache, requantization, and what a cancelled, killed or crashed quantizer leaves 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from ctxq.conversion import quantize as q
 from ctxq.errors import ConversionError
 from ctxq.models import models_dir
 from ctxq.testing.models import dequantized_smollm2_gguf, synthetic_imatrix_gguf, tiny_llama_gguf
+
+from .conftest import run_ctxq
 
 # Measured on this model (docs/quantize.md): Q8_0 agrees on 95% of 291 positions with KL 0.004;
 # every disagreement is a near-tie (top-2 probabilities within 0.025), so thread-count rounding can
@@ -103,8 +107,8 @@ def test_cache_hit_does_nothing_and_force_redoes(quantized, f16, home, tmp_path)
     mtime = first.path.stat().st_mtime_ns
     t0 = time.perf_counter()
     again = q.quantize_gguf(f16, tmp_path / "elsewhere.gguf", "q8_0")  # another -o: still the same conversion
-    assert again.cached and again.path == first.path and again.quality == first.quality
-    assert time.perf_counter() - t0 < 5 and not (tmp_path / "elsewhere.gguf").exists()
+    assert again.cached and again.path == tmp_path / "elsewhere.gguf" and again.quality == first.quality
+    assert time.perf_counter() - t0 < 5 and again.path.read_bytes() == first.path.read_bytes()  # put where asked
     assert first.path.stat().st_mtime_ns == mtime
     assert q.cache_lookup(q.make_cache_key("Q8_0", source=f16)) == first.path
     assert q.cache_lookup(q.make_cache_key("Q8_0", source=f16, pure=True)) is None
@@ -235,3 +239,50 @@ def test_default_output_name():
     assert q.default_output_name("Llama-3-8B-F16.gguf", "Q8_0") == "Llama-3-8B-Q8_0.gguf"
     assert q.default_output_name("phi3-bf16.gguf", "IQ4_XS") == "phi3-IQ4_XS.gguf"
     assert q.default_output_name("model.gguf", "Q6_K") == "model-Q6_K.gguf"
+
+
+def _q8_source(tmp_path: Path, env: dict) -> Path:
+    """A tiny already quantized (Q8_0) model: quantizing it again is a requantization."""
+    src = tmp_path / "tiny-Q8_0.gguf"
+    rc = run_ctxq("convert", str(tiny_llama_gguf(tmp_path / "tiny.gguf")), "q8_0", "-o", str(src), "--no-check", env=env)
+    assert rc.returncode == 0, rc.stderr
+    return src
+
+
+def test_cached_requantization_is_written_to_each_output(tmp_path):
+    """`ctxq convert model.gguf Q4_K_M -o out.gguf` whose result is cached: the file is at -o (a hard link or a
+    copy of the cached one), the line names -o, and the same command again finds it in place."""
+    env = {"CTXQ_HOME": str(tmp_path / "home")}
+    src = _q8_source(tmp_path, env)
+    a, b = tmp_path / "a" / "out.gguf", tmp_path / "b" / "out.gguf"
+    first = run_ctxq("convert", str(src), "Q4_K_M", "-o", str(a), "--no-check", env=env)
+    second = run_ctxq("convert", str(src), "Q4_K_M", "-o", str(b), "--no-check", env=env)
+    assert first.returncode == 0 and second.returncode == 0, (first.stderr, second.stderr)
+    assert "(from the cache)" not in first.stdout and first.stdout.startswith(f"{a}  Q4_K_M")
+    assert "(from the cache)" in second.stdout and second.stdout.startswith(f"{b}  Q4_K_M")
+    assert a.read_bytes()[:4] == b"GGUF" and b.read_bytes() == a.read_bytes()
+    assert b.samefile(a)  # one file system: a hard link, no second copy on the disk
+    stamp = (b.stat().st_ino, b.stat().st_mtime_ns)
+    a.unlink()  # the cached file gone: -o b still holds the conversion, and the same command finds it
+    again = run_ctxq("convert", str(src), "Q4_K_M", "-o", str(b), "--no-check", env=env)
+    assert again.returncode == 0 and again.stdout.startswith(f"{b}  Q4_K_M"), again.stderr
+    assert (b.stat().st_ino, b.stat().st_mtime_ns) == stamp
+    # a file ctxq did not put there is still never replaced without --force
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"keep me")
+    rc = run_ctxq("convert", str(src), "Q4_K_M", "-o", str(other), "--no-check", env=env)
+    assert rc.returncode == 1 and "--force" in rc.stderr and other.read_bytes() == b"keep me"
+
+
+def test_cached_requantization_is_copied_to_another_file_system(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on another file system than the test's folder (a hard link would do)")
+    env = {"CTXQ_HOME": str(tmp_path / "home")}
+    src = _q8_source(tmp_path, env)
+    a = tmp_path / "a.gguf"
+    assert run_ctxq("convert", str(src), "Q4_K_M", "-o", str(a), "--no-check", env=env).returncode == 0
+    with tempfile.TemporaryDirectory(dir=shm) as d:
+        rc = run_ctxq("convert", str(src), "Q4_K_M", "-o", f"{d}/c.gguf", "--no-check", env=env)
+        assert rc.returncode == 0 and rc.stdout.startswith(f"{d}/c.gguf  Q4_K_M") and "(from the cache)" in rc.stdout
+        assert Path(d, "c.gguf").read_bytes() == a.read_bytes() and os.listdir(d) == ["c.gguf"]  # no temporaries

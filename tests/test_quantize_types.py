@@ -101,9 +101,9 @@ def test_walk_every_type(tiny, tmp_path):
             assert not dst.exists() and not list(tmp_path.glob(".*.part"))
         check = name in GATED  # the gate costs two model loads; the walk runs it on a few types
         r = q.quantize_gguf(model, dst, name, imatrix=imatrix if name in q.NEEDS_IMATRIX else None, check=check)
-        if name in ALIASES:  # same llama_ftype as the type it names: the cache returns that file
-            assert r.cached and r.path == tmp_path / f"tiny-{ALIASES[name]}.gguf", name
-            dst = r.path
+        if name in ALIASES:  # same llama_ftype as the type it names: the cache's file, put at dst too
+            assert r.cached and r.path == dst, name
+            assert dst.read_bytes() == (tmp_path / f"tiny-{ALIASES[name]}.gguf").read_bytes(), name
         else:
             assert r.path == dst and r.size == dst.stat().st_size and not r.cached, name
         assert r.size <= q.estimate_size(model, name), name

@@ -24,6 +24,9 @@ from ..converters.base import Family, text_config
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
+from ..hub.download import cached_checkpoint, download_checkpoint
+from ..hub.http import ask_commit, offline
+from ..hub.ref import HubRef, parse_ref
 from .tensors import FLOAT_TYPES, Progress, nbytes, plan_tensors, write  # noqa: F401 (plan_tensors: API)
 from ..models import models_dir
 from ..units import MiB
@@ -31,6 +34,7 @@ from ..units import MiB
 log = logging.getLogger(__name__)
 
 _DISK_MARGIN = 64 * MiB  # header, alignment padding and the filesystem's own slack
+_COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit id (huggingface_hub's REGEX_COMMIT_HASH)
 
 
 @dataclass
@@ -57,7 +61,8 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
     `type` defaults to the checkpoint's own float type; `output` to
     `<ctxq models dir>/<name>-<TYPE>.gguf`. `quant_options` go to `ctxq.conversion.quantize.quantize_gguf`
     for types other than f32/f16/bf16/q8_0. The same conversion into the same path again returns
-    at once (`up_to_date`, the file untouched); another source or type into an existing file needs
+    at once (`up_to_date`, the file untouched; a hub id's from the Hugging Face cache, the Hub asked only
+    whether the revision moved, and not needed); another source or type into an existing file needs
     `force` (`ctxq.conversion.output`).
     """
     t0 = time.perf_counter()
@@ -69,7 +74,39 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
         return _quantize_gguf_file(src, kind, output, force, progress, quant_options, t0)
     if src.is_file():
         raise ConversionError(f"{src}: pass a Hugging Face model folder, a hub id (owner/name) or a .gguf to quantize")
-    folder = src if src.is_dir() else _download(str(model), revision)
+    ref = None if src.is_dir() else _hub_ref(str(model))
+    rev = revision or (ref.revision if ref else None)
+    if ref is not None and not force and (t := _up_to_date_in_cache(model, src, ref.repo, rev, kind, output, pre,
+                                                                     quant_options)):
+        return _cached_result(t.dest, t.qname, pre, t.ckpt, t0, up_to_date=True)
+    folder = src if ref is None else download_checkpoint(ref.repo, rev)
+    t = _target(model, src, folder, kind, output, pre, quant_options)
+    if _up_to_date(t, force):
+        return _cached_result(t.dest, t.qname, pre, t.ckpt, t0, up_to_date=True)
+    _out.writable(t.dest)
+    tempfiles.sweep(t.dest.parent)  # what killed runs left here
+    if t.kind in FLOAT_TYPES:
+        r = _convert_float(t.ckpt, t.name, t.kind, t.dest, pre, progress, t0)
+    else:
+        r = _convert_quantized(t.ckpt, t.name, t.qname, t.dest, t.key, pre, progress, quant_options, t0)
+    _out.remember(t.dest, t.source, t.qname, t.key)
+    return r
+
+
+@dataclass
+class _Target:
+    """One conversion: what it reads, what it writes, and the key of what determines the bytes."""
+
+    ckpt: Checkpoint
+    name: str  # the model's name (general.name, the default output's stem)
+    kind: str  # f32, f16, bf16, q8_0 or a quantized type, lower case
+    qname: str  # the type as written in names and records (f16, Q4_K_M)
+    key: dict
+    dest: Path
+    source: str  # what the output record names as the source: the folder, or the hub id
+
+
+def _target(model, src: Path, folder: Path, kind: str | None, output, pre: str | None, quant_options: dict) -> _Target:
     ckpt = Checkpoint(folder)
     kind = kind or ckpt.source_float_type()
     name = _model_name(model, folder)
@@ -86,19 +123,35 @@ def convert(model: str | os.PathLike, type: str | None = None, output: str | os.
             raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf (llama-imatrix output)")
         key = q.make_cache_key(qname, cache_key_extra=_hf_extra(ckpt, pre), **{k: v for k, v in quant_options.items()
                                if k in _KEYED_OPTIONS})
-    dest = _dest_path(output, name, qname)
-    if kind not in FLOAT_TYPES and not force and dest.exists() and _is_cached_at(key, dest):
-        _out.remember(dest, source, qname, key)  # (recorded by a ctxq from before the output records)
-    if _out.state(dest, source, qname, key, force) is _out.State.UP_TO_DATE:
-        return _cached_result(dest, qname, pre, ckpt, t0, up_to_date=True)
-    _out.writable(dest)
-    tempfiles.sweep(dest.parent)  # what killed runs left here
-    if kind in FLOAT_TYPES:
-        r = _convert_float(ckpt, name, kind, dest, pre, progress, t0)
-    else:
-        r = _convert_quantized(ckpt, name, qname, dest, key, pre, progress, quant_options, t0)
-    _out.remember(dest, source, qname, key)
-    return r
+    return _Target(ckpt, name, kind, qname, key, _dest_path(output, name, qname), source)
+
+
+def _up_to_date(t: _Target, force: bool) -> bool:
+    if t.kind not in FLOAT_TYPES and not force and t.dest.exists() and _is_cached_at(t.key, t.dest):
+        _out.remember(t.dest, t.source, t.qname, t.key)  # (recorded by a ctxq from before the output records)
+    return _out.state(t.dest, t.source, t.qname, t.key, force) is _out.State.UP_TO_DATE
+
+
+def _up_to_date_in_cache(model, src: Path, repo: str, rev: str | None, kind: str | None, output, pre: str | None,
+                         quant_options: dict) -> _Target | None:
+    """A hub id's rerun answered from the Hugging Face cache, before any download: the output is the conversion of
+    the cached snapshot, and the Hub says the revision still names that commit, or cannot say (offline,
+    unreachable, rate-limited, down: a rerun needs no network). None: download (the revision moved) and convert."""
+    folder = cached_checkpoint(repo, rev)
+    if folder is None:
+        return None
+    t = _target(model, src, folder, kind, output, pre, quant_options)
+    if not t.dest.exists() or not _up_to_date(t, force=False):
+        return None
+    if _COMMIT.fullmatch(rev or ""):  # a commit never moves
+        return t
+    asked = ask_commit(repo, rev)
+    if asked.commit is None:
+        (log.info if offline() else log.warning)(
+            "%s: up to date with the cached %s@%s (commit %s); could not ask the Hub whether it moved (%s)",
+            t.dest, repo, rev or "main", folder.name[:12], asked.why_not)
+        return t
+    return t if asked.commit == folder.name else None  # a snapshot's folder is named by its commit
 
 
 # The quantization options that change a quantized file's bytes (`check` does not).
@@ -121,14 +174,11 @@ def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
             "ctxq": md.version("ctxq"), "llama_cpp_python": md.version("llama_cpp_python")}
 
 
-def _download(model: str, revision: str | None) -> Path:
-    from ..hub import parse_ref
-    from ..hub.download import download_checkpoint
-
+def _hub_ref(model: str) -> HubRef:
     ref = parse_ref(model)
     if ref is None or ref.is_gguf:
         raise ConversionError(f"{model}: no such folder, and not a hub id of a safetensors checkpoint (owner/name)")
-    return download_checkpoint(ref.repo, revision or ref.revision)
+    return ref
 
 
 def _model_name(model, folder: Path) -> str:
@@ -249,13 +299,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key:
     q = _quantize_module()
     cached = q.cache_lookup(key)
     if cached is not None and cached.resolve() != dest.resolve():
-        # done before, elsewhere: copy it instead of converting again
-        part = tempfiles.create(dest, "copy")
-        try:
-            shutil.copyfile(cached, part)
-            os.replace(part, dest)
-        finally:
-            part.unlink(missing_ok=True)
+        _out.place(cached, dest)  # done before, elsewhere: linked or copied instead of converting again
         return _cached_result(dest, qname, pre, ckpt, t0)
     mid = "bf16" if ckpt.source_float_type() == "bf16" else "f16"
     tmp = tempfiles.create(dest, mid)  # beside the destination, then deleted

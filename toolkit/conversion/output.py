@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from enum import Enum
 from pathlib import Path
 
@@ -50,22 +51,37 @@ def _stamp(dest: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
+def _ours(dest: Path) -> dict | None:
+    """The record of `dest` when ctxq wrote the file there and it is unchanged since."""
+    try:
+        rec = json.loads(_record_path(dest).read_text())
+        return rec if rec["stamp"] == _stamp(dest) else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _as_stored(key: dict) -> dict:
+    return json.loads(json.dumps(key, sort_keys=True, default=str))
+
+
+def holds(dest: Path, source: str, type: str, key: dict) -> bool:
+    """Whether `dest` is, unchanged since ctxq wrote it, this conversion of `source` to `type`."""
+    rec = _ours(dest)
+    return rec is not None and (rec["source"], rec["type"]) == (source, type) and rec["key"] == _as_stored(key)
+
+
 def state(dest: Path, source: str, type: str, key: dict, force: bool) -> State:
     """What to do for a conversion of `source` to `type` (its bytes determined by `key`) at `dest`;
     raises ConversionError where an existing file must not be replaced without `force`."""
     if force or not dest.exists():
         return State.NEW
-    try:
-        rec = json.loads(_record_path(dest).read_text())
-        ours = rec["stamp"] == _stamp(dest)
-    except (OSError, ValueError, KeyError):
-        rec, ours = None, False
-    if not ours:
+    rec = _ours(dest)
+    if rec is None:
         raise ConversionError(f"{dest} exists; pass force=True to replace it or another `output` path")
     if (rec["source"], rec["type"]) != (source, type):
         raise ConversionError(f"{dest} holds a conversion of {rec['source']} to {rec['type']}; pass force=True "
                               f"to replace it with {source} as {type}, or another `output` path")
-    if rec["key"] == json.loads(json.dumps(key, sort_keys=True, default=str)):
+    if rec["key"] == _as_stored(key):
         return State.UP_TO_DATE
     changed = sorted(k for k in set(key) | set(rec["key"]) if rec["key"].get(k) != key.get(k))
     log.info("%s: %s changed since it was converted; converting again", dest, ", ".join(changed))
@@ -81,6 +97,21 @@ def remember(dest: Path, source: str, type: str, key: dict) -> None:
         part.write_text(json.dumps({"path": str(dest.resolve()), "source": source, "type": type,
                                     "key": key, "stamp": _stamp(dest)}, sort_keys=True, default=str))
         os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def place(done: Path, dest: Path) -> None:
+    """Put the finished file `done` (a cached result) at `dest` too: a hard link, which costs neither time nor
+    disk, or a copy where the file system has none (another device); atomic, as every output here."""
+    part = tempfiles.create(dest, "copy")
+    try:
+        part.unlink()
+        try:
+            os.link(done, part)
+        except OSError:  # EXDEV across file systems, EPERM where links are not allowed
+            shutil.copyfile(done, part)
+        os.replace(part, dest)
     finally:
         part.unlink(missing_ok=True)
 

@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +33,7 @@ from ..errors import ConversionError, CtxqError
 from ..gguf.reader import GGUFFile, read_gguf
 from ..paths import ctxq_home
 from ..units import GiB
+from . import output as _out
 from .output import writable
 from .quantize_process import Worker
 
@@ -270,15 +271,17 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                   progress: Progress | None = None, nthread: int = 0) -> QuantizeResult:
     """Quantize the GGUF `src` to `type` at `dst` (None: `default_output_name` next to `src`).
 
-    A finished identical conversion in the cache is returned as is (`cached=True`, its path)
-    unless `force`. With `check`, the quality gate compares the result with `src` on the built-in
-    text. `progress(done, total, tensor)` follows the quantizer tensor by tensor. `nthread` 0 lets
-    llama.cpp use every hardware thread, as its quantize tool does.
+    A finished identical conversion in the cache is not made again (`cached=True`) unless `force`: it
+    is returned where it is or, for a `dst` given, linked or copied there (`output.place`). With `check`,
+    the quality gate compares the result with `src` on the built-in text. `progress(done, total, tensor)`
+    follows the quantizer tensor by tensor. `nthread` 0 lets llama.cpp use every hardware thread, as its
+    quantize tool does.
     """
     t0 = time.perf_counter()
     src = Path(src)
     name, ftype = parse_type(type)
-    dst = Path(dst) if dst is not None else src.with_name(default_output_name(src, name))
+    asked = dst is not None  # a path the caller asked for gets the file, also from the cache
+    dst = Path(dst) if asked else src.with_name(default_output_name(src, name))
     if not src.is_file():
         raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model to `ctxq convert`)")
     if name in NEEDS_IMATRIX and imatrix is None:
@@ -294,12 +297,12 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                              imatrix=imatrix, output_tensor_type=output_tensor_type,
                              token_embedding_type=token_embedding_type,
                              leave_output_tensor=leave_output_tensor, pure=pure)
-        rec = None if force else cache_record(key)
+        rec = None if force else (cache_record(key) or _adopted(dst, src, name, key))
         if rec is not None:
-            return _cached(worker, rec, key, src, name, check, t0)
+            res = _cached(worker, rec, key, src, name, check, t0)
+            return _placed(res, dst, src, key) if asked else res
         if dst.exists() and not force:
-            raise ConversionError(f"{dst} exists and is not this conversion's cached result; "
-                                  "pass force=True to overwrite it or choose another `output` path")
+            raise _not_ours(dst)
         g = read_gguf(src, skip_arrays=True)  # GGUFError for a file that is not a GGUF model
         was_quantized = _is_quantized(g)
         if was_quantized and cache_key_extra is None:  # (ctxq convert says it in its own words)
@@ -346,6 +349,35 @@ def _cached(worker: Worker, rec: dict, key: dict, src: Path, name: str, check: b
         _cache_store(key, res)
     log.info("%s to %s is cached at %s", src.name, name, res.path)
     return res
+
+
+def _not_ours(dst: Path) -> ConversionError:
+    return ConversionError(f"{dst} exists and is not this conversion's cached result; "
+                           "pass force=True to overwrite it or choose another `output` path")
+
+
+def _placed(res: QuantizeResult, dst: Path, src: Path, key: dict) -> QuantizeResult:
+    """The cached result `res` at `dst`, where the caller asked for it: linked or copied there (and recorded, so
+    the same command again finds it in place); a file of another origin at `dst` is refused."""
+    source = str(src.resolve())
+    if dst.exists():
+        if not (dst.samefile(res.path) or _out.holds(dst, source, res.type, key)):
+            raise _not_ours(dst)
+    else:
+        writable(dst)
+        _out.place(res.path, dst)
+        _out.remember(dst, source, res.type, key)
+        log.info("%s: the cached %s, linked or copied from %s", dst, res.type, res.path)
+    return replace(res, path=dst)
+
+
+def _adopted(dst: Path, src: Path, name: str, key: dict) -> dict | None:
+    """A new cache record for `dst` when it holds a placed copy of a cached result whose own file is gone."""
+    if not (dst.exists() and _out.holds(dst, str(src.resolve()), name, key)):
+        return None
+    was_quantized = _is_quantized(read_gguf(src, skip_arrays=True))
+    _cache_store(key, QuantizeResult(dst, name, dst.stat().st_size, True, 0.0, None, was_quantized))
+    return cache_record(key)
 
 
 def _refuse_second_writer(dst: Path) -> None:

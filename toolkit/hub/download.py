@@ -92,3 +92,16 @@ def download_checkpoint(repo: str, revision: str | None = None) -> Path:
         raise ConversionError(f"{repo} has no safetensors weights; ctxq reads safetensors only "
                               "(PyTorch pickles can run code)")
     return path
+
+
+def cached_checkpoint(repo: str, revision: str | None = None) -> Path | None:
+    """The Hugging Face cache's snapshot of a checkpoint at `revision` (a branch or tag through the cache's
+    refs), without asking the Hub; None when the cache holds none, or one huggingface_hub knows is incomplete."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    return path if any(path.glob("*.safetensors")) else None

@@ -49,6 +49,38 @@ def list_repo(repo: str, revision: str | None) -> Listing:
     return Listing(repo, info.sha, {s.rfilename: s.size or 0 for s in info.siblings or []})
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What the Hub says a revision names now: its commit, or None and why it could not say."""
+
+    commit: str | None
+    why_not: str = ""
+
+
+def ask_commit(repo: str, revision: str | None) -> Asked:
+    """The commit `revision` (None: the default branch) names on the Hub now, in one request. When the Hub does
+    not say (HF_HUB_OFFLINE, no connection, any HTTP error: a rate limit, a server error, a refused token) the
+    commit is None and the caller goes on with what is cached, as huggingface_hub's snapshot_download does; a
+    revision the Hub says does not exist is `hub_errors`' one line, as there."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub import errors as e
+    import httpx2
+
+    if offline():
+        return Asked(None, "HF_HUB_OFFLINE is set")
+    with hub_errors(repo, revision):
+        try:  # the timeout huggingface_hub gives its own metadata requests (hf_hub_download's HEAD)
+            return Asked(HfApi().model_info(repo, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT).sha)
+        except e.RevisionNotFoundError:
+            raise
+        except (httpx2.TransportError, e.OfflineModeIsEnabled) as x:  # refused, dropped, timed out, a proxy's failure
+            why = f"{type(x).__name__} from {endpoint()}"
+        except e.HfHubHTTPError as x:
+            why = _first_line(x)
+    log.info("%s: the Hub did not say what %s names (%s)", repo, revision or "the default branch", why)
+    return Asked(None, why)
+
+
 class RangedFile:
     """A remote file read with HTTP range requests: the `seek`/`read` the GGUF reader needs.
     It keeps every byte it fetched (the reader reads from the start onwards), and counts them."""

@@ -13,6 +13,7 @@ import itertools
 import os
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
@@ -173,15 +174,17 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     info = model_info(src)
     experts = ExpertPlacement.chosen((t.name for t in src.tensors), info.n_layer, opts)  # checked before the search
     auto_experts = bool(experts.expert_layers) and not experts.fixed and opts.expert_offload is not False
-    candidates = opts.kv_candidates()
+    candidates, usable = opts.kv_candidates(), _kv_types(info)
+    if len(candidates) > 1:  # kv="auto": the types these heads can use (a type given is checked below)
+        candidates = [(tk, tv) for tk, tv in candidates if tk in usable and tv in usable]
     _check_reserve(devices, opts)
     _check_kv_can_fit(info, devices, cpu, opts, candidates)
     cuda = any(d.backend == "cuda" for d in devices)
     for tk, tv in candidates:
         for name, t in (("type_k", tk), ("type_v", tv)):
-            if t not in info.kv_bytes_per_token:
+            if t not in usable:
                 raise InvalidOption(f"KV type {t} cannot hold this model's rows ({info.head_dim_k}-wide heads); "
-                                    f"use one of {', '.join(info.kv_bytes_per_token)}", option=name, value=t)
+                                    f"use one of {', '.join(usable)}", option=name, value=t)
         if not opts.flash_attn and tv != "f16":  # llama_init_from_model refuses a quantized V without it
             raise InvalidOption(f"type_v={tv} needs flash attention; drop flash_attn=False or use type_v=f16",
                                 option="type_v", value=tv)
@@ -203,6 +206,12 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
     if not plans:
         raise _does_not_fit(cpu, hosts, opts.n_ctx)
     return experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1))
+
+
+def _kv_types(info: ModelInfo) -> list[str]:
+    """KV types whose blocks divide each K and V head, not only a row (llama_init_from_model: "does not divide")."""
+    return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_QUANT_SIZES[T[t.upper()]][0])
+                                                        or info.head_dim_v % b)]
 
 
 def _check_kv_can_fit(info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions, candidates) -> None:
