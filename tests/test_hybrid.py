@@ -129,25 +129,32 @@ def test_hybrid_cells_on_rpc_workers(hybrids, arch, n_ctx, kv, fa, sizes):
         assert sum(d.real["state"] for d in r.devices) > 0
 
 
-def test_mamba2_tails_are_read_by_the_next_recurrent_layer(hybrids):
+def test_mamba2_tails_are_read_by_the_next_recurrent_layer(hybrids, tmp_path):
     # Nemotron-H "M-M*M-M*": a Mamba-2 layer's output is pulled in by the next layer that is not an MLP;
     # only a recurrent reader expands its state reads first (memory.mamba2_tails)
     assert mamba2_tails(model_info(hybrids["nemotron_h"])) == [(0, 2), (4, 6)]
+    assert mamba2_tails(model_info(str(REALISTIC["nemotron-h-8b-5l"](tmp_path / "n.gguf")))) == [(0, 1), (1, 3)]
     # Granite hybrid: attention at 3 and 7, Mamba-2 elsewhere
     assert mamba2_tails(model_info(hybrids["granitehybrid"])) == [(0, 1), (1, 2), (4, 5), (5, 6)]
     assert mamba2_tails(model_info(hybrids["qwen35"])) == []  # gated delta nets: not Mamba-2
 
 
 @pytest.mark.slow
-def test_nemotron_h_8b_layers_split_where_a_mamba2_layer_is_read_across_devices(tmp_path):
-    """Real widths (4096, 128 Mamba-2 heads): 4 copies of z cross each way; the 1 % / 32 MiB bar, none under."""
-    model = str(REALISTIC["nemotron-h-8b-5l"](tmp_path / "nemotron-h-8b-5l.gguf"))
-    with start_workers(2) as w:
-        r = check_cell(model, 16384, "f16", [1, 1], workers=w, label="nemotron-h-8b-5l rpc2")
+@pytest.mark.parametrize("name,sizes", [
+    # Mamba-2 layer 1 ends the first device and its reader, layer 3, starts the second (memory.mamba2_tails)
+    ("nemotron-h-8b-5l", [1, 1]),
+    # Qwen3.5-9B's one attention layer alone on a device: the peaks of all kinds together, not its own
+    # (planned 16 MiB under at 16k, 44 at 64k before)
+    ("qwen35-9b-4l", [2, 1, 1]),
+])
+def test_real_layer_widths_split_over_rpc_workers(tmp_path, name, sizes):
+    """Real widths against the 1 % / 32 MiB bar, none under."""
+    model = str(REALISTIC[name](tmp_path / f"{name}.gguf"))
+    with start_workers(len(sizes)) as w:
+        r = check_cell(model, 16384, "f16", sizes, workers=w, label=f"{name} {sizes}")
     assert r.layers_match, r.layer_mismatch
     assert not any(d.under for d in r.devices), [(d.name, d.error) for d in r.devices]
     assert all(d.ok for d in r.devices), [(d.name, d.error) for d in r.devices]
-    assert mamba2_tails(model_info(model)) == [(0, 1), (1, 3)]
 
 
 # --- sessions: llama.cpp saves a hybrid's recurrent state with the sequence -----------------

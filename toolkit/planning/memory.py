@@ -312,8 +312,10 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
         # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
         dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved]) \
             + (mamba2_split(c, layers, 1) if n_used else 0)
-    else:  # the host builds the inputs of a split graph
-        dp.compute = (SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1) * c.inputs + c.resid
+    else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
+        # inp_tokens, I32 [n_ubatch]) that its own split reads
+        copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1
+        dp.compute = copies * (c.inputs + c.n_ubatch * 4) + c.resid
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
