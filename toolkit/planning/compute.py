@@ -63,12 +63,8 @@ class ComputePeaks:
         kinds' for layers without attention; else the peaks of all kinds together (an upper bound)."""
         if not kinds or not kinds <= self.by_kind.keys():
             return self
-        if any(k != "recurrent" and k != "ffn" for k in kinds):
-            # attention, alone or with other kinds: the peaks of all kinds measured together. Attention alone
-            # measured alone is too low: Qwen3.5-9B's shapes, its one attention layer alone on an RPC device at
-            # 64k, 376.1 MiB real, 332.1 planned from the attention-only model (Nemotron-H-shaped, with other
-            # kinds: 0.3 MiB above their max)
-            return self
+        if len(kinds) > 1 and any(k != "recurrent" and k != "ffn" for k in kinds):
+            return self  # attention with other kinds: measured together (Nemotron-H-shaped: 0.3 MiB above the max)
         # layers without attention run one after another: the peak is the largest of their kinds' (Nemotron-H-
         # shaped MLP and Mamba-2 layers: 17.83 MiB real on an RPC device, 17.85 planned, 40.9 with all kinds)
         got = [self.by_kind[k] for k in kinds]
@@ -195,7 +191,11 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
     # attention), so each kind is measured alone too. Sliding-window models are not split by kind: their
     # iSWA graph needs both kinds present.
-    kinds = {k: _peaks(src, info, [ils], args) for k, ils in by_kind.items()}
+    # A kind with one layer in the model has no two-layer steady peak: its one-layer graph frees the graph
+    # inputs after that layer, where a device holding it keeps them as split inputs (Qwen3.5-9B's shapes,
+    # its one attention layer alone on an RPC device at 64k: 376.1 MiB real, 332.1 from the attention-only
+    # model). Such a kind is left to the peaks of all kinds together (ComputePeaks.of).
+    kinds = {k: _peaks(src, info, [ils], args) for k, ils in by_kind.items() if len(ils) >= 2}
     return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds)
 
 
