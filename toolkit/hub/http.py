@@ -141,7 +141,8 @@ def hub_errors(repo: str, revision: str | None = None):
     except e.RemoteEntryNotFoundError as x:
         raise HubError(f"{repo}: no such file ({_first_line(x)})") from None
     except (e.OfflineModeIsEnabled, e.LocalEntryNotFoundError):
-        raise HubError(f"{repo}{'@' + revision if revision else ''} is not cached and HF_HUB_OFFLINE is set; "
+        why = "HF_HUB_OFFLINE is set" if offline() else f"the Hub at {endpoint()} did not answer"
+        raise HubError(f"{repo}{'@' + revision if revision else ''} is not cached and {why}; "
                        f"{cached_note(repo)}") from None
     except httpx2.TransportError as x:
         raise HubError(f"cannot reach the Hugging Face Hub at {endpoint()} ({type(x).__name__}); "
