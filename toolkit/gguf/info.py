@@ -160,11 +160,6 @@ class ModelInfo:
     n_expert_used: int = 0
 
     @property
-    def mamba2_layers(self) -> list[int]:
-        """The Mamba-2 layers (build_mamba2_layer): the recurrent layers of a Mamba-2 family."""
-        return [il for il, la in enumerate(self.layers) if la.recurrent] if self.ssm_in_rows else []
-
-    @property
     def expert_layers(self) -> list[int]:
         """The layers holding routed-expert tensors."""
         return [il for il, la in enumerate(self.layers) if la.expert_bytes]

@@ -194,8 +194,9 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     # A kind with one layer in the model has no two-layer steady peak: its one-layer graph frees the graph
     # inputs after that layer, where a device holding it keeps them as split inputs (Qwen3.5-9B's shapes,
     # its one attention layer alone on an RPC device at 64k: 376.1 MiB real, 332.1 from the attention-only
-    # model). Such a kind is left to the peaks of all kinds together (ComputePeaks.of).
-    kinds = {k: _peaks(src, info, [ils], args) for k, ils in by_kind.items() if len(ils) >= 2}
+    # model). Such an attention kind is left to the peaks of all kinds together (ComputePeaks.of).
+    kinds = {k: _peaks(src, info, [ils], args) for k, ils in by_kind.items()
+             if len(ils) >= 2 or k in ("recurrent", "ffn")}  # their only split input is the residual
     return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds)
 
 

@@ -60,7 +60,7 @@ class Costs:
     reserve: int | None = None  # the caller's reserve per GPU (bytes), over the device's and the backend's
     layer_experts: list[int] = field(default_factory=list)  # routed-expert bytes per layer (part of layer_weights)
     cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
-    mamba2_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (mamba2_tails)
+    recurrent_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (recurrent_tails)
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
 
     def with_cpu_experts(self, layers) -> Costs:
@@ -112,7 +112,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
-                 mamba2_tails=mamba2_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp))
+                 recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp))
 
 
 def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:
@@ -172,7 +172,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
     if n_used > 1 or n_cpu_slots:
-        dp.compute += mamba2_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
+        dp.compute += recurrent_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
@@ -224,39 +224,47 @@ def _inputs(c: Costs, layers) -> int:
     return c.inputs
 
 
-def mamba2_tails(info: ModelInfo) -> list[tuple[int, int]]:
-    """The Mamba-2 layers whose output tail another layer's state reads come before: (layer, reader) pairs.
+def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
+    """The recurrent layers whose output tail another layer's state reads come before: (layer, reader) pairs.
 
-    build_mamba2_layer (models/mamba-base.cpp) expands its state copies into the graph at once, but its
-    output (`ggml_cont(z)`, the gated norm, ssm_out) only when a later layer uses it. The next layer that
-    expands anything is the one that pulls it in: an attention layer's Q/K/V depend on it, so the tail
-    follows at once; a recurrent layer's llm_graph_context::build_rs first expands its state reads
-    (scale, get_rows, cpy on its own RS buffer), which depend on nothing, so the tail comes after them.
-    The scheduler's pass 2 ("expand gpu down", ggml_backend_sched_split_graph) gives each weightless node
-    the backend of the node before it: `ggml_cont(z)` runs where the reader's state lives."""
+    A recurrent layer (build_mamba2_layer, build_delta_net, build_shortconv_block) expands its state copies
+    into the graph at once, but its output tail (Mamba-2: `ggml_cont(z)`, the gated norm, ssm_out) only
+    when a later layer uses it. The next layer that expands anything is the one that pulls it in: an
+    attention layer's Q/K/V depend on it, so the tail follows at once; a recurrent layer's
+    llm_graph_context::build_rs first expands its state reads (scale, get_rows, cpy on its own RS buffer),
+    which depend on nothing, so the tail comes after them. The scheduler's pass 2 ("expand gpu down",
+    ggml_backend_sched_split_graph) gives each weightless node the backend of the node before it."""
     pairs = []
-    for il in info.mamba2_layers:
-        reader = next((j for j in range(il + 1, info.n_layer) if info.layers[j].kind != "ffn"), None)
+    for il, la in enumerate(info.layers):
+        if not la.recurrent:
+            continue
+        reader = next((j for j in range(il + 1, info.n_layer) if info.layers[j].kind not in ("ffn", "mtp")), None)
         if reader is not None and info.layers[reader].recurrent:
             pairs.append((il, reader))
     return pairs
 
 
-def mamba2_split(c: Costs, layers, copies: int) -> int:
-    """Split inputs of Mamba-2 tails (mamba2_tails) whose reader is on another device: that device
-    receives the view `z` of ssm_in's output (its span: (n_ubatch - 1) rows of ssm_in plus d_inner), and
-    the layer's device receives `ggml_cont(z)` back (f32 [d_inner, n_ubatch]), each in `copies` copies,
-    plus one residual-sized tensor in the split that finishes the layer (measured, not derived).
-    Real loads on RPC workers (scripts/accuracy.py --hybrid), beside the other terms: tiny Granite-4-hybrid
-    and Nemotron-H-shaped models, 16k: the reader's device 7.2-9.0 MiB (planned 8.6), the layer's 3.0-4.5
-    (planned 4.5); Nemotron-H-8B's shapes: the reader's 120.0-128.0 MiB (planned 128.0), the layer's 60.1
-    (planned 72.0)."""
-    held, extra = set(layers), 0
-    for il, reader in c.mamba2_tails:
-        if il in held and reader not in held:
+def recurrent_split(c: Costs, layers, copies: int) -> int:
+    """What recurrent tails (recurrent_tails) whose reader is on another device add, as real loads on RPC
+    workers show them (scripts/accuracy.py --hybrid) beside the other terms:
+
+    - the reader's device runs the reader's state reads in a split of their own before the tail's split
+      comes back to it: one residual-sized block more in its buffer (LFM2-2.6B's shapes: 4.0 MiB, one
+      residual; measured, not derived);
+    - Mamba-2: `ggml_cont(z)` is weightless, so it runs on the reader's device: that device receives the view
+      `z` of ssm_in's output (its span: (n_ubatch - 1) rows of ssm_in plus d_inner) and the layer's device
+      receives `ggml_cont(z)` back (f32 [d_inner, n_ubatch]), each in `copies` copies, plus one residual-sized
+      tensor in the split that finishes the layer (measured). Tiny Granite-4-hybrid and Nemotron-H-shaped
+      models, 16k: the reader's device 7.2-9.0 MiB above the other terms, the layer's 3.0-4.5; Nemotron-H-8B's
+      shapes: the reader's 120.0-128.0 MiB, the layer's 60.1 (planned 72.0)."""
+    held, extra, mamba2 = set(layers), 0, bool(c.info.ssm_in_rows)
+    for il, reader in c.recurrent_tails:
+        if il in held and reader not in held and mamba2:
             extra += copies * c.info.ssm_d_inner * c.n_ubatch * 4 + c.resid
         elif reader in held and il not in held:
-            extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4
+            extra += c.resid
+            if mamba2:
+                extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4
     return extra
 
 
@@ -311,7 +319,7 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     elif len(layers) or moved:  # it runs those layers (or their experts' matmuls): their peak and one copy
         # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
         dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved]) \
-            + (mamba2_split(c, layers, 1) if n_used else 0)
+            + (recurrent_split(c, layers, 1) if n_used else 0)
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1
