@@ -8,13 +8,11 @@ costs a few MB of disk.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .synthetic import write_sparse_safetensors
+from .synthetic import write_hf_config, write_sparse_safetensors
 
 
 @dataclass(frozen=True)
@@ -50,11 +48,7 @@ def write_sparse_moe_checkpoint(dest: str | os.PathLike, g: MoEGeometry, tokeniz
            "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": g.n_vocab,
            "max_position_embeddings": g.n_ctx_train, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
-    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        src = Path(tokenizer_from) / name
-        if src.is_file():
-            shutil.copy(src, dest / name)
+    write_hf_config(dest, cfg, tokenizer_from)
     q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
     shapes = {"model.embed_tokens.weight": (g.n_vocab, g.n_embd), "model.norm.weight": (g.n_embd,),
               "lm_head.weight": (g.n_vocab, g.n_embd)}

@@ -157,8 +157,6 @@ _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 def write_sparse_hf_checkpoint(dest: str | os.PathLike, g: Geometry, tokenizer_from: str | os.PathLike) -> Path:
     """A Hugging Face folder (config.json, tokenizer files, one bf16 model.safetensors whose data is a
     sparse hole) with geometry g: enough for `ctxq plan HF_FOLDER`, which reads headers only."""
-    import shutil
-
     if g.arch not in _HF_ARCH:
         raise ValueError(f"no Hugging Face config for {g.arch}")
     dest = Path(dest)
@@ -168,11 +166,7 @@ def write_sparse_hf_checkpoint(dest: str | os.PathLike, g: Geometry, tokenizer_f
            "head_dim": g.head_dim, "intermediate_size": g.n_ff, "vocab_size": g.n_vocab,
            "max_position_embeddings": g.n_ctx_train, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
            "tie_word_embeddings": g.tied, "torch_dtype": "bfloat16", "hidden_act": "silu"}
-    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        src = Path(tokenizer_from) / name
-        if src.is_file():
-            shutil.copy(src, dest / name)
+    write_hf_config(dest, cfg, tokenizer_from)
     q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
     shapes = {"model.embed_tokens.weight": (g.n_vocab, g.n_embd), "model.norm.weight": (g.n_embd,)}
     if not g.tied:
@@ -189,6 +183,17 @@ def write_sparse_hf_checkpoint(dest: str | os.PathLike, g: Geometry, tokenizer_f
                            p + "self_attn.v_proj.bias": (kv,)})
     write_sparse_safetensors(dest / "model.safetensors", shapes)
     return dest
+
+
+def write_hf_config(dest: Path, cfg: dict, tokenizer_from: str | os.PathLike) -> None:
+    """config.json and the tokenizer files of `tokenizer_from` (those it has) in the folder `dest`."""
+    import shutil
+
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        src = Path(tokenizer_from) / name
+        if src.is_file():
+            shutil.copy(src, dest / name)
 
 
 def write_sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
