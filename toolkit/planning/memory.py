@@ -257,6 +257,8 @@ def recurrent_split(c: Costs, layers, copies: int) -> int:
       tensor in the split that finishes the layer (measured). Tiny Granite-4-hybrid and Nemotron-H-shaped
       models, 16k: the reader's device 7.2-9.0 MiB above the other terms, the layer's 3.0-4.5; Nemotron-H-8B's
       shapes: the reader's 120.0-128.0 MiB, the layer's 60.1 (planned 72.0)."""
+    if not c.recurrent_tails:  # the search calls this thousands of times
+        return 0
     held, extra, mamba2 = set(layers), 0, bool(c.info.ssm_in_rows)
     for il, reader in c.recurrent_tails:
         if il in held and reader not in held and mamba2:
