@@ -36,11 +36,14 @@ def llama_cpp_python_version() -> str:
     return md.version("llama_cpp_python")
 
 
-def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
-    if (dest / ".complete").exists():
-        return dest
-    log.info("fetching llama.cpp %s sources from the llama-cpp-python sdist on PyPI", version)
-    with tempfiles.folder(dest, "fetch") as tmp:
+def sdist(version: str) -> Path:
+    """The llama-cpp-python sdist of `version`, downloaded once into ctxq's cache."""
+    folder = ctxq_home() / "upstream" / "sdist"
+    found = sorted(folder.glob(f"llama_cpp_python-{version}.tar.gz"))
+    if found:
+        return found[0]
+    log.info("fetching the llama-cpp-python %s sdist from PyPI (llama.cpp's sources)", version)
+    with tempfiles.folder(folder / f"llama_cpp_python-{version}.tar.gz", "fetch") as tmp:
         try:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                             "-d", str(tmp), f"llama-cpp-python=={version}"], check=True,
@@ -49,10 +52,19 @@ def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
             last = (e.stderr or e.stdout or "").strip().splitlines()[-1:] or ["pip failed"]
             raise CtxqError(f"could not fetch the llama-cpp-python {version} sdist from PyPI ({last[0]}): "
                             "llama.cpp's converter comes from it; check the connection to PyPI") from e
-        sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+        got = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+        os.replace(got, folder / got.name)  # atomic: a killed download leaves only the temporary
+    return folder / got.name
+
+
+def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
+    if (dest / ".complete").exists():
+        return dest
+    with tempfiles.folder(dest, "fetch") as tmp:
+        archive = sdist(version)
         unpacked = tmp / "src"
         marker = "/vendor/llama.cpp/"
-        with tarfile.open(sdist) as tar:
+        with tarfile.open(archive) as tar:
             members = []
             for m in tar.getmembers():
                 if marker in m.name and m.name.split(marker, 1)[1].startswith(parts):
@@ -60,10 +72,16 @@ def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
                     members.append(m)
             tar.extractall(unpacked, members=members, filter="data")
         (unpacked / ".complete").write_text(version + "\n")
+        if (dest / ".complete").exists():  # another process finished first: keep its copy
+            return dest
         if dest.exists():  # an incomplete earlier fetch
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(unpacked, dest)
+        try:
+            os.replace(unpacked, dest)
+        except OSError:  # another process renamed its copy into place between the check and here
+            if not (dest / ".complete").exists():
+                raise
     return dest
 
 
