@@ -156,7 +156,7 @@ def _up_to_date_in_cache(model, src: Path, repo: str, rev: str | None, kind: str
 
 # The quantization options that change a quantized file's bytes (`check` does not).
 _KEYED_OPTIONS = ("imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")
-_CONVERTER = "ctxq.conversion/1"  # bump when this module's output for the same input changes
+_CONVERTER = "ctxq.conversion/2"  # bump when this module's output for the same input changes
 
 
 def _hf_extra(ckpt: Checkpoint, pre: str | None) -> dict:
@@ -213,14 +213,21 @@ def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str |
     """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back."""
     _, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
+    # a MoE config may have no dense intermediate_size (Qwen3.5-MoE: every layer has experts)
+    optional = ("intermediate_size",) if family.experts is not None else ()
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(cfg.get(key), int):
+        if not isinstance(cfg.get(key), int) and not (key in optional and cfg.get(key) is None):
             raise ConversionError(f"{ckpt.folder / 'config.json'}: {key} is missing or not an integer")
     if family.check:
         family.check(cfg)
+    if family.configure:
+        cfg = family.configure(cfg, ckpt)
     plans = plan_tensors(ckpt, family, cfg, kind)
     embd = next(p for p in plans if p.name == "token_embd.weight")
     vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], pre)
+    for what, text in family.special_tokens:  # where the tokenizer names none (gguf's SpecialVocab._set_special_token)
+        if text in vocab.tokens and what not in vocab.special:
+            vocab.special[what] = vocab.tokens.index(text)
     total = sum(nbytes(p) for p in plans)
     free = shutil.disk_usage(tmp.parent).free
     if free < total + _DISK_MARGIN:
