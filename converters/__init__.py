@@ -28,6 +28,12 @@ def supported() -> list[str]:
     return sorted(FAMILIES)
 
 
+def knows(config: dict) -> bool:
+    """Whether a native converter is registered for one of the config's `architectures`."""
+    _load_all()
+    return any(name in FAMILIES for name in config.get("architectures") or [])
+
+
 def family_for(config: dict) -> tuple[str, Family]:
     """The family for a config's `architectures` entry, or a one-line error naming what is supported."""
     _load_all()

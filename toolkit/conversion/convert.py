@@ -19,8 +19,8 @@ from pathlib import Path
 from .. import tempfiles
 from . import output as _out
 from ..llama import backend
-from ..converters import family_for
-from ..converters.base import Family, text_config
+from ..converters import family_for, knows, supported
+from ..converters.base import text_config
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
@@ -159,8 +159,17 @@ _KEYED_OPTIONS = ("imatrix", "output_tensor_type", "token_embedding_type", "leav
 _CONVERTER = "ctxq.conversion/2"  # bump when this module's output for the same input changes
 
 
+def _converter(ckpt: Checkpoint) -> str:
+    """Which converter makes the file: ctxq's own, or llama.cpp's (ctxq.conversion.fallback) of its version."""
+    if knows(ckpt.config):
+        return _CONVERTER
+    from .fallback import tag
+
+    return tag()
+
+
 def _hf_extra(ckpt: Checkpoint, pre: str | None) -> dict:
-    return {"hf_source": _source_digest(ckpt), "pre": pre, "converter": _CONVERTER}
+    return {"hf_source": _source_digest(ckpt), "pre": pre, "converter": _converter(ckpt)}
 
 
 def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
@@ -170,7 +179,7 @@ def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
     import importlib.metadata as md
 
     files = [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in _source_files(ckpt)]
-    return {"extra": {"hf_files": files, "pre": pre, "converter": _CONVERTER}, "type": kind,
+    return {"extra": {"hf_files": files, "pre": pre, "converter": _converter(ckpt)}, "type": kind,
             "ctxq": md.version("ctxq"), "llama_cpp_python": md.version("llama_cpp_python")}
 
 
@@ -199,18 +208,29 @@ def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str 
                    progress: Progress | None, t0: float) -> ConvertResult:
     tmp = tempfiles.create(dest, "gguf")
     try:
-        family, n_tensors, vocab = _write_checked(ckpt, name, kind, tmp, pre, progress)
+        arch, n_tensors, written_pre = _write_checked(ckpt, name, kind, tmp, pre, progress)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
     log.info("wrote %s (%d tensors, %d bytes) in %.1f s", dest, n_tensors, dest.stat().st_size, time.perf_counter() - t0)
-    return ConvertResult(dest, kind, family.arch_name, dest.stat().st_size, n_tensors, vocab.pre,
+    return ConvertResult(dest, kind, arch, dest.stat().st_size, n_tensors, written_pre,
                          str(ckpt.folder), time.perf_counter() - t0)
 
 
 def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str | None,
-                   progress: Progress | None) -> tuple[Family, int, Vocab]:
-    """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back."""
+                   progress: Progress | None) -> tuple[str, int, str | None]:
+    """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back;
+    returns the GGUF architecture, the tensor count and the BPE pre-tokenizer written."""
+    if not knows(ckpt.config):  # llama.cpp's own converter, or one line saying neither knows it
+        from . import fallback
+
+        if pre:
+            raise ConversionError(f"--pre is for ctxq's native converters; llama.cpp's converter names the "
+                                  f"pre-tokenizer itself (natively: {', '.join(supported())})")
+        fallback.write(ckpt, kind, tmp, progress)
+        verify_loads(tmp)
+        arch, n = _arch_and_count(tmp)
+        return arch, n, None
     _, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
     # a MoE config may have no dense intermediate_size (Qwen3.5-MoE: every layer has experts)
@@ -235,7 +255,7 @@ def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str |
                               f"{(total + _DISK_MARGIN) / MiB:.1f} MiB; free space or write the `output` on another disk")
     write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
     verify_loads(tmp)
-    return family, len(plans), vocab
+    return family.arch_name, len(plans), vocab.pre
 
 
 # llama_vocab::impl::load sets Phi-3 token attributes when general.name contains "phi3"/"phi-3",
