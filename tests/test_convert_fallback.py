@@ -92,15 +92,20 @@ def test_olmo3_quantizes_to_q4_k_m_with_the_quality_gate(olmo3, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name != "q.gguf"]  # no temporary left beside it
 
 
-def test_architecture_no_converter_knows_is_one_line(tmp_path):
-    folder = tmp_path / "m"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["NoSuchModelForCausalLM"], "hidden_size": 8,
-                                                    "num_hidden_layers": 1, "num_attention_heads": 1}))
-    from safetensors.numpy import save_file
+def _light(folder: Path, arch: str) -> Path:
+    """A config.json naming `arch` and one tensor: enough to reach the choice of converter."""
     import numpy as np
+    from safetensors.numpy import save_file
 
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": [arch], "hidden_size": 8,
+                                                    "num_hidden_layers": 1, "num_attention_heads": 1}))
     save_file({"model.embed_tokens.weight": np.zeros((4, 8), np.float32)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_architecture_no_converter_knows_is_one_line(tmp_path):
+    folder = _light(tmp_path / "m", "NoSuchModelForCausalLM")
     out = tmp_path / "o.gguf"
     rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
     assert rc.returncode == 1 and rc.stderr.startswith("Error:"), rc.stderr
@@ -127,13 +132,4 @@ def test_missing_torch_is_one_line_saying_how_to_install(olmo3_light, tmp_path):
 
 @pytest.fixture
 def olmo3_light(tmp_path):
-    """An OLMo 3 config.json and one tensor: enough to reach the fallback's dependency check."""
-    folder = tmp_path / "light"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["Olmo3ForCausalLM"], "hidden_size": 8,
-                                                    "num_hidden_layers": 1, "num_attention_heads": 1}))
-    from safetensors.numpy import save_file
-    import numpy as np
-
-    save_file({"model.embed_tokens.weight": np.zeros((4, 8), np.float32)}, str(folder / "model.safetensors"))
-    return folder
+    return _light(tmp_path / "light", "Olmo3ForCausalLM")
