@@ -2,8 +2,10 @@
 
 Float types (f32, f16, bf16) and q8_0 are written here, tensor by tensor from memory-mapped
 safetensors; any other llama.cpp type is made from a temporary f16/bf16 GGUF by
-`ctxq.conversion.quantize.quantize_gguf`. The output appears at its destination only complete and verified:
-it is written under a temporary name beside it, loaded by llama.cpp, then renamed.
+`ctxq.conversion.quantize.quantize_gguf`. Architectures without a native converter (`ctxq.converters`)
+are written by llama.cpp's own converter instead (`ctxq.conversion.fallback`). The output appears at
+its destination only complete and verified: it is written under a temporary name beside it, loaded by
+llama.cpp, then renamed.
 """
 
 from __future__ import annotations
