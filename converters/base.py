@@ -151,7 +151,8 @@ def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
     tied = bool(cfg.get("tie_word_embeddings", False))
     if head is None or not (tied or family.ties_output):
         return False
-    embed = ckpt.tensors.get(_EMBED) or ckpt.tensors.get("language_model." + _EMBED)
+    embed = (ckpt.tensors.get(_EMBED) or ckpt.tensors.get("language_model." + _EMBED)
+             or ckpt.tensors.get("model.language_model.embed_tokens.weight"))  # Qwen3.5's multimodal wrapper
     if embed is None or head.equals(embed):
         return True  # (without an embedding, plan_tensors refuses the checkpoint)
     if family.ties_output:
