@@ -9,7 +9,7 @@ from ..errors import ConversionError
 from .base import Family
 
 FAMILIES: dict[str, Family] = {}
-_MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss")
+_MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss", "qwen35", "glm4moe")
 
 
 def register(family: Family, *hf_names: str) -> Family:
@@ -26,6 +26,12 @@ def _load_all() -> None:
 def supported() -> list[str]:
     _load_all()
     return sorted(FAMILIES)
+
+
+def knows(config: dict) -> bool:
+    """Whether a native converter is registered for one of the config's `architectures`."""
+    _load_all()
+    return any(name in FAMILIES for name in config.get("architectures") or [])
 
 
 def family_for(config: dict) -> tuple[str, Family]:

@@ -17,8 +17,13 @@ import numpy as np
 from ..errors import ConversionError
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .checkpoint import Checkpoint, TensorRef
     from .experts import Layout
+
+
+# One tensor as a family's `rewrite` makes it: name (mapped by TensorNameMap, or already a GGUF name),
+# numpy shape, and a loader of the whole float32 array.
+Rewritten = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,16 @@ class Family:
     extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None
     check: Callable[[dict], None] | None = None  # refuses configs llama.cpp would compute differently
     experts: "Layout | None" = None  # mixture of experts: how packed expert tensors are laid out (experts.py)
+    # Families whose checkpoints need more than renaming (qwen35.py, glm4moe.py):
+    # `configure` returns the config the conversion works from (defaults llama.cpp's converter assumes,
+    # extra NextN blocks counted in num_hidden_layers); `rename` maps a checkpoint name to the name gguf's
+    # TensorNameMap knows, or None to leave the tensor out; `rewrite` turns one (renamed) tensor into
+    # the tensors llama.cpp reads, as (name, numpy shape, loader of the whole float32 array), or None
+    # for the usual mapping.
+    configure: Callable[[dict, "Checkpoint"], dict] | None = None
+    rename: Callable[[str, dict], str | None] | None = None
+    rewrite: "Callable[[str, TensorRef, dict], list[Rewritten] | None] | None" = None
+    special_tokens: tuple[tuple[str, str], ...] = ()  # (kind, token text) llama.cpp's converter sets where unset
 
     @property
     def arch_name(self) -> str:
@@ -67,7 +82,8 @@ def write_common(cfg: dict, w: gguf.GGUFWriter) -> None:
     w.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if cfg.get("intermediate_size") is not None:  # MoE-only configs (Qwen3.5-MoE) have none, nor does llama.cpp's file
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(n_head)
     w.add_head_count_kv(cfg.get("num_key_value_heads") or n_head)
     w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
@@ -135,7 +151,8 @@ def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
     tied = bool(cfg.get("tie_word_embeddings", False))
     if head is None or not (tied or family.ties_output):
         return False
-    embed = ckpt.tensors.get(_EMBED) or ckpt.tensors.get("language_model." + _EMBED)
+    embed = (ckpt.tensors.get(_EMBED) or ckpt.tensors.get("language_model." + _EMBED)
+             or ckpt.tensors.get("model.language_model.embed_tokens.weight"))  # Qwen3.5's multimodal wrapper
     if embed is None or head.equals(embed):
         return True  # (without an embedding, plan_tensors refuses the checkpoint)
     if family.ties_output:

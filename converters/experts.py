@@ -60,8 +60,9 @@ class Stacked:
 
 
 def n_experts(cfg: dict) -> int:
-    """transformers' names for it: Qwen3-MoE saves num_local_experts (moe.md 2.5), Qwen2-MoE num_experts."""
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    """transformers' names for it: Qwen3-MoE saves num_local_experts (moe.md 2.5), Qwen2-MoE num_experts,
+    GLM-4.5 n_routed_experts (the shared experts are not counted)."""
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
 
 
 def write_counts(cfg: dict, w: gguf.GGUFWriter, n_ff_exp: int | None) -> None:

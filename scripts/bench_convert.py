@@ -1,41 +1,169 @@
 """Benchmark `ctxq convert` against llama.cpp's own `convert_hf_to_gguf.py` on the same checkpoint.
 
     python scripts/bench_convert.py [MODEL_DIR] [--type f32,f16] [--repeat 2] [--llama-src DIR]
+    python scripts/bench_convert.py --family qwen35moe --type f16 --repeat 1   # a native 2026 family
+    python scripts/bench_convert.py --family olmo3 --type f16 --repeat 1       # through the fallback
 
 MODEL_DIR defaults to SmolLM2-135M-Instruct rebuilt as a Hugging Face checkpoint (ctxq.testing.models).
-llama.cpp's converter comes from the llama-cpp-python sdist of the installed version (fetched with
-`pip download` into a temporary folder, never committed) unless --llama-src names an unpacked
-llama.cpp. Each tool runs in its own process; wall time and peak RSS (wait4's ru_maxrss; this
-parent stays small, so the inherited value does not matter) are the best of --repeat runs. Prints
-both side by side with ctxq/llama.cpp ratios, and how many output tensors are byte-identical.
+`--family` instead writes a random bf16 checkpoint at a real model's widths (fewer layers and experts,
+SmolLM2's real tokenizer so that llama.cpp's converter recognises it): `qwen35moe` is Qwen3.5-35B-A3B's
+layer (hidden 2048, gated DeltaNet 16/32 heads of 128, attention 16/2 heads of 256, experts of 512 plus a
+shared one) with 3 linear-attention layers, 1 full-attention layer and the MTP block, 16 experts;
+`olmo3` is OLMo-3-7B's layer (hidden 4096, MLP 11008) twice, which ctxq converts through llama.cpp's
+converter (so its row shows the fallback's cost over running that converter directly).
+llama.cpp's converter is the one `ctxq.conversion.upstream` fetches from the llama-cpp-python sdist of
+the installed version (never committed) unless --llama-src names an unpacked llama.cpp. Each tool runs
+in its own process; wall time and peak RSS (wait4's ru_maxrss, which covers the child's own children:
+the fallback's converter; this parent stays small, so the inherited value does not matter) are the best
+of --repeat runs. Prints both side by side with ctxq/llama.cpp ratios, and how many output tensors are
+byte-identical.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 
-def fetch_llama_cpp_source(tmp: Path) -> Path:
-    """The vendored llama.cpp of the installed llama-cpp-python's sdist, unpacked under tmp."""
-    version = md.version("llama_cpp_python")
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(tmp), f"llama-cpp-python=={version}"], check=True)
-    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
-    wanted = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-    with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name
-                   and m.name.split("/vendor/llama.cpp/", 1)[1].startswith(wanted)]
-        tar.extractall(tmp, members=members, filter="data")
-    return next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))
+def fetch_llama_cpp_source() -> Path:
+    """llama.cpp's converter of the installed llama-cpp-python's sdist (fetched once into ctxq's cache)."""
+    from ctxq.conversion.upstream import converter_dir
+
+    return converter_dir()
+
+
+# --- random checkpoints at real widths (bf16 safetensors written directly: no torch needed) ---------
+
+def _bf16(rng, shape: tuple[int, ...], scale: float) -> bytes:
+    import numpy as np
+
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+    return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> None:
+    """bf16 tensors: matrices ~ N(0, 1/fan_in), 1-D ones small (norms as zero-centred Qwen3.5 keeps them)."""
+    import json
+    import struct
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    header, off = {}, 0
+    for name, shape in shapes.items():
+        n = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape in shapes.items():
+            f.write(_bf16(rng, shape, 0.1 if len(shape) == 1 else shape[-1] ** -0.5))
+
+
+def _qwen35moe_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, v, e, ff = cfg["hidden_size"], cfg["vocab_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    nk, nv, dk = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"], cfg["linear_key_head_dim"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+
+    def layer(p: str, linear: bool) -> None:
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if linear:
+            conv = 2 * nk * dk + nv * dk
+            shapes.update({p + "linear_attn.in_proj_qkv.weight": (conv, h), p + "linear_attn.in_proj_z.weight": (nv * dk, h),
+                           p + "linear_attn.in_proj_a.weight": (nv, h), p + "linear_attn.in_proj_b.weight": (nv, h),
+                           p + "linear_attn.conv1d.weight": (conv, 1, cfg["linear_conv_kernel_dim"]),
+                           p + "linear_attn.A_log": (nv,), p + "linear_attn.dt_bias": (nv,),
+                           p + "linear_attn.norm.weight": (dk,), p + "linear_attn.out_proj.weight": (h, nv * dk)})
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (2 * nh * hd, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
+                           p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nh * hd),
+                           p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        shapes[p + "mlp.gate.weight"] = (e, h)
+        for x in range(e):
+            shapes.update({f"{p}mlp.experts.{x}.gate_proj.weight": (ff, h), f"{p}mlp.experts.{x}.up_proj.weight": (ff, h),
+                           f"{p}mlp.experts.{x}.down_proj.weight": (h, ff)})
+        sh = cfg["shared_expert_intermediate_size"]
+        shapes.update({p + "mlp.shared_expert.gate_proj.weight": (sh, h), p + "mlp.shared_expert.up_proj.weight": (sh, h),
+                       p + "mlp.shared_expert.down_proj.weight": (h, sh), p + "mlp.shared_expert_gate.weight": (1, h)})
+
+    for il, kind in enumerate(cfg["layer_types"]):
+        layer(f"model.layers.{il}.", kind == "linear_attention")
+    layer("mtp.layers.0.", False)
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+    return shapes
+
+
+def _olmo3_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, v, ff, n = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for il in range(n):
+        p = f"model.layers.{il}."
+        shapes.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (h, h),
+                       p + "self_attn.v_proj.weight": (h, h), p + "self_attn.o_proj.weight": (h, h),
+                       p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                       p + "mlp.down_proj.weight": (h, ff)})
+    return shapes
+
+
+FAMILIES = {
+    "qwen35moe": ({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_size": 2048,
+                   "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                   "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "moe_intermediate_size": 512,
+                   "shared_expert_intermediate_size": 512, "num_experts": 16, "num_experts_per_tok": 8,
+                   "layer_types": ["linear_attention"] * 3 + ["full_attention"], "mtp_num_hidden_layers": 1,
+                   "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+                   "tie_word_embeddings": False, "dtype": "bfloat16"}, _qwen35moe_shapes),
+    "olmo3": ({"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 4096, "intermediate_size": 11008,
+               "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 65536,
+               "rms_norm_eps": 1e-6, "hidden_act": "silu", "sliding_window": 4096, "rope_theta": 500000.0,
+               "layer_types": ["sliding_attention", "full_attention"], "attention_bias": False,
+               "tie_word_embeddings": False, "dtype": "bfloat16", "pad_token_id": 0, "eos_token_id": 0},
+              _olmo3_shapes),
+}
+
+
+# transformers tokenizes a Qwen3.5 folder with its Qwen3_5Tokenizer (chosen by model_type), whose
+# pre-tokenizer is not SmolLM2's, so llama.cpp's converter would not recognise the hash; for --family
+# runs only that check answers the tokenizer's real pre-tokenizer (the name ctxq recognises too).
+_PRE_AS_GIVEN = """import runpy, sys
+folder, pre = sys.argv.pop(1), sys.argv.pop(1)
+sys.path.insert(0, folder)
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv[0] = folder + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def make_family(name: str, dest: Path) -> Path:
+    """A random bf16 checkpoint of `name` at real widths, with SmolLM2's tokenizer."""
+    import json
+
+    cfg, shapes = FAMILIES[name]
+    tok = Path(subprocess.run([sys.executable, "-c", "from ctxq.testing.models import rebuild_smollm2_hf; "
+                               "print(rebuild_smollm2_hf())"], capture_output=True, text=True, check=True).stdout.strip())
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / f, dest / f)
+    cfg = {**cfg, "vocab_size": json.loads((tok / "config.json").read_text())["vocab_size"]}
+    (dest / "config.json").write_text(json.dumps(cfg, indent=1))
+    _write_safetensors(dest / "model.safetensors", shapes(cfg))
+    return dest
 
 
 def run(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, int]:
@@ -76,18 +204,26 @@ def main() -> None:
     ap.add_argument("--type", default="f32,f16", help="comma-separated output types (f32, f16, bf16, q8_0)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per tool and type; the best is kept")
     ap.add_argument("--llama-src", type=Path, help="an unpacked llama.cpp with convert_hf_to_gguf.py")
+    ap.add_argument("--family", choices=sorted(FAMILIES), help="a random checkpoint of this family at real widths")
     ap.add_argument("--compare", nargs=2, type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--make", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compare:
         print(*_compare(*args.compare))
         return
-    if args.model is None:  # in a child, so this process stays small (see same_tensors)
+    if args.make:
+        make_family(args.make[0], Path(args.make[1]))
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="bench_convert."))
+    if args.family:  # in a child, so this process stays small (see same_tensors)
+        args.model = str(tmp / args.family)
+        subprocess.run([sys.executable, __file__, "--make", args.family, args.model], check=True)
+    elif args.model is None:
         args.model = subprocess.run([sys.executable, "-c", "from ctxq.testing.models import rebuild_smollm2_hf; "
                                      "print(rebuild_smollm2_hf())"], capture_output=True, text=True,
                                     check=True).stdout.strip()
-    tmp = Path(tempfile.mkdtemp(prefix="bench_convert."))
     try:
-        src = args.llama_src or fetch_llama_cpp_source(tmp)
+        src = args.llama_src or fetch_llama_cpp_source()
         # llama.cpp's converter runs from a copy in the temporary folder, with its own gguf-py.
         work = tmp / "llama.cpp"
         if not work.exists():
@@ -95,14 +231,16 @@ def main() -> None:
             for name in ("convert_hf_to_gguf.py", "conversion", "gguf-py"):
                 (shutil.copytree if (src / name).is_dir() else shutil.copy)(src / name, work / name)
         env = {**os.environ, "PYTHONPATH": str(work / "gguf-py")}
+        size_in = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
         ctxq_exe = str(Path(sys.executable).with_name("ctxq"))
         rows = []
         for kind in args.type.split(","):
             ours, theirs = tmp / f"ctxq-{kind}.gguf", tmp / f"llama-{kind}.gguf"
             best = {"ctxq": (1e9, 1 << 62), "llama.cpp": (1e9, 1 << 62)}
             for _ in range(args.repeat):  # alternate, so both see the same page cache
-                w, r = run([sys.executable, str(work / "convert_hf_to_gguf.py"), args.model, "--outtype", kind,
-                            "--outfile", str(theirs)], env=env, cwd=work)
+                entry = ["-c", _PRE_AS_GIVEN, str(work), "smollm"] if args.family else [str(work / "convert_hf_to_gguf.py")]
+                w, r = run([sys.executable, *entry, args.model, "--outtype", kind, "--outfile", str(theirs)],
+                           env=env, cwd=work)
                 best["llama.cpp"] = (min(best["llama.cpp"][0], w), min(best["llama.cpp"][1], r))
                 w, r = run([ctxq_exe, "convert", args.model, kind, "-o", str(ours), "--force"])
                 best["ctxq"] = (min(best["ctxq"][0], w), min(best["ctxq"][1], r))
@@ -113,7 +251,8 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"model: {args.model}  (best of {args.repeat} runs each)")
+    label = f"random {args.family} at real widths" if args.family else args.model
+    print(f"model: {label}, {size_in / 2**20:.0f} MiB of safetensors  (best of {args.repeat} runs each)")
     print(f"{'type':<6} {'tool':<10} {'wall s':>8} {'peak RSS MiB':>13} {'output MiB':>11}")
     for kind, best, size_ours, size_theirs, same, n in rows:
         (wo, ro), (wt, rt) = best["ctxq"], best["llama.cpp"]

@@ -244,7 +244,7 @@ def test_refuses_pickles_and_unknown_architectures(tmp_path):
     assert rc.returncode == 1 and rc.stderr.startswith("Error:") and "safetensors" in rc.stderr
     folder2 = make_tiny(tmp_path / "arch", "phi3")
     cfg = json.loads((folder2 / "config.json").read_text())
-    cfg["architectures"] = ["FalconForCausalLM"]
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]  # neither ctxq nor llama.cpp converts it
     (folder2 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CtxqError, match="not supported.*Phi3ForCausalLM"):
         convert(folder2, "f16", tmp_path / "y.gguf")

@@ -2,8 +2,10 @@
 
 Float types (f32, f16, bf16) and q8_0 are written here, tensor by tensor from memory-mapped
 safetensors; any other llama.cpp type is made from a temporary f16/bf16 GGUF by
-`ctxq.conversion.quantize.quantize_gguf`. The output appears at its destination only complete and verified:
-it is written under a temporary name beside it, loaded by llama.cpp, then renamed.
+`ctxq.conversion.quantize.quantize_gguf`. Architectures without a native converter (`ctxq.converters`)
+are written by llama.cpp's own converter instead (`ctxq.conversion.fallback`). The output appears at
+its destination only complete and verified: it is written under a temporary name beside it, loaded by
+llama.cpp, then renamed.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 from .. import tempfiles
 from . import output as _out
 from ..llama import backend
-from ..converters import family_for
-from ..converters.base import Family, text_config
+from ..converters import family_for, knows, supported
+from ..converters.base import text_config
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
@@ -156,11 +158,20 @@ def _up_to_date_in_cache(model, src: Path, repo: str, rev: str | None, kind: str
 
 # The quantization options that change a quantized file's bytes (`check` does not).
 _KEYED_OPTIONS = ("imatrix", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")
-_CONVERTER = "ctxq.conversion/1"  # bump when this module's output for the same input changes
+_CONVERTER = "ctxq.conversion/2"  # bump when this module's output for the same input changes
+
+
+def _converter(ckpt: Checkpoint) -> str:
+    """Which converter makes the file: ctxq's own, or llama.cpp's (ctxq.conversion.fallback) of its version."""
+    if knows(ckpt.config):
+        return _CONVERTER
+    from .fallback import tag
+
+    return tag()
 
 
 def _hf_extra(ckpt: Checkpoint, pre: str | None) -> dict:
-    return {"hf_source": _source_digest(ckpt), "pre": pre, "converter": _CONVERTER}
+    return {"hf_source": _source_digest(ckpt), "pre": pre, "converter": _converter(ckpt)}
 
 
 def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
@@ -170,7 +181,7 @@ def _float_key(ckpt: Checkpoint, kind: str, pre: str | None) -> dict:
     import importlib.metadata as md
 
     files = [[f.name, (st := f.stat()).st_size, st.st_mtime_ns] for f in _source_files(ckpt)]
-    return {"extra": {"hf_files": files, "pre": pre, "converter": _CONVERTER}, "type": kind,
+    return {"extra": {"hf_files": files, "pre": pre, "converter": _converter(ckpt)}, "type": kind,
             "ctxq": md.version("ctxq"), "llama_cpp_python": md.version("llama_cpp_python")}
 
 
@@ -199,28 +210,46 @@ def _convert_float(ckpt: Checkpoint, name: str, kind: str, dest: Path, pre: str 
                    progress: Progress | None, t0: float) -> ConvertResult:
     tmp = tempfiles.create(dest, "gguf")
     try:
-        family, n_tensors, vocab = _write_checked(ckpt, name, kind, tmp, pre, progress)
+        arch, n_tensors, written_pre = _write_checked(ckpt, name, kind, tmp, pre, progress)
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)
     log.info("wrote %s (%d tensors, %d bytes) in %.1f s", dest, n_tensors, dest.stat().st_size, time.perf_counter() - t0)
-    return ConvertResult(dest, kind, family.arch_name, dest.stat().st_size, n_tensors, vocab.pre,
+    return ConvertResult(dest, kind, arch, dest.stat().st_size, n_tensors, written_pre,
                          str(ckpt.folder), time.perf_counter() - t0)
 
 
 def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str | None,
-                   progress: Progress | None) -> tuple[Family, int, Vocab]:
-    """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back."""
+                   progress: Progress | None) -> tuple[str, int, str | None]:
+    """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back;
+    returns the GGUF architecture, the tensor count and the BPE pre-tokenizer written."""
+    if not knows(ckpt.config):  # llama.cpp's own converter, or one line saying neither knows it
+        from . import fallback
+
+        if pre:
+            raise ConversionError(f"--pre is for ctxq's native converters; llama.cpp's converter names the "
+                                  f"pre-tokenizer itself (natively: {', '.join(supported())})")
+        fallback.write(ckpt, kind, tmp, progress)
+        verify_loads(tmp)
+        arch, n = _arch_and_count(tmp)
+        return arch, n, None
     _, family = family_for(ckpt.config)
     cfg = text_config(ckpt.config)
+    # a MoE config may have no dense intermediate_size (Qwen3.5-MoE: every layer has experts)
+    optional = ("intermediate_size",) if family.experts is not None else ()
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(cfg.get(key), int):
+        if not isinstance(cfg.get(key), int) and not (key in optional and cfg.get(key) is None):
             raise ConversionError(f"{ckpt.folder / 'config.json'}: {key} is missing or not an integer")
     if family.check:
         family.check(cfg)
+    if family.configure:
+        cfg = family.configure(cfg, ckpt)
     plans = plan_tensors(ckpt, family, cfg, kind)
     embd = next(p for p in plans if p.name == "token_embd.weight")
     vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], pre)
+    for what, text in family.special_tokens:  # where the tokenizer names none (gguf's SpecialVocab._set_special_token)
+        if text in vocab.tokens and what not in vocab.special:
+            vocab.special[what] = vocab.tokens.index(text)
     total = sum(nbytes(p) for p in plans)
     free = shutil.disk_usage(tmp.parent).free
     if free < total + _DISK_MARGIN:
@@ -228,7 +257,7 @@ def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str |
                               f"{(total + _DISK_MARGIN) / MiB:.1f} MiB; free space or write the `output` on another disk")
     write(tmp, family, cfg, vocab, plans, kind, _safe_name(name, vocab), progress, total)
     verify_loads(tmp)
-    return family, len(plans), vocab
+    return family.arch_name, len(plans), vocab.pre
 
 
 # llama_vocab::impl::load sets Phi-3 token attributes when general.name contains "phi3"/"phi-3",

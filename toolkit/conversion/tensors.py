@@ -38,19 +38,27 @@ def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list
     n_head = cfg["num_attention_heads"]
     n_head_kv = cfg.get("num_key_value_heads") or n_head
     skip_head = output_is_token_embd(ckpt, family, cfg)
+    tensors = ckpt.tensors
+    if family.rename:
+        tensors = {new: ref for name, ref in tensors.items() if (new := family.rename(name, cfg)) is not None}
     plans: list[TensorPlan] = []
     stacked, consumed = [], set()
     if family.experts is not None:
-        stacked, consumed = stack_experts(ckpt.tensors, n_experts(cfg), family.experts)
+        stacked, consumed = stack_experts(tensors, n_experts(cfg), family.experts)
     for s in stacked:
         name = _gguf_name(nmap, s.name, family)
         kind_of = s.raw_type if s.raw_type is not None else _out_type(name, s.shape, kind)
         plans.append(TensorPlan(name, s.shape, kind_of, s.blocks, raw=s.raw_type is not None))
-    for hf_name, ref in ckpt.tensors.items():
+    for hf_name, ref in tensors.items():
         if hf_name in consumed:
             continue
         if hf_name.endswith("rotary_emb.inv_freq") or (skip_head and hf_name == "lm_head.weight"):
             continue  # llama.cpp derives these (or duplicates token_embd for a tied output)
+        if family.rewrite and (parts := family.rewrite(hf_name, ref, cfg)) is not None:
+            for part, shape, load in parts:  # whole tensors: these transforms mix rows (and they are small)
+                name = part if part.startswith(("blk.", "token_embd", "output")) else _gguf_name(nmap, part, family)
+                plans.append(TensorPlan(name, shape, _out_type(name, shape, kind), (lambda f: lambda: [f()])(load)))
+            continue
         name = _gguf_name(nmap, hf_name, family)
         transform = None
         if family.permute_qk and re.search(r"\.attn_(q|k)\.", name):
@@ -74,18 +82,25 @@ def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list
 
 
 def _gguf_name(nmap: gguf.TensorNameMap, hf_name: str, family: Family) -> str:
-    name = nmap.get_name(hf_name.removeprefix("language_model."), try_suffixes=(".weight", ".bias"))
+    # a router's selection bias is a bias to gguf's map (llama.cpp's ModelBase.map_tensor_name renames it alike)
+    hf = hf_name.removeprefix("language_model.").replace("e_score_correction_bias", "e_score_correction.bias")
+    name = nmap.get_name(hf, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise ConversionError(f"tensor {hf_name} has no place in llama.cpp's {family.arch_name} architecture")
     # every tensor llama.cpp loads is NAME.weight or NAME.bias (gpt-oss's `sinks` has no suffix in HF)
     return name if name.endswith((".weight", ".bias")) else name + ".weight"
 
 
+# Kept F32 whatever the type, as llama.cpp's converter does (ModelBase.prepare_tensors: routers,
+# convolution kernels of recurrent layers): their ops need F32, or they are tiny and precision-critical.
+_F32_KINDS = re.compile(r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d|shortconv\.conv)\.weight$")
+
+
 def _out_type(name: str, shape: tuple[int, ...], kind: str) -> T:
     # As llama.cpp's converter: norms, biases and other 1-D tensors stay F32 (they are tiny and
     # several ops need F32 for them); Q8_0 needs rows that are whole blocks, else F16.
     # Expert biases are 2-D (experts x rows) but biases all the same.
-    if len(shape) < 2 or name.endswith(("norm.weight", ".bias")):
+    if len(shape) < 2 or name.endswith(("norm.weight", ".bias")) or _F32_KINDS.search(name):
         return T.F32
     target = FLOAT_TYPES[kind][0]
     if target == T.Q8_0 and shape[-1] % _QK8_0:
