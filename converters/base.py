@@ -31,6 +31,13 @@ class Family:
     extra_tensors: Callable[[dict], dict[str, np.ndarray]] | None = None
     check: Callable[[dict], None] | None = None  # refuses configs llama.cpp would compute differently
     experts: "Layout | None" = None  # mixture of experts: how packed expert tensors are laid out (experts.py)
+    # For families whose tensors llama.cpp's converter reshapes or splits (hybrids): the config as
+    # that converter reads it (per-layer head counts, derived widths), HF tensor names as gguf's
+    # TensorNameMap knows them (None: a tensor llama.cpp does not use), and per-tensor transforms
+    # (`Transform`: None keeps the tensor as it is).
+    config: Callable[[dict], dict] | None = None
+    rename: Callable[[str], str | None] | None = None
+    transform: "Callable[[str, tuple[int, ...]], list[Piece] | None] | None" = None
 
     @property
     def arch_name(self) -> str:
@@ -145,6 +152,16 @@ def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
     raise ConversionError(f"{ckpt.folder}: config.json ties the output to the token embedding but {_LM_HEAD} "
                           "differs from it (transformers 5 computes with it, 4 did not); set tie_word_embeddings "
                           f"to false in config.json to keep {_LM_HEAD}, or delete it to use the embedding")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One output tensor made from a whole HF tensor: a name for TensorNameMap, its numpy shape, and
+    the function from the source's float32 array to it."""
+
+    name: str
+    shape: tuple[int, ...]
+    fn: Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass

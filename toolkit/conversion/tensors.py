@@ -31,6 +31,8 @@ FLOAT_TYPES = {"f32": (T.F32, FT.ALL_F32), "f16": (T.F16, FT.MOSTLY_F16), "bf16"
                "q8_0": (T.Q8_0, FT.MOSTLY_Q8_0)}
 _QK8_0 = gguf.GGML_QUANT_SIZES[T.Q8_0][0]  # 32 weights per Q8_0 block
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# Kept F32 by llama.cpp's converter at every float type (ModelBase.prepare_tensors): routers and conv kernels
+_ALWAYS_F32 = re.compile(r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d|shortconv\.conv)\.weight$")
 def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list[TensorPlan]:
     """Every output tensor in llama.cpp's naming with its type and a loader applying the family's transforms."""
     n_layer = cfg["num_hidden_layers"]
@@ -38,19 +40,27 @@ def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list
     n_head = cfg["num_attention_heads"]
     n_head_kv = cfg.get("num_key_value_heads") or n_head
     skip_head = output_is_token_embd(ckpt, family, cfg)
+    tensors = ckpt.tensors if family.rename is None else \
+        {new: ref for old, ref in ckpt.tensors.items() if (new := family.rename(old)) is not None}
     plans: list[TensorPlan] = []
     stacked, consumed = [], set()
     if family.experts is not None:
-        stacked, consumed = stack_experts(ckpt.tensors, n_experts(cfg), family.experts)
+        stacked, consumed = stack_experts(tensors, n_experts(cfg), family.experts)
     for s in stacked:
         name = _gguf_name(nmap, s.name, family)
         kind_of = s.raw_type if s.raw_type is not None else _out_type(name, s.shape, kind)
         plans.append(TensorPlan(name, s.shape, kind_of, s.blocks, raw=s.raw_type is not None))
-    for hf_name, ref in ckpt.tensors.items():
+    for hf_name, ref in tensors.items():
         if hf_name in consumed:
             continue
         if hf_name.endswith("rotary_emb.inv_freq") or (skip_head and hf_name == "lm_head.weight"):
             continue  # llama.cpp derives these (or duplicates token_embd for a tied output)
+        if family.transform and (pieces := family.transform(hf_name, ref.shape)) is not None:
+            for pc in pieces:  # whole tensors: these are the small recurrent ones, or split in parts
+                name = _gguf_name(nmap, pc.name, family)
+                plans.append(TensorPlan(name, pc.shape, _out_type(name, pc.shape, kind),
+                                        (lambda r, f: lambda: [f(r.load_f32())])(ref, pc.fn)))
+            continue
         name = _gguf_name(nmap, hf_name, family)
         transform = None
         if family.permute_qk and re.search(r"\.attn_(q|k)\.", name):
@@ -85,7 +95,7 @@ def _out_type(name: str, shape: tuple[int, ...], kind: str) -> T:
     # As llama.cpp's converter: norms, biases and other 1-D tensors stay F32 (they are tiny and
     # several ops need F32 for them); Q8_0 needs rows that are whole blocks, else F16.
     # Expert biases are 2-D (experts x rows) but biases all the same.
-    if len(shape) < 2 or name.endswith(("norm.weight", ".bias")):
+    if len(shape) < 2 or name.endswith(("norm.weight", ".bias")) or _ALWAYS_F32.search(name):
         return T.F32
     target = FLOAT_TYPES[kind][0]
     if target == T.Q8_0 and shape[-1] % _QK8_0:
