@@ -34,10 +34,10 @@ class Family:
     # For families whose tensors llama.cpp's converter reshapes or splits (hybrids): the config as
     # that converter reads it (per-layer head counts, derived widths), HF tensor names as gguf's
     # TensorNameMap knows them (None: a tensor llama.cpp does not use), and per-tensor transforms
-    # (`Transform`: None keeps the tensor as it is).
+    # (from the HF name, shape and that config; None keeps the tensor as it is).
     config: Callable[[dict], dict] | None = None
     rename: Callable[[str], str | None] | None = None
-    transform: "Callable[[str, tuple[int, ...]], list[Piece] | None] | None" = None
+    transform: "Callable[[str, tuple[int, ...], dict], list[Piece] | None] | None" = None
 
     @property
     def arch_name(self) -> str:

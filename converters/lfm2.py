@@ -59,7 +59,7 @@ def _hparams(cfg: dict, w: gguf.GGUFWriter) -> None:
     w.add_shortconv_l_cache(int(cfg.get("conv_L_cache") or 3))
 
 
-def _transform(name: str, shape: tuple[int, ...]) -> list[Piece] | None:
+def _transform(name: str, shape: tuple[int, ...], cfg: dict) -> list[Piece] | None:
     if name.endswith("conv.conv.weight") and len(shape) == 3:
         return [Piece(name, (shape[0], shape[2]), lambda x: x[:, 0, :])]
     return None

@@ -44,8 +44,18 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
     "lfm2moe": ("Lfm2MoeConfig", dict(SMALL, num_hidden_layers=4, num_dense_layers=1, num_experts=4,
                                       num_experts_per_tok=2, moe_intermediate_size=32,
                                       layer_types=["conv", "full_attention", "conv", "full_attention"]), "qwen2"),
+    # Mamba-2 (2 groups, 8 heads of 16) and attention layers, experts with a shared expert, Granite's multipliers
+    "granite_hybrid": ("GraniteMoeHybridConfig", dict(
+        SMALL, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=32,
+        shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=16, mamba_d_conv=4, mamba_d_head=16, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.2, logits_scaling=3.0), "gpt-2"),
 }
-MOE = {"lfm2moe"}
+# Granite 4's dense hybrids (granite-4.0-h-micro): the shared MLP alone, both widths equal as on the Hub
+FAMILIES["granite_hybrid_dense"] = (FAMILIES["granite_hybrid"][0], dict(FAMILIES["granite_hybrid"][1],
+                                    num_local_experts=0, num_experts_per_tok=0, intermediate_size=96, shared_intermediate_size=96), "gpt-2")
+MOE = {"lfm2moe", "granite_hybrid"}
 
 
 def make(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
@@ -53,7 +63,8 @@ def make(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     cfg_name, args, pre = FAMILIES[family]
     folder.mkdir(parents=True, exist_ok=True)
     n_tok = write_bpe_tokenizer(folder, pre)
-    cfg = getattr(transformers, cfg_name)(**{**args, **overrides, "vocab_size": n_tok + 7})
+    # padded rows, to a multiple of 16 (llama.cpp's Mamba-2 converters pad the vocabulary to that)
+    cfg = getattr(transformers, cfg_name)(**{**args, **overrides, "vocab_size": -(-(n_tok + 7) // 16) * 16})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     randomize(model)
@@ -65,9 +76,28 @@ def make(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     return folder
 
 
-def _reference(folder: Path, out: Path, outtype: str, pre: str) -> Path:
+# Configs as the Hub's checkpoints have them, for llama.cpp's converter: transformers 5 saves Granite 4's
+# layer types as linear_attention/full_attention, which its GraniteHybridModel (looking for "attention") misses.
+HUB_CONFIG = {
+    "granite_hybrid": lambda c: {**c, "layer_types": [{"linear_attention": "mamba", "full_attention": "attention"}
+                                                      .get(t, t) for t in c["layer_types"]]},
+}
+HUB_CONFIG["granite_hybrid_dense"] = HUB_CONFIG["granite_hybrid"]
+
+
+def _reference(folder: Path, out: Path, outtype: str, pre: str, family: str) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on `folder`, told the pre-tokenizer name (see the docstring)."""
+    import json
+    import shutil
+
     from ctxq.conversion.upstream import converter_dir, converter_env
+
+    if family in HUB_CONFIG:
+        hub = out.with_suffix(".hub")
+        shutil.copytree(folder, hub)
+        cfg = json.loads((hub / "config.json").read_text())
+        (hub / "config.json").write_text(json.dumps(HUB_CONFIG[family](cfg)))
+        folder = hub
 
     conv = converter_dir()
     code = ("import sys; import conversion.base as b; "
@@ -138,7 +168,8 @@ def check_family(folder: Path, family: str, tmp_path: Path, limits=(("f32", 1e-3
         assert flips <= max_flips, f"{family} {kind}: {flips} top-1 changes outside near-ties"
         rels[kind] = rel
     ours = table(tmp_path / f"{family}-f16.gguf")
-    theirs = table(_reference(folder, tmp_path / f"{family}-llama.cpp-f16.gguf", "f16", FAMILIES[family][2]))
+    theirs = table(_reference(folder, tmp_path / f"{family}-llama.cpp-f16.gguf", "f16", FAMILIES[family][2],
+                                   family))
     assert ours[0] == theirs[0], {k: (ours[0].get(k), theirs[0].get(k)) for k in set(ours[0]) ^ set(theirs[0]) or
                                   [k for k in ours[0] if ours[0][k] != theirs[0][k]]}
     assert not _same_meta(ours[1], theirs[1]), _same_meta(ours[1], theirs[1])
