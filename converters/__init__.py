@@ -9,7 +9,7 @@ from ..errors import ConversionError
 from .base import Family
 
 FAMILIES: dict[str, Family] = {}
-_MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss", "smollm3", "lfm2", "granite_hybrid")
+_MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss", "smollm3", "lfm2", "granite_hybrid", "nemotron_h")
 
 
 def register(family: Family, *hf_names: str) -> Family:

