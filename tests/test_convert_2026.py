@@ -229,3 +229,23 @@ def test_smollm3_other_nope_layers_are_refused_in_one_line(tmp_path):
     rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
     assert rc.returncode == 1 and rc.stderr.startswith("Error:") and "NoPE layers [1]" in rc.stderr, rc.stderr
     assert len(rc.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+# What llama.cpp's graph would compute differently is refused in one line, before anything is written.
+REFUSED = [
+    ("lfm2", dict(conv_bias=True), "conv_bias"),
+    ("lfm2moe", dict(routed_scaling_factor=2.0), "routed_scaling_factor"),
+    ("granite_hybrid", dict(time_step_limit=(0.0, 10.0)), "does not clamp dt"),
+    ("granite_hybrid", dict(position_embedding_type="rope"), "without RoPE"),
+    ("nemotron_h_moe", dict(n_group=2, topk_group=1), "group-limited routing"),
+]
+
+
+@pytest.mark.parametrize("family,overrides,fragment", REFUSED, ids=[f"{f}-{next(iter(o))}" for f, o, _ in REFUSED])
+def test_what_llama_cpp_computes_differently_is_refused_in_one_line(family, overrides, fragment, tmp_path):
+    folder = make(tmp_path / "m", family, **overrides)
+    out = tmp_path / "o.gguf"
+    rc = run_ctxq("convert", str(folder), "f16", "-o", str(out))
+    assert rc.returncode == 1 and rc.stderr.startswith("Error:") and fragment in rc.stderr, rc.stderr
+    assert len(rc.stderr.strip().splitlines()) == 1 and "Traceback" not in rc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".o.gguf*"))
