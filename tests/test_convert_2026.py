@@ -249,3 +249,24 @@ def test_what_llama_cpp_computes_differently_is_refused_in_one_line(family, over
     assert rc.returncode == 1 and rc.stderr.startswith("Error:") and fragment in rc.stderr, rc.stderr
     assert len(rc.stderr.strip().splitlines()) == 1 and "Traceback" not in rc.stderr
     assert not out.exists() and not list(tmp_path.glob(".o.gguf*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["lfm2", "granite_hybrid", "nemotron_h_moe"])
+def test_hybrids_quantize_to_q4_k_m_with_llama_cpp(family, tmp_path):
+    """Through llama.cpp's quantizer (its recurrent tensors kept as it keeps them) with the quality gate."""
+    from ctxq.gguf.info import model_info
+
+    folder = make(tmp_path / family, family)
+    ids = hf_ids(folder)
+    ref = reference_logits(folder, ids)
+    r = convert(folder, "Q4_K_M", tmp_path / f"{family}-Q4_K_M.gguf")
+    assert model_info(r.path).file_type == "Q4_K_M" and r.quality is not None
+    types = {t.name: t.type_name for t in read_gguf(r.path, skip_arrays=True).tensors}
+    assert all(v == "F32" for k, v in types.items() if k.endswith((".ssm_a", ".ssm_d", "conv1d.weight", "conv.weight")))
+    got, _ = llama_logits(r.path, ids)
+    # 4-bit weights of random models move logits a lot; a wrong layout makes them unrelated (chance: 1 in 350)
+    rel = float(np.mean(np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+    agree = float((ref.argmax(1) == got.argmax(1)).mean())
+    print(f"{family} Q4_K_M: mean relative L2 {rel:.3f}, top-1 agreement {agree:.3f}, quality gate {r.quality}")
+    assert rel < 0.5 and agree > 0.5, (rel, agree)
