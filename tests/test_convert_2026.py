@@ -270,3 +270,15 @@ def test_hybrids_quantize_to_q4_k_m_with_llama_cpp(family, tmp_path):
     agree = float((ref.argmax(1) == got.argmax(1)).mean())
     print(f"{family} Q4_K_M: mean relative L2 {rel:.3f}, top-1 agreement {agree:.3f}, quality gate {r.quality}")
     assert rel < 0.5 and agree > 0.5, (rel, agree)
+
+
+def test_plan_headers_of_hybrids_carry_their_layer_kinds(tmp_path):
+    """`ctxq plan` on a checkpoint folder reads the header ctxq convert would write (hfplan.header_gguf):
+    per-layer head counts and widths, so the planner sees which layers are recurrent."""
+    from ctxq.planning.hfplan import header_gguf
+
+    g = read_gguf(header_gguf(make(tmp_path / "l", "lfm2")), skip_arrays=True)
+    assert (g.arch, g.arch_get("attention.head_count_kv"), g.arch_get("shortconv.l_cache")) == ("lfm2", [0, 2, 0, 2], 3)
+    g = read_gguf(header_gguf(make(tmp_path / "n", "nemotron_h_moe")), skip_arrays=True)
+    assert g.arch == "nemotron_h_moe" and g.arch_get("feed_forward_length") == [0, 32, 0, 32]
+    assert g.arch_get("attention.head_count_kv") == [0, 0, 2, 0] and g.arch_get("expert_count") == 4
