@@ -9,7 +9,8 @@ from ..errors import ConversionError
 from .base import Family
 
 FAMILIES: dict[str, Family] = {}
-_MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss", "qwen35", "glm4moe")
+_MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss", "qwen35", "glm4moe", "smollm3", "lfm2", "granite_hybrid",
+            "nemotron_h")
 
 
 def register(family: Family, *hf_names: str) -> Family:

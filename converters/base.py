@@ -46,6 +46,11 @@ class Family:
     rename: Callable[[str, dict], str | None] | None = None
     rewrite: "Callable[[str, TensorRef, dict], list[Rewritten] | None] | None" = None
     special_tokens: tuple[tuple[str, str], ...] = ()  # (kind, token text) llama.cpp's converter sets where unset
+    # Hybrids (lfm2.py, granite_hybrid.py, nemotron_h.py): `config` gives the config as llama.cpp's converter
+    # reads it before any check (per-layer head counts, derived widths); `select` picks the family where the
+    # llama.cpp arch depends on the config (Nemotron-H with or without experts).
+    config: Callable[[dict], dict] | None = None
+    select: "Callable[[dict], Family] | None" = None
 
     @property
     def arch_name(self) -> str:
@@ -55,6 +60,15 @@ class Family:
 def text_config(config: dict) -> dict:
     """The language model's config (multimodal wrappers keep it under text_config)."""
     return config.get("text_config") or config
+
+
+def resolve(family: Family, config: dict) -> tuple[Family, dict]:
+    """The family and the language model's config as a conversion writes them: the family the config
+    selects (`Family.select`), and the config as llama.cpp's converter reads it (`Family.config`)."""
+    cfg = text_config(config)
+    if family.select:
+        family = family.select(cfg)
+    return family, (family.config(cfg) if family.config else cfg)
 
 
 def head_dim(cfg: dict) -> int:
@@ -162,6 +176,27 @@ def output_is_token_embd(ckpt: "Checkpoint", family: Family, cfg: dict) -> bool:
     raise ConversionError(f"{ckpt.folder}: config.json ties the output to the token embedding but {_LM_HEAD} "
                           "differs from it (transformers 5 computes with it, 4 did not); set tie_word_embeddings "
                           f"to false in config.json to keep {_LM_HEAD}, or delete it to use the embedding")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One output tensor made from a whole HF tensor: a name for TensorNameMap, its numpy shape, and
+    the function from the source's float32 array to it."""
+
+    name: str
+    shape: tuple[int, ...]
+    fn: Callable[[np.ndarray], np.ndarray]
+
+
+def rewriter(transform: "Callable[[str, tuple[int, ...], dict], list[Piece] | None]"):
+    """A `Family.rewrite` from a transform that sees only a tensor's name and shape (the hybrids'
+    reshapes and splits): each Piece is made from the whole source tensor when it is written."""
+    def rewrite(name: str, ref: "TensorRef", cfg: dict) -> "list[Rewritten] | None":
+        pieces = transform(name, tuple(ref.shape), cfg)
+        if pieces is None:
+            return None
+        return [(pc.name, pc.shape, (lambda f: lambda: f(ref.load_f32()))(pc.fn)) for pc in pieces]
+    return rewrite
 
 
 @dataclass

@@ -22,7 +22,7 @@ from .. import tempfiles
 from . import output as _out
 from ..llama import backend
 from ..converters import family_for, knows, supported
-from ..converters.base import text_config
+from ..converters.base import resolve
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
@@ -234,11 +234,13 @@ def _write_checked(ckpt: Checkpoint, name: str, kind: str, tmp: Path, pre: str |
         arch, n = _arch_and_count(tmp)
         return arch, n, None
     _, family = family_for(ckpt.config)
-    cfg = text_config(ckpt.config)
+    family, cfg = resolve(family, ckpt.config)
     # a MoE config may have no dense intermediate_size (Qwen3.5-MoE: every layer has experts)
     optional = ("intermediate_size",) if family.experts is not None else ()
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
-        if not isinstance(cfg.get(key), int) and not (key in optional and cfg.get(key) is None):
+        v = cfg.get(key)  # (a list per layer for hybrids, from Family.config)
+        if not (isinstance(v, int) or isinstance(v, list) and v and all(isinstance(x, int) for x in v)) \
+                and not (key in optional and v is None):
             raise ConversionError(f"{ckpt.folder / 'config.json'}: {key} is missing or not an integer")
     if family.check:
         family.check(cfg)

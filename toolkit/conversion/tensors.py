@@ -31,12 +31,16 @@ FLOAT_TYPES = {"f32": (T.F32, FT.ALL_F32), "f16": (T.F16, FT.MOSTLY_F16), "bf16"
                "q8_0": (T.Q8_0, FT.MOSTLY_Q8_0)}
 _QK8_0 = gguf.GGML_QUANT_SIZES[T.Q8_0][0]  # 32 weights per Q8_0 block
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+# Kept F32 by llama.cpp's converter at every float type (ModelBase.prepare_tensors): routers and conv
+# kernels, and every tensor not named .weight (biases, Mamba's ssm_a and ssm_d, which ggml_ssm_scan needs in F32)
 def plan_tensors(ckpt: Checkpoint, family: Family, cfg: dict, kind: str) -> list[TensorPlan]:
     """Every output tensor in llama.cpp's naming with its type and a loader applying the family's transforms."""
     n_layer = cfg["num_hidden_layers"]
     nmap = gguf.get_tensor_name_map(family.arch, n_layer)
     n_head = cfg["num_attention_heads"]
     n_head_kv = cfg.get("num_key_value_heads") or n_head
+    if isinstance(n_head_kv, list):  # per layer (hybrids, Family.config): 0 where a layer has no attention
+        n_head_kv = max(n_head_kv)
     skip_head = output_is_token_embd(ckpt, family, cfg)
     tensors = ckpt.tensors
     if family.rename:
@@ -87,8 +91,9 @@ def _gguf_name(nmap: gguf.TensorNameMap, hf_name: str, family: Family) -> str:
     name = nmap.get_name(hf, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise ConversionError(f"tensor {hf_name} has no place in llama.cpp's {family.arch_name} architecture")
-    # every tensor llama.cpp loads is NAME.weight or NAME.bias (gpt-oss's `sinks` has no suffix in HF)
-    return name if name.endswith((".weight", ".bias")) else name + ".weight"
+    # every tensor llama.cpp loads is NAME.weight or NAME.bias (gpt-oss's `sinks` has no suffix in HF),
+    # except Mamba's A and D (tn(LLM_TENSOR_SSM_A, i) in load_arch_tensors: no suffix)
+    return name if name.endswith((".weight", ".bias", ".ssm_a", ".ssm_d")) else name + ".weight"
 
 
 # Kept F32 whatever the type, as llama.cpp's converter does (ModelBase.prepare_tensors: routers,
@@ -100,7 +105,7 @@ def _out_type(name: str, shape: tuple[int, ...], kind: str) -> T:
     # As llama.cpp's converter: norms, biases and other 1-D tensors stay F32 (they are tiny and
     # several ops need F32 for them); Q8_0 needs rows that are whole blocks, else F16.
     # Expert biases are 2-D (experts x rows) but biases all the same.
-    if len(shape) < 2 or name.endswith(("norm.weight", ".bias")) or _F32_KINDS.search(name):
+    if len(shape) < 2 or name.endswith("norm.weight") or not name.endswith(".weight") or _F32_KINDS.search(name):
         return T.F32
     target = FLOAT_TYPES[kind][0]
     if target == T.Q8_0 and shape[-1] % _QK8_0:

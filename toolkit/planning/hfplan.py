@@ -90,14 +90,14 @@ def header_gguf(folder: str | os.PathLike, kind: str | None = None) -> Path:
     """The f16/bf16 GGUF `ctxq convert` would write for this checkpoint, with no tensor data."""
     from ..conversion.convert import plan_tensors
     from ..converters import family_for
-    from ..converters.base import text_config, write_common
+    from ..converters.base import resolve, write_common
     from ..converters.checkpoint import Checkpoint
     from ..converters.tokenizer import load_vocab
 
     ckpt = Checkpoint(Path(folder))
     kind = kind or ("bf16" if ckpt.source_float_type() == "bf16" else "f16")
     _, family = family_for(ckpt.config)
-    cfg = text_config(ckpt.config)
+    family, cfg = resolve(family, ckpt.config)  # as ctxq.conversion.convert writes it (hybrids: per-layer keys)
     plans = plan_tensors(ckpt, family, cfg, kind)
     embd = next(p for p in plans if p.name == "token_embd.weight")
     vocab = load_vocab(ckpt.folder, cfg, embd.shape[0], None)
