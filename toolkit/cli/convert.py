@@ -11,7 +11,7 @@ from .plan import device_options
 
 class _Bars:
     """tqdm bars from the library's progress callback: one bar per phase ("write:" bytes,
-    "quantize:" tensors), a new bar whenever the phase changes."""
+    "quantize:" tensors, "convert:" the one step of llama.cpp's converter), a new bar whenever the phase changes."""
 
     def __init__(self):
         self.bar = None
@@ -25,7 +25,8 @@ class _Bars:
             self.close()
             self.phase = phase
             byte_bar = phase == "write"
-            self.bar = tqdm(total=total, desc=phase, unit="B" if byte_bar else " tensors", unit_scale=byte_bar,
+            unit = "B" if byte_bar else " step" if phase == "convert" else " tensors"
+            self.bar = tqdm(total=total, desc=phase, unit=unit, unit_scale=byte_bar,
                             unit_divisor=1024 if byte_bar else 1000, leave=False, dynamic_ncols=True)
         self.bar.set_postfix_str(name[-40:], refresh=False)
         self.bar.update(done - self.bar.n)
