@@ -19,7 +19,9 @@ import ctypes
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..llama import backend
@@ -115,6 +117,7 @@ class Engine:
         self._lock = threading.Condition()
         self._queue: deque[Seq] = deque()
         self._cancels: list[Request] = []
+        self._tasks: list[tuple[Callable, Future]] = []  # run on the thread between steps
         self._closed = False
         self._snapshot = self._make_stats()
         self._thread = threading.Thread(target=self._loop, name="ctxq-engine", daemon=True)
@@ -152,6 +155,64 @@ class Engine:
             self._lock.notify_all()
         return req
 
+    def prefill(self, tokens: list[int]) -> Request:
+        """Evaluate `tokens` into a sequence that stays resident for later requests to share (a
+        document read before its questions); the request finishes ("length", no text) once they are in."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise InvalidOption("the prompt is empty", option="prompt")
+        if len(tokens) > self.n_ctx:
+            raise DoesNotFit(f"the document needs {len(tokens):,} KV cells but the engine holds {self.n_ctx:,}",
+                             "use a larger n_ctx", value=len(tokens), limit=self.n_ctx)
+        req = Request(self, len(tokens))
+        with self._lock:
+            self._queue.append(Seq(req, tokens, SamplingParams(max_tokens=0), None))
+            self._lock.notify_all()
+        return req
+
+    def save_prefix(self, tokens: list[int], write: Callable) -> bool:
+        """Call `write(ctx, seq_id)` on the engine's thread for the resident sequence holding exactly
+        `tokens` (a prefilled document); False when none does."""
+        def task():
+            seq_id, n = self._store.match(tokens, whole=True)
+            if seq_id is None or n != len(tokens):
+                return False
+            write(self._ctx, seq_id)
+            return True
+
+        return self._on_thread(task)
+
+    def load_prefix(self, read: Callable) -> int:
+        """Call `read(ctx, seq_id)` on the engine's thread with a free sequence id; it loads a saved
+        state there and returns the tokens it holds (or raises), which stay resident for later
+        requests to share. The number of tokens loaded."""
+        def task():
+            seq_id = self._store.free_slot()
+            if seq_id is None:
+                seq_id = self._store.lru_idle()
+                if seq_id is None:
+                    raise CtxqError("every sequence is busy; load the session before submitting requests")
+                self._sched._evict(seq_id, self._rm)
+            try:
+                tokens = read(self._ctx, seq_id)
+            except BaseException:
+                self._lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+                raise
+            self._store.append(seq_id, list(tokens))
+            self._store.touch(seq_id)
+            return len(tokens)
+
+        return self._on_thread(task)
+
+    def _on_thread(self, fn: Callable):
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise CtxqError("the engine is closed")
+            self._tasks.append((fn, fut))
+            self._lock.notify_all()
+        return fut.result()
+
     def stats(self) -> EngineStats:
         with self._lock:
             s = self._snapshot
@@ -168,9 +229,12 @@ class Engine:
             self._lock.notify_all()
         self._thread.join()
         self._sched.tell()
+        for fn, fut in self._tasks:
+            fut.set_exception(CtxqError("the engine is closed"))
         for s in list(self._queue) + self._sched.active:
             s.req._finish("cancelled")
-            s.chain.close()
+            if s.chain:
+                s.chain.close()
         self._queue.clear()
         self._lc.llama_batch_free(self._batch)
         self._lc.llama_free(self._ctx)
@@ -189,7 +253,8 @@ class Engine:
             queued = next((s for s in self._queue if s.req is req), None)
             if queued is not None:
                 self._queue.remove(queued)
-                queued.chain.close()
+                if queued.chain:
+                    queued.chain.close()
                 req._finish("cancelled")
             elif not req.done:
                 self._cancels.append(req)
@@ -200,11 +265,17 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._queue and not self._cancels and not self._sched.active:
+                while not (self._closed or self._queue or self._cancels or self._tasks or self._sched.active):
                     self._lock.wait()
                 if self._closed:
                     return
                 cancels, self._cancels = self._cancels, []
+                tasks, self._tasks = self._tasks, []
+            for fn, fut in tasks:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # the caller's thread raises it
+                    fut.set_exception(e)
             try:
                 for req in cancels:
                     self._sched.cancel(req, self._rm)
@@ -261,7 +332,7 @@ class Engine:
             raise CtxqError(f"llama_decode returned {rc} for a batch of {b.n_tokens} tokens "
                             f"({self._store.cells_used()} of {self.n_ctx} cells in use)")
         self._counters.prompt_tokens_evaluated += plan.n_prompt
-        self._sched.evaluated(plan)
+        self._sched.evaluated(plan, self._rm)
         for i, seq in plan.outputs:
             tok = seq.chain.sample(self._ctx, i)
             self._token(seq, tok)
@@ -307,10 +378,12 @@ def from_plan(plan, *, n_seq_max: int, n_ctx: int | None = None, **load_kwargs) 
     context is freed at once (the engine's replaces it, so the plan's KV memory is held once)."""
     from ..runtime.runner import load_plan
 
-    llm, _, _ = load_plan(plan, **load_kwargs)
+    llm, memory, _ = load_plan(plan, **load_kwargs)
     llm._ctx.close()  # llama-cpp-python frees a closed context only once (LlamaContext.close)
     try:
-        return Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True)
+        e = Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True)
     except BaseException:
         llm.close()
         raise
+    e.memory = memory  # planned against what llama.cpp allocated for the plan's own context at load
+    return e
