@@ -58,7 +58,7 @@ def test_hybrid_state_is_never_cut_part_way(hybrid):
     assert alone.cached_tokens == 0 and alone.text == expected
     assert forked.cached_tokens == keep and forked.text == expected
     # the answer depends on the recurrent state: another document answers otherwise
-    other = input_tokens(llm.model_path, QUESTIONS[1], document=DOC.replace("red", "black"), chat=True)[0]
+    other = input_tokens(llm.model_path, QUESTIONS[1], document="The market opens at dawn. " * 40, chat=True)[0]
     assert generate(llm, other, n_predict=GREEDY["max_tokens"], temp=0).tokens != single
 
 
