@@ -280,7 +280,9 @@ class Engine:
                 for req in cancels:
                     self._sched.cancel(req, self._rm)
                 self._admit()
-                self._step()
+                if not self._step():
+                    with self._lock:  # nothing to evaluate until a request ends, arrives or is cancelled
+                        self._lock.wait(0.05)
             except Exception as e:  # a failed step ends its sequences, never the thread
                 log.exception("engine step failed")
                 for s in list(self._sched.active):
@@ -315,12 +317,13 @@ class Engine:
     def _cells_free(self) -> int:
         return self.n_ctx - self._store.cells_used() - self._sched.reserved()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One llama_decode of every generating token and the prompt chunks that fit; False: nothing to do."""
         lc, b = self._lc, self._batch
         self._sched.fork_waiting(self._cp, self._rm)
         plan = self._sched.build(self.n_batch)
         if not plan.entries:
-            return
+            return False
         for i, (seq, tok, pos, out) in enumerate(plan.entries):
             b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
             b.seq_id[i][0] = seq.seq_id
@@ -336,6 +339,7 @@ class Engine:
         for i, seq in plan.outputs:
             tok = seq.chain.sample(self._ctx, i)
             self._token(seq, tok)
+        return True
 
     def _token(self, s: Seq, tok: int) -> None:
         if s.zombie:  # cancelled while it still prefills for sequences that fork from it

@@ -121,6 +121,7 @@ class Scheduler:
             # the least recently used idle sequence that frees cells (one whose cells others share frees none)
             victim = st.lru_idle(exclude=keep | {i for i, sl in enumerate(st.slots) if sl.tokens and
                                                  st.cells_freed_by(i) == 0})
+            victim = st.lru_idle(exclude=keep) if victim is None else victim
             if victim is None:
                 return False
             self._evict(victim, rm)
