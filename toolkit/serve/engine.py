@@ -25,19 +25,13 @@ from typing import Callable
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..llama import backend
+from .context import context_params
 from .prefix import PrefixStore
 from .request import Event, Request, Result  # noqa: F401 (the contract's names live here too)
 from .sampling import Chain, SamplingParams  # noqa: F401
 from .scheduler import Scheduler, Seq
 
 log = logging.getLogger(__name__)
-
-# Context fields an engine never takes from the loaded Llama: callbacks and samplers belong to that
-# context, and these three are what the engine is for.
-_CALLBACKS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data", "samplers", "n_samplers",
-              "ctx_other"}
-_NOT_COPIED = _CALLBACKS | {"n_seq_max", "kv_unified", "n_outputs_max"}
-
 
 @dataclass
 class EngineStats:
@@ -59,27 +53,6 @@ class _Counters:
     prompt_tokens_evaluated: int = 0
     tokens_generated: int = 0
     steps: int = 0
-
-
-def context_params(llm, n_seq_max: int, n_ctx: int | None, overrides: dict):
-    """The loaded Llama's context settings (its plan's type_k, flash_attn, n_batch, threads, ...)
-    with a unified KV cache for `n_seq_max` sequences. One output per sequence per step is all the
-    engine reads, so `n_outputs_max = n_seq_max` (llama.cpp's default of n_batch reserves logits for a
-    whole batch: `llama_context::output_reserve`)."""
-    lc = backend.llama_cpp()
-    cp = lc.llama_context_default_params()
-    src = llm.context_params
-    for name, _ in type(cp)._fields_:
-        if name not in _NOT_COPIED:
-            setattr(cp, name, getattr(src, name))
-    cp.n_ctx = n_ctx or llm.n_ctx()
-    cp.n_seq_max, cp.kv_unified, cp.n_outputs_max = n_seq_max, True, n_seq_max
-    known = {n for n, _ in type(cp)._fields_} - _CALLBACKS
-    for key, value in overrides.items():
-        if key not in known:
-            raise InvalidOption(f"{key} is not a llama.cpp context setting", option=key, value=value)
-        setattr(cp, key, value)
-    return cp
 
 
 class Engine:
@@ -133,9 +106,7 @@ class Engine:
         the document's end, so the document and each question are evaluated in the batches a single
         run evaluates them in)."""
         params = params or SamplingParams()
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise InvalidOption("the prompt is empty", option="prompt")
+        tokens = self._checked(tokens)
         params.check(self.n_vocab)
         need = len(tokens) + params.max_tokens
         if need > self.n_ctx:
@@ -158,9 +129,7 @@ class Engine:
     def prefill(self, tokens: list[int]) -> Request:
         """Evaluate `tokens` into a sequence that stays resident for later requests to share (a
         document read before its questions); the request finishes ("length", no text) once they are in."""
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise InvalidOption("the prompt is empty", option="prompt")
+        tokens = self._checked(tokens)
         if len(tokens) > self.n_ctx:
             raise DoesNotFit(f"the document needs {len(tokens):,} KV cells but the engine holds {self.n_ctx:,}",
                              "use a larger n_ctx", value=len(tokens), limit=self.n_ctx)
@@ -169,6 +138,18 @@ class Engine:
             self._queue.append(Seq(req, tokens, SamplingParams(max_tokens=0), None))
             self._lock.notify_all()
         return req
+
+    def _checked(self, tokens: list[int]) -> list[int]:
+        """The prompt as ints, refused when empty or holding an id outside the vocabulary (llama_decode
+        would refuse the whole batch, every sequence in it: llama_batch_allocr::init)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise InvalidOption("the prompt is empty", option="prompt")
+        bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
+        if bad is not None:
+            raise InvalidOption(f"token {bad} is outside the vocabulary of {self.n_vocab}", option="prompt",
+                                value=bad, limit=self.n_vocab)
+        return tokens
 
     def save_prefix(self, tokens: list[int], write: Callable) -> bool:
         """Call `write(ctx, seq_id)` on the engine's thread for the resident sequence holding exactly
