@@ -74,9 +74,9 @@ class Chain:
             add(lc.llama_sampler_init_logit_bias(n_vocab, len(p.logit_bias), arr))
         if p.grammar:
             g = lc.llama_sampler_init_grammar(vocab, p.grammar.encode("utf-8"), b"root")
-            if not g:  # llama_grammar_init_impl logged why; NULL is its answer to bad GBNF
-                raise InvalidOption("the grammar does not parse as GBNF (llama.cpp's log on the ctxq.llama_cpp "
-                                    "logger says where)", option="grammar")
+            if not g:  # NULL is llama_grammar_init_impl's answer to bad GBNF; its parser printed where on stderr
+                raise InvalidOption("the grammar does not parse as GBNF (llama.cpp printed where on stderr)",
+                                    option="grammar")
             add(g)
         if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
             add(lc.llama_sampler_init_penalties(PENALTY_LAST_N, p.repeat_penalty, p.frequency_penalty,
