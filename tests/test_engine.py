@@ -186,3 +186,17 @@ def test_64_concurrent_submits_are_all_answered_or_refused(llm, smollm2):
     assert len(refused) == 4 and len(answered) == 60
     assert all(r.finish_reason in ("stop", "length") for r in answered)
     assert st.queued == 0 and st.sequences_active == 0
+
+
+def test_prompts_longer_than_a_batch_still_share_the_document(llm, prompts):
+    """n_batch 64: the document takes several steps while the others wait at its end, then fork."""
+    with Engine(llm, n_seq_max=4, n_batch=64, n_ubatch=64) as e:
+        assert e.n_batch == 64
+        reqs = [e.submit(t, SamplingParams(temperature=0.0, max_tokens=4)) for t, _ in prompts]
+        results = [r.result() for r in reqs]
+        st = e.stats()
+    n_shared = results[1].cached_tokens
+    assert n_shared >= prompts[0][1] and all(r.finish_reason in ("stop", "length") for r in results)
+    assert st.prompt_tokens_evaluated == sum(len(t) for t, _ in prompts) - st.prompt_tokens_reused
+    assert st.prompt_tokens_reused == sum(r.cached_tokens for r in results) >= 3 * prompts[0][1]
+    assert st.steps >= len(prompts[0][0]) // 64
