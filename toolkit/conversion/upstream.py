@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 # Everything a CMake build of llama.cpp's tools needs (llama-server, llama-batched-bench, ...).
 SOURCE_PARTS = CONVERTER_PARTS + ("CMakeLists.txt", "cmake/", "common/", "ggml/", "include/", "src/",
-                                  "tools/", "examples/", "vendor/", "licenses/", "LICENSE", "build-info.sh")
+                                  "tools/", "examples/", "vendor/", "licenses/", "LICENSE", "build-info.sh",
+                                  # scripts/ui-assets.cmake: llama-server's build runs it (tools/ui/CMakeLists.txt)
+                                  "scripts/")
 
 
 def llama_cpp_python_version() -> str:
@@ -37,7 +39,10 @@ def llama_cpp_python_version() -> str:
 
 
 def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
-    if (dest / ".complete").exists():
+    # The marker names the parts, so a fetch made with fewer parts is fetched again.
+    marker_text = version + "\n" + " ".join(parts) + "\n"
+    done = dest / ".complete"
+    if done.exists() and done.read_text() == marker_text:
         return dest
     log.info("fetching llama.cpp %s sources from the llama-cpp-python sdist on PyPI", version)
     with tempfiles.folder(dest, "fetch") as tmp:
@@ -59,7 +64,7 @@ def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
                     m.name = m.name.split(marker, 1)[1]
                     members.append(m)
             tar.extractall(unpacked, members=members, filter="data")
-        (unpacked / ".complete").write_text(version + "\n")
+        (unpacked / ".complete").write_text(marker_text)
         if dest.exists():  # an incomplete earlier fetch
             shutil.rmtree(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
