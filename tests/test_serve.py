@@ -75,10 +75,14 @@ def serving(model: Path, log: Path, *args: str):
             assert code == 0, f"ctxq serve exited {code} after Ctrl-C: {log.read_text()[-2000:]}"
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+# Every server test runs on today's serve and on ctxq's engine (`--parallel`, issue 29).
+MODES = [pytest.param((), id="one-at-a-time"), pytest.param(("--parallel", "4"), id="parallel")]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(smollm2, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--seed", "1") as running:
+    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--seed", "1", *request.param) as running:
         yield running
 
 
