@@ -94,10 +94,12 @@ def _reason(req) -> str:
 
 
 def _submit(backend: Backend, prompt: oa.Prompt):
-    from ..errors import DoesNotFit
+    from ..errors import DoesNotFit, InvalidOption
 
     try:
         return backend.engine.submit(prompt.tokens, prompt.params)
+    except InvalidOption as e:  # a sampling value llama.cpp's samplers cannot take (SamplingParams.check)
+        raise reject(400, str(e), param=e.option, code="invalid_value") from None
     except DoesNotFit as e:
         raise reject(400, f"this request needs {e.value:,} KV cells (its {len(prompt.tokens):,}-token prompt and "
                      f"max_tokens {prompt.params.max_tokens:,}) but the server holds {e.limit:,}; shorten it or "
