@@ -38,18 +38,27 @@ def cmake_args(cuda: bool) -> list[str]:
     return args
 
 
-def build(cuda: bool = False, log=sys.stderr) -> Path:
-    """The folder holding llama-server and llama-batched-bench; builds them on first use."""
-    version = llama_cpp_python_version()
+def _home(cuda: bool) -> Path:
     args = cmake_args(cuda)
     cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "") \
         if Path("/proc/cpuinfo").exists() else platform.machine()
-    key = hashlib.sha256("\n".join([version, *args, cpu]).encode()).hexdigest()[:16]
-    home = ctxq_home() / "build" / f"llama-tools-{key}"
+    key = hashlib.sha256("\n".join([llama_cpp_python_version(), *args, cpu]).encode()).hexdigest()[:16]
+    return ctxq_home() / "build" / f"llama-tools-{key}"
+
+
+def built(cuda: bool = False) -> Path | None:
+    """The folder holding the tools when they are built, else None."""
+    bin_dir = _home(cuda) / "bin"
+    return bin_dir if all((bin_dir / t).exists() for t in TARGETS) else None
+
+
+def build(cuda: bool = False, log=sys.stderr) -> Path:
+    """The folder holding llama-server and llama-batched-bench; builds them on first use."""
+    if built(cuda) is not None:
+        return built(cuda)
+    args, home = cmake_args(cuda), _home(cuda)
     bin_dir = home / "bin"
-    if all((bin_dir / t).exists() for t in TARGETS):
-        return bin_dir
-    src = source_dir(version)
+    src = source_dir(llama_cpp_python_version())
     work = home / "cmake"
     jobs = str(os.cpu_count() or 2)
     subprocess.run(["cmake", "-S", str(src), "-B", str(work), "-G", "Ninja", *args], check=True,
