@@ -99,24 +99,24 @@ class Scheduler:
         src, n = st.match(s.tokens, whole=self.recurrent, limit=limit)
         parent, m = self._in_flight(s, limit, n)
         shared = m if parent is not None else n
-        keep = {src} if src is not None and parent is None else set()
+        dst, takeover = st.free_slot(), False
+        if dst is None:  # every id holds something: the least recently used idle one makes room
+            dst = st.lru_idle()
+            if dst is None:
+                return False
+            takeover = dst == src and parent is None
+            if takeover:  # it holds this request's prefix: continue in it, without the rest
+                if n < len(st.slots[dst].tokens):
+                    rm(dst, n)
+                    st.truncate(dst, n)
+            else:
+                self._evict(dst, rm)
+        keep = {dst} | ({src} if src is not None and parent is None else set())
         while cells_free() < s.need - shared:
             victim = st.lru_idle(exclude=keep)
             if victim is None:
                 return False
             self._evict(victim, rm)
-        dst = st.free_slot()
-        if dst is None and (victim := st.lru_idle(exclude=keep)) is not None:
-            self._evict(victim, rm)
-            dst = victim
-        takeover = dst is None and src is not None and parent is None and not st.slots[src].busy
-        if dst is None and not takeover:
-            return False
-        if takeover:  # the only id left is the one holding the prefix: continue in it
-            dst = src
-            if n < len(st.slots[dst].tokens):
-                rm(dst, n)
-                st.truncate(dst, n)
         s.seq_id = dst
         st.slots[dst].busy = True
         st.touch(dst)
