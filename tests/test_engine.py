@@ -92,6 +92,9 @@ def test_a_request_that_can_never_fit_is_refused_with_both_numbers(llm, prompts)
         assert f"{len(tokens) + 100}" in str(info.value) and "512" in str(info.value)
         with pytest.raises(InvalidOption):
             e.submit(tokens[:10], SamplingParams(grammar="root ::= (("))
+        with pytest.raises(InvalidOption, match="outside the vocabulary"):
+            e.submit([1, e.n_vocab + 5], SamplingParams(max_tokens=2))
+        assert e.submit(tokens[:10], SamplingParams(max_tokens=2)).result().finish_reason in ("stop", "length")
 
 
 def test_cancel_frees_the_sequence_and_its_private_cells(llm, prompts):
@@ -142,7 +145,7 @@ def test_async_iteration_gives_the_same_pieces(llm, prompts):
 
 
 def test_least_recently_used_prefix_is_evicted_first(llm, smollm2):
-    docs = [input_tokens(smollm2, "Say hi.", document=f"Document {n}: " + DOC.replace("Room", w), chat=True)
+    docs = [input_tokens(smollm2, "Say hi.", document=f"Document {n}: " + DOC[:300].replace("Room", w), chat=True)
             for n, w in enumerate(["Hall", "Cell", "Cave"])]
     header = next(i for i, (a, b) in enumerate(zip(docs[0][0], docs[1][0])) if a != b)  # the chat template's
     p = SamplingParams(temperature=0.0, max_tokens=2)
@@ -158,18 +161,20 @@ def test_least_recently_used_prefix_is_evicted_first(llm, smollm2):
     assert again1.cached_tokens <= header
 
 
-def test_64_concurrent_submits_are_all_answered_or_refused(llm, prompts):
+def test_64_concurrent_submits_are_all_answered_or_refused(llm, smollm2):
+    """64 clients at once on 8 sequences and 512 cells: they queue for ids and cells, and all end."""
     outcomes: list = [None] * 64
+    asks = [input_tokens(smollm2, q, chat=True)[0] for q in QUESTIONS]
 
     def client(i, e):
-        t, _ = prompts[i % len(prompts)]
+        t = asks[i % len(asks)]
         try:
             max_tokens = 5000 if i % 16 == 15 else 4  # every 16th can never fit
             outcomes[i] = e.submit(t, SamplingParams(temperature=0.5, seed=i, max_tokens=max_tokens)).result()
         except DoesNotFit as err:
             outcomes[i] = err
 
-    with Engine(llm, n_seq_max=8, n_ctx=2048) as e:
+    with Engine(llm, n_seq_max=8, n_ctx=512) as e:
         threads = [threading.Thread(target=client, args=(i, e)) for i in range(64)]
         for th in threads:
             th.start()

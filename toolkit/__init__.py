@@ -3,6 +3,7 @@
     import ctxq
     plan = ctxq.plan("model.gguf", n_ctx=65536, gpus=[16, 16, 16, 8, 8])
     llm = ctxq.load("model.gguf", n_ctx=65536, kv="q8_0")
+    answers = ctxq.ask("model.gguf", document, ["Who signed?", "When?"])  # the document read once
 
 `plan()` and `load()` take the plan's settings as keywords (the fields of `PlanOptions`, the same
 words as llama.cpp: n_ctx, type_k, flash_attn, n_batch, ...) or as one `options=PlanOptions(...)`.
@@ -12,7 +13,8 @@ Names are imported lazily so that `import ctxq` stays fast and does not load lla
 
 from .errors import CtxqError
 
-__all__ = ["load", "plan", "convert", "inspect", "Plan", "PlanOptions", "Device", "CtxqError"]
+__all__ = ["load", "plan", "convert", "inspect", "ask", "Engine", "SamplingParams", "Plan", "PlanOptions", "Device",
+           "CtxqError"]
 
 _LAZY = {
     "load": ("ctxq.runtime.runner", "load"),
@@ -22,6 +24,9 @@ _LAZY = {
     "Device": ("ctxq.planning.devices", "Device"),
     "convert": ("ctxq.conversion.convert", "convert"),
     "inspect": ("ctxq.models", "inspect"),
+    "ask": ("ctxq.runtime.many", "ask"),
+    "Engine": ("ctxq.serve.engine", "Engine"),
+    "SamplingParams": ("ctxq.serve.engine", "SamplingParams"),
 }
 
 

@@ -34,7 +34,10 @@ def _read_input(prompt, file):
 @hf_file_option
 @plan_options()
 @load_options
-@click.option("-p", "--prompt", default=None, help="The input text.")
+@click.option("-p", "--prompt", "prompts", multiple=True,
+              help="The input text; repeated, several questions about the -f document, answered together.")
+@click.option("--questions", "questions_file", type=click.Path(dir_okay=False), default=None,
+              help="Questions about the -f document, one per line, answered together (the document read once).")
 @click.option("-f", "--file", "file", type=click.Path(dir_okay=False), default=None,
               help="Read the input from FILE; with -p, FILE comes first and the prompt after it.")
 @session_option
@@ -45,8 +48,8 @@ def _read_input(prompt, file):
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Sampling temperature; 0 is greedy.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (and the input's size) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (text, timings, memory) as JSON.")
-def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, chat, system, n_predict, temp, dry_run,
-            as_json):
+def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, file, session, chat, system, n_predict,
+            temp, dry_run, as_json):
     """Run MODEL (a GGUF; default: the embedded SmolLM2) on a long input with --ctx tokens of context.
 
     The input (-p, -f or stdin) is tokenized and checked against the context first; then the plan
@@ -57,6 +60,9 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, cha
     --chat, both are one user turn, the file at its start). --session saves the state of the input
     up to the file's end; a later run with the same file, model and settings restores it and
     processes only the prompt.
+
+    With several -p (or --questions FILE, one per line) the file is read once and every question
+    forks from it; the answers are decoded together and printed in order, labelled (--json: a list).
     """
     from ..errors import ReorderNeeded
     from ..llama import backend
@@ -66,6 +72,19 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, cha
         from ..hub import with_file
 
         model = with_file(model, hf_file)
+    questions = list(prompts)
+    if questions_file is not None:
+        from ..runtime.many import read_questions
+
+        questions += read_questions(questions_file)
+    if len(questions) > 1:
+        document, _ = _read_input(None, file)
+        if document is None:
+            raise click.UsageError("several questions are about a document: give it with -f FILE (or on stdin)")
+        _run_many(model, document, questions, options=options, n_threads=n_threads, seed=seed, session=session,
+                 chat=chat, system=system, n_predict=n_predict, temp=temp, dry_run=dry_run, as_json=as_json)
+        return
+    prompt = questions[0] if questions else None
     document, text = _read_input(prompt, file)
     if text is None and document is None and not dry_run:
         raise click.UsageError("give the input: -p TEXT, -f FILE, or pipe it on stdin")
@@ -99,6 +118,55 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompt, file, session, cha
     click.echo(f"prompt {r.n_prompt:,} tokens{cached}: prefill {r.prefill_s:.2f} s ({r.prefill_tps:.1f} tok/s), "
                f"time to first token {r.ttft_s:.2f} s; generated {r.n_generated} tokens "
                f"({r.decode_tps:.2f} tok/s, stop: {r.stop})", err=True)
+    click.echo(memory_table(r.memory), err=True)
+
+
+def _run_many(model, document, questions, *, options, n_threads, seed, session, chat, system, n_predict, temp,
+              dry_run, as_json) -> None:
+    """Several questions about one document: the document evaluated once, the answers decoded together."""
+    from ..errors import ReorderNeeded
+    from ..runtime import many
+
+    if session is not None:
+        echo_session_log()
+    if dry_run:
+        from ..runtime import runner
+        from ..models import resolve_model
+
+        with runner.local_workers(options) as opts:
+            tokens, keep = many.question_tokens(resolve_model(model), document, questions, chat=chat, system=system)
+            need = many.cells_needed(tokens, keep, max(n_predict, 0))
+            p = runner.make_plan(model, options=opts if opts.n_ctx is not None else opts.updated(
+                n_ctx=-(-need // many.CELL_ROUND) * many.CELL_ROUND))
+        if as_json:
+            echo_json({"n_document": keep, "n_prompts": [len(t) for t in tokens], "cells_needed": need,
+                       "plan": p.to_dict()})
+            return
+        click.echo(render_plan(p))
+        click.echo(f"input: a document of {keep:,} tokens held once, {len(questions)} questions "
+                   f"({sum(len(t) - keep for t in tokens):,} tokens) and {n_predict:,} tokens to generate each: "
+                   f"{need:,} KV cells of {p.n_ctx:,}")
+        return
+
+    def on_answer(i, a):
+        if not as_json:
+            click.echo(f"[{i + 1}] {a.question}\n{a.text}\n")
+
+    try:
+        r = many.ask_many(model, document, questions, max_tokens=n_predict, temperature=temp, seed=seed, chat=chat,
+                          system=system, session=session, n_threads=n_threads, options=options,
+                          on_loaded=_loaded, on_answer=on_answer)
+    except ReorderNeeded as e:
+        reexec(e.value)
+        raise
+    if as_json:
+        echo_json([{**a.to_dict(), "n_document": r.n_document} for a in r.answers])
+        return
+    restored = f", {r.n_cached:,} restored from the session" if r.n_cached else ""
+    click.echo(f"document {r.n_document:,} tokens held once{restored} (read in {r.prefill_s:.2f} s); "
+               f"{len(r.answers)} questions: {r.prompt_tokens_evaluated:,} prompt tokens evaluated, "
+               f"{r.tokens_generated:,} generated, {r.cells_used:,} KV cells held; all answered in "
+               f"{r.total_s:.2f} s", err=True)
     click.echo(memory_table(r.memory), err=True)
 
 

@@ -86,21 +86,23 @@ def _remove_stale_partials(path: Path) -> None:
             pass
 
 
-def predicted_bytes(llm, n_tokens: int) -> int:
-    """The size of a session of `n_tokens` (evaluated in llm): llama.cpp sizes the state by writing it
-    to a counting writer (`llama_state_seq_get_size`), so this is exact, less ctxq's small trailer."""
+def predicted_bytes(llm, n_tokens: int, *, ctx=None, seq_id: int = 0) -> int:
+    """The size of a session of `n_tokens` (evaluated in llm, or in sequence `seq_id` of `ctx`): llama.cpp
+    sizes the state by writing it to a counting writer (`llama_state_seq_get_size`), so this is exact,
+    less ctxq's small trailer."""
     lc = backend.llama_cpp()
-    return STATE_HEADER + 4 * n_tokens + lc.llama_state_seq_get_size(llm._ctx.ctx, 0)
+    return STATE_HEADER + 4 * n_tokens + lc.llama_state_seq_get_size(ctx or llm._ctx.ctx, seq_id)
 
 
-def save_session(llm, path, tokens: list[int], plan) -> None:
-    """Save the KV state of `tokens` (already evaluated in llm) atomically with its metadata."""
+def save_session(llm, path, tokens: list[int], plan, *, ctx=None, seq_id: int = 0) -> None:
+    """Save the KV state of `tokens` (already evaluated in llm, or in sequence `seq_id` of the context
+    `ctx`: an engine's) atomically with its metadata."""
     lc = backend.llama_cpp()
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(path)
-    ctx = llm._ctx.ctx
-    state_bytes = predicted_bytes(llm, len(tokens))
+    ctx = ctx or llm._ctx.ctx
+    state_bytes = predicted_bytes(llm, len(tokens), ctx=ctx, seq_id=seq_id)
     free = shutil.disk_usage(path.parent).free
     if state_bytes + MiB > free:  # + 1 MiB: the metadata and the filesystem's own rounding
         raise CtxqError(f"the session needs {state_bytes / MiB:,.1f} MiB but {path.parent} has "
@@ -108,7 +110,7 @@ def save_session(llm, path, tokens: list[int], plan) -> None:
     part = _partial_name(path, os.getpid())
     try:
         arr = (lc.llama_token * len(tokens))(*tokens)
-        written = lc.llama_state_seq_save_file(ctx, str(part).encode(), 0, arr, len(tokens))
+        written = lc.llama_state_seq_save_file(ctx, str(part).encode(), seq_id, arr, len(tokens))
         if not written:
             raise CtxqError(f"llama.cpp could not write the session to {part.parent}")
         meta = {"format": FORMAT, **_versions(), "model": Path(plan.model).name, "model_sha256": _model_digest(plan),
@@ -225,6 +227,59 @@ def restore_session(llm, path, plan, tokens: list[int] | None = None) -> int:
     os.utime(path)  # the `auto` cache evicts the least recently used first
     log.info("session: restored %d tokens from %s in %.2f s", len(saved), path, time.perf_counter() - t0)
     return len(saved)
+
+
+# --- the engine's shared prefix (ctxq run with several questions) ---------------------------------
+
+def restore_into_engine(engine, path, plan, tokens: list[int]) -> int:
+    """Load a saved document into a sequence of `engine` that its requests then share (forked with
+    llama_memory_seq_cp): the number of tokens restored, 0 when the file does not match (logged)."""
+    lc = backend.llama_cpp()
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return 0
+    t0 = time.perf_counter()
+    try:
+        meta = read_metadata(path)
+        saved = _check(path, meta, plan, tokens)
+
+        def read(ctx, seq_id: int) -> list[int]:
+            out = (lc.llama_token * max(1, len(saved)))()
+            n_out = ctypes.c_size_t(0)
+            with backend.capture_log() as lines:
+                ok = lc.llama_state_seq_load_file(ctx, str(path).encode(), seq_id, out, len(saved),
+                                                  ctypes.byref(n_out))
+            if not ok or n_out.value != len(saved):
+                tail = [l.strip() for l in lines if l.strip()][-1:]
+                raise SessionMismatch(f"llama.cpp could not restore it{': ' + tail[0] if tail else ''}")
+            return saved
+
+        n = engine.load_prefix(read)
+    except SessionMismatch as e:
+        log.warning("session %s not used: %s; processing the input from the start", path, e)
+        return 0
+    os.utime(path)
+    log.info("session: restored %d tokens from %s in %.2f s", n, path, time.perf_counter() - t0)
+    return n
+
+
+def save_from_engine(engine, session, tokens: list[int], plan) -> bool:
+    """Save the engine's resident sequence that holds exactly `tokens` (a path or `auto`); a failed save
+    is logged as a warning. Whether it was saved."""
+    def write(ctx, seq_id: int) -> None:
+        if str(session) == AUTO:
+            need, cap = predicted_bytes(None, len(tokens), ctx=ctx, seq_id=seq_id), cache_cap()
+            if need > cap:
+                raise CtxqError(f"the session needs {need / MiB:,.1f} MiB, more than the session cache may hold "
+                                f"({cap / MiB:,.1f} MiB, CTXQ_SESSION_CACHE_GIB)")
+            evict(cache_dir(), cap, room=need)
+        save_session(None, session_path(session, plan, tokens), tokens, plan, ctx=ctx, seq_id=seq_id)
+
+    try:
+        return engine.save_prefix(tokens, write)
+    except CtxqError as e:
+        log.warning("session not saved: %s", e)
+        return False
 
 
 # --- the `auto` cache ---------------------------------------------------------------------------

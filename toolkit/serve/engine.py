@@ -19,23 +19,19 @@ import ctypes
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..llama import backend
+from .context import context_params
 from .prefix import PrefixStore
 from .request import Event, Request, Result  # noqa: F401 (the contract's names live here too)
 from .sampling import Chain, SamplingParams  # noqa: F401
 from .scheduler import Scheduler, Seq
 
 log = logging.getLogger(__name__)
-
-# Context fields an engine never takes from the loaded Llama: callbacks and samplers belong to that
-# context, and these three are what the engine is for.
-_CALLBACKS = {"cb_eval", "cb_eval_user_data", "abort_callback", "abort_callback_data", "samplers", "n_samplers",
-              "ctx_other"}
-_NOT_COPIED = _CALLBACKS | {"n_seq_max", "kv_unified", "n_outputs_max"}
-
 
 @dataclass
 class EngineStats:
@@ -57,27 +53,6 @@ class _Counters:
     prompt_tokens_evaluated: int = 0
     tokens_generated: int = 0
     steps: int = 0
-
-
-def context_params(llm, n_seq_max: int, n_ctx: int | None, overrides: dict):
-    """The loaded Llama's context settings (its plan's type_k, flash_attn, n_batch, threads, ...)
-    with a unified KV cache for `n_seq_max` sequences. One output per sequence per step is all the
-    engine reads, so `n_outputs_max = n_seq_max` (llama.cpp's default of n_batch reserves logits for a
-    whole batch: `llama_context::output_reserve`)."""
-    lc = backend.llama_cpp()
-    cp = lc.llama_context_default_params()
-    src = llm.context_params
-    for name, _ in type(cp)._fields_:
-        if name not in _NOT_COPIED:
-            setattr(cp, name, getattr(src, name))
-    cp.n_ctx = n_ctx or llm.n_ctx()
-    cp.n_seq_max, cp.kv_unified, cp.n_outputs_max = n_seq_max, True, n_seq_max
-    known = {n for n, _ in type(cp)._fields_} - _CALLBACKS
-    for key, value in overrides.items():
-        if key not in known:
-            raise InvalidOption(f"{key} is not a llama.cpp context setting", option=key, value=value)
-        setattr(cp, key, value)
-    return cp
 
 
 class Engine:
@@ -115,6 +90,7 @@ class Engine:
         self._lock = threading.Condition()
         self._queue: deque[Seq] = deque()
         self._cancels: list[Request] = []
+        self._tasks: list[tuple[Callable, Future]] = []  # run on the thread between steps
         self._closed = False
         self._snapshot = self._make_stats()
         self._thread = threading.Thread(target=self._loop, name="ctxq-engine", daemon=True)
@@ -130,9 +106,7 @@ class Engine:
         the document's end, so the document and each question are evaluated in the batches a single
         run evaluates them in)."""
         params = params or SamplingParams()
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise InvalidOption("the prompt is empty", option="prompt")
+        tokens = self._checked(tokens)
         params.check(self.n_vocab)
         need = len(tokens) + params.max_tokens
         if need > self.n_ctx:
@@ -152,6 +126,74 @@ class Engine:
             self._lock.notify_all()
         return req
 
+    def prefill(self, tokens: list[int]) -> Request:
+        """Evaluate `tokens` into a sequence that stays resident for later requests to share (a
+        document read before its questions); the request finishes ("length", no text) once they are in."""
+        tokens = self._checked(tokens)
+        if len(tokens) > self.n_ctx:
+            raise DoesNotFit(f"the document needs {len(tokens):,} KV cells but the engine holds {self.n_ctx:,}",
+                             "use a larger n_ctx", value=len(tokens), limit=self.n_ctx)
+        req = Request(self, len(tokens))
+        with self._lock:
+            self._queue.append(Seq(req, tokens, SamplingParams(max_tokens=0), None))
+            self._lock.notify_all()
+        return req
+
+    def _checked(self, tokens: list[int]) -> list[int]:
+        """The prompt as ints, refused when empty or holding an id outside the vocabulary (llama_decode
+        would refuse the whole batch, every sequence in it: llama_batch_allocr::init)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise InvalidOption("the prompt is empty", option="prompt")
+        bad = next((t for t in tokens if not 0 <= t < self.n_vocab), None)
+        if bad is not None:
+            raise InvalidOption(f"token {bad} is outside the vocabulary of {self.n_vocab}", option="prompt",
+                                value=bad, limit=self.n_vocab)
+        return tokens
+
+    def save_prefix(self, tokens: list[int], write: Callable) -> bool:
+        """Call `write(ctx, seq_id)` on the engine's thread for the resident sequence holding exactly
+        `tokens` (a prefilled document); False when none does."""
+        def task():
+            seq_id, n = self._store.match(tokens, whole=True)
+            if seq_id is None or n != len(tokens):
+                return False
+            write(self._ctx, seq_id)
+            return True
+
+        return self._on_thread(task)
+
+    def load_prefix(self, read: Callable) -> int:
+        """Call `read(ctx, seq_id)` on the engine's thread with a free sequence id; it loads a saved
+        state there and returns the tokens it holds (or raises), which stay resident for later
+        requests to share. The number of tokens loaded."""
+        def task():
+            seq_id = self._store.free_slot()
+            if seq_id is None:
+                seq_id = self._store.lru_idle()
+                if seq_id is None:
+                    raise CtxqError("every sequence is busy; load the session before submitting requests")
+                self._sched._evict(seq_id, self._rm)
+            try:
+                tokens = read(self._ctx, seq_id)
+            except BaseException:
+                self._lc.llama_memory_seq_rm(self._mem, seq_id, -1, -1)
+                raise
+            self._store.append(seq_id, list(tokens))
+            self._store.touch(seq_id)
+            return len(tokens)
+
+        return self._on_thread(task)
+
+    def _on_thread(self, fn: Callable):
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise CtxqError("the engine is closed")
+            self._tasks.append((fn, fut))
+            self._lock.notify_all()
+        return fut.result()
+
     def stats(self) -> EngineStats:
         with self._lock:
             s = self._snapshot
@@ -168,9 +210,12 @@ class Engine:
             self._lock.notify_all()
         self._thread.join()
         self._sched.tell()
+        for fn, fut in self._tasks:
+            fut.set_exception(CtxqError("the engine is closed"))
         for s in list(self._queue) + self._sched.active:
             s.req._finish("cancelled")
-            s.chain.close()
+            if s.chain:
+                s.chain.close()
         self._queue.clear()
         self._lc.llama_batch_free(self._batch)
         self._lc.llama_free(self._ctx)
@@ -189,7 +234,8 @@ class Engine:
             queued = next((s for s in self._queue if s.req is req), None)
             if queued is not None:
                 self._queue.remove(queued)
-                queued.chain.close()
+                if queued.chain:
+                    queued.chain.close()
                 req._finish("cancelled")
             elif not req.done:
                 self._cancels.append(req)
@@ -200,16 +246,24 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._queue and not self._cancels and not self._sched.active:
+                while not (self._closed or self._queue or self._cancels or self._tasks or self._sched.active):
                     self._lock.wait()
                 if self._closed:
                     return
                 cancels, self._cancels = self._cancels, []
+                tasks, self._tasks = self._tasks, []
+            for fn, fut in tasks:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # the caller's thread raises it
+                    fut.set_exception(e)
             try:
                 for req in cancels:
                     self._sched.cancel(req, self._rm)
                 self._admit()
-                self._step()
+                if not self._step():
+                    with self._lock:  # nothing to evaluate until a request ends, arrives or is cancelled
+                        self._lock.wait(0.05)
             except Exception as e:  # a failed step ends its sequences, never the thread
                 log.exception("engine step failed")
                 for s in list(self._sched.active):
@@ -244,12 +298,13 @@ class Engine:
     def _cells_free(self) -> int:
         return self.n_ctx - self._store.cells_used() - self._sched.reserved()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One llama_decode of every generating token and the prompt chunks that fit; False: nothing to do."""
         lc, b = self._lc, self._batch
         self._sched.fork_waiting(self._cp, self._rm)
         plan = self._sched.build(self.n_batch)
         if not plan.entries:
-            return
+            return False
         for i, (seq, tok, pos, out) in enumerate(plan.entries):
             b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
             b.seq_id[i][0] = seq.seq_id
@@ -261,10 +316,11 @@ class Engine:
             raise CtxqError(f"llama_decode returned {rc} for a batch of {b.n_tokens} tokens "
                             f"({self._store.cells_used()} of {self.n_ctx} cells in use)")
         self._counters.prompt_tokens_evaluated += plan.n_prompt
-        self._sched.evaluated(plan)
+        self._sched.evaluated(plan, self._rm)
         for i, seq in plan.outputs:
             tok = seq.chain.sample(self._ctx, i)
             self._token(seq, tok)
+        return True
 
     def _token(self, s: Seq, tok: int) -> None:
         if s.zombie:  # cancelled while it still prefills for sequences that fork from it
@@ -307,10 +363,12 @@ def from_plan(plan, *, n_seq_max: int, n_ctx: int | None = None, **load_kwargs) 
     context is freed at once (the engine's replaces it, so the plan's KV memory is held once)."""
     from ..runtime.runner import load_plan
 
-    llm, _, _ = load_plan(plan, **load_kwargs)
+    llm, memory, _ = load_plan(plan, **load_kwargs)
     llm._ctx.close()  # llama-cpp-python frees a closed context only once (LlamaContext.close)
     try:
-        return Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True)
+        e = Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True)
     except BaseException:
         llm.close()
         raise
+    e.memory = memory  # planned against what llama.cpp allocated for the plan's own context at load
+    return e

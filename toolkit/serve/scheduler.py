@@ -26,7 +26,7 @@ class Seq:
     req: Request
     tokens: list[int]  # the prompt
     params: SamplingParams
-    chain: Chain
+    chain: Chain | None  # None: a prefill, evaluated and kept resident, never sampled
     seq_id: int | None = None
     n_done: int = 0  # prompt tokens in its cells (shared or evaluated)
     wait_for: "Seq | None" = None  # an in-flight prompt it forks from at wait_n
@@ -37,6 +37,7 @@ class Seq:
     generated: list[int] = field(default_factory=list)
     zombie: bool = False  # its client has gone; it evaluates on only for those waiting on it
     share_limit: int | None = None  # share at most this many of its first tokens
+    keep_cells: bool = False  # once released, its cells stay resident for later requests
     stream: TextStream = None  # type: ignore[assignment]
 
     def __post_init__(self):
@@ -85,8 +86,12 @@ class Scheduler:
 
     def reserved(self) -> int:
         """Cells the active sequences may still add (a waiting one's shared part is its parent's)."""
-        return sum(s.need - (s.wait_n if s.wait_for is not None else self._held(s)) for s in self.active
-                   if not s.zombie)
+        return sum(self._reserve(s) for s in self.active)
+
+    def _reserve(self, s: Seq) -> int:
+        if s.zombie:  # it evaluates on only as far as those waiting on it fork
+            return max(0, max(c.wait_n for c in s.children) - self._held(s))
+        return s.need - (s.wait_n if s.wait_for is not None else self._held(s))
 
     # --- admission ----------------------------------------------------------------------------------
 
@@ -113,7 +118,10 @@ class Scheduler:
                 self._evict(dst, rm)
         keep = {dst} | ({src} if src is not None and parent is None else set())
         while cells_free() < s.need - shared:
-            victim = st.lru_idle(exclude=keep)
+            # the least recently used idle sequence that frees cells (one whose cells others share frees none)
+            victim = st.lru_idle(exclude=keep | {i for i, sl in enumerate(st.slots) if sl.tokens and
+                                                 st.cells_freed_by(i) == 0})
+            victim = st.lru_idle(exclude=keep) if victim is None else victim
             if victim is None:
                 return False
             self._evict(victim, rm)
@@ -172,7 +180,7 @@ class Scheduler:
             if not any(c.wait_n == s.wait_n for c in p.children):
                 p.breaks.discard(s.wait_n)
             if p.zombie and not p.children:
-                self._release(p, keep=False, rm=rm)
+                self._release(p, keep=p.keep_cells, rm=rm)
 
     def build(self, n_batch: int) -> BatchPlan:
         """The next batch: every generating sequence's token first, then prompt chunks in admission order."""
@@ -192,14 +200,14 @@ class Scheduler:
             end = min([end] + [b for b in s.breaks if b > s.n_done])
             stop = min(end, s.n_done + budget)
             for pos in range(s.n_done, stop):
-                out = pos == len(s.tokens) - 1 and not s.zombie
+                out = pos == len(s.tokens) - 1 and not s.zombie and s.chain is not None
                 if out:
                     plan.outputs.append((len(plan.entries), s))
                 plan.entries.append((s, s.tokens[pos], pos, out))
             plan.n_prompt += stop - s.n_done
         return plan
 
-    def evaluated(self, plan: BatchPlan) -> None:
+    def evaluated(self, plan: BatchPlan, rm: Rm) -> None:
         """The batch was decoded: its tokens are in the cells of their sequences."""
         by_seq: dict[Seq, list[int]] = {}
         for s, tok, _, _ in plan.entries:
@@ -208,6 +216,8 @@ class Scheduler:
             self.store.append(s.seq_id, toks)
             if s.prefilling:
                 s.n_done = min(len(s.tokens), s.n_done + len(toks))
+                if not s.prefilling and s.chain is None and not s.zombie:
+                    self.finish(s, "length", rm)
 
     # --- the end of a sequence ------------------------------------------------------------------------
 
@@ -221,15 +231,17 @@ class Scheduler:
             # told after the engine's stats include the end (a caller reading stats() then sees it)
             self.ending.append((s.req, reason, error))
         s.next_token = None
-        s.chain.close()
+        if s.chain is not None:
+            s.chain.close()
         if error is not None:
             for c in s.children:  # they evaluate the shared part themselves
                 c.wait_for, c.wait_n, c.req.cached_tokens = None, 0, 0
             s.children.clear()
+        s.keep_cells = reason in ("stop", "length")
         if s.children:
             s.zombie = True
             return
-        self._release(s, keep=reason in ("stop", "length"), rm=rm)
+        self._release(s, keep=s.keep_cells, rm=rm)
 
     def cancel(self, req: Request, rm: Rm) -> None:
         s = next((a for a in self.active if a.req is req), None)
@@ -245,7 +257,7 @@ class Scheduler:
             if not any(c.wait_n == s.wait_n for c in p.children):
                 p.breaks.discard(s.wait_n)
             if p.zombie and not p.children:
-                self._release(p, keep=False, rm=rm)
+                self._release(p, keep=p.keep_cells, rm=rm)
         slot = self.store.slots[s.seq_id]
         if keep:
             slot.busy = False
