@@ -203,3 +203,20 @@ def test_a_request_over_the_cells_is_refused_with_both_numbers(tiny_parallel):
     assert str(err["prompt_tokens"]) in err["message"] and "4096" in err["message"]
     ok = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, headers=AUTH, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_second_document_takes_the_cells_of_the_first(tiny_parallel):
+    """The first document stays resident for follow-up questions; a second one that needs its cells
+    gets them (both start with the chat template's tokens, which are all they share)."""
+    base = tiny_parallel[0]
+    for seed in (1, 2):
+        rng = random.Random(seed)
+        doc = " ".join(rng.choice(WORDS) for _ in range(3000))  # ~3k tokens: two do not fit in 4096 cells
+        r = httpx.post(base + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": doc + "\n\nSummarize."}], "max_tokens": 4}, headers=AUTH,
+            timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 2500
+    m = metrics(base)
+    assert m["ctxq_sequences_active"] == 0 and m["ctxq_sequences_queued"] == 0
+    assert m["ctxq_kv_cells_used"] <= 4096
