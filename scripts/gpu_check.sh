@@ -152,6 +152,18 @@ build_llama() {
     [ $rc -eq 0 ] || { tail -n 30 "$OUT/build.log"; return 1; }
 }
 
+parallel_table() {
+    # The shared-prefix batch table (issue 29): ctxq's engine answering N questions over one 16k-token
+    # document together, in process, on SmolLM2's layout with random weights; what is left of the budget.
+    local left=$((${GPU_CHECK_BUDGET_S:-560} - SECONDS)) model="${TMPDIR:-/tmp}/gpu-check-models/smollm2-random.gguf"
+    [ "$left" -gt 60 ] || { echo "gpu_check: no time left for the parallel table"; return 0; }
+    python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_check import \
+rebuild_with_random_weights as r; Path('$model').parent.mkdir(exist_ok=True); \
+Path('$model').exists() or r(Path('${GPU_DIR}/smollm2-header.gguf'), Path('$model'))" || return 0
+    timeout $((left - 15)) python3 scripts/bench_parallel.py --engine-only --model "$model" --doc-tokens 16000 \
+        --ns 1,2,4,8,16,32 --max-tokens 64 | tee "$OUT/parallel.txt" || echo "gpu_check: parallel table cut short"
+}
+
 run() {
     export OUT="${OUT:-$PWD/$GPU_DIR/out}" PYTHONUNBUFFERED=1
     mkdir -p "$OUT"
@@ -179,6 +191,7 @@ run() {
             local left=$((budget - (SECONDS - start)))
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0)) \
                 --stages "${GPU_CHECK_STAGES:-doctor,cells,workers,speed}"
+            parallel_table
         else
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s 0 --failed-build
         fi

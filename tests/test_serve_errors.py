@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from .test_serve import KEY, serving
+from .test_serve import KEY, MODES, serving
 
 N_CTX = 512
 MAX_BODY_MIB = 0.01  # 10,485 bytes: an oversized body is cheap to send
@@ -101,10 +101,11 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+@pytest.fixture(scope="module", params=MODES)
+def server(smollm2, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--max-body", str(MAX_BODY_MIB)) as running:
+    with serving(smollm2, log, "-c", str(N_CTX), "--api-key", KEY, "--max-body", str(MAX_BODY_MIB),
+                 *request.param) as running:
         yield running
 
 

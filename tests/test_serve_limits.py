@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .test_serve import KEY, metrics, serving
+from .test_serve import KEY, MODES, metrics, serving
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +27,17 @@ def tiny(tmp_path_factory):
     return tiny_chat_llama_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf")
 
 
-@pytest.fixture
-def server(tiny, tmp_path):
-    with serving(tiny, tmp_path / "serve.log", "-c", "4096", "--api-key", KEY) as running:
+@pytest.fixture(params=MODES)
+def server(tiny, tmp_path, request):
+    with serving(tiny, tmp_path / "serve.log", "-c", "4096", "--api-key", KEY, *request.param) as running:
         yield running
 
 
-@pytest.fixture
-def limited(tiny, tmp_path):
-    with serving(tiny, tmp_path / "serve.log", "-c", "4096", "--api-key", KEY, "--timeout", str(TIMEOUT)) as running:
+# --parallel 1: one sequence, so the second request waits in the queue as it does one at a time
+@pytest.fixture(params=[MODES[0], pytest.param(("--parallel", "1"), id="parallel")])
+def limited(tiny, tmp_path, request):
+    with serving(tiny, tmp_path / "serve.log", "-c", "4096", "--api-key", KEY, "--timeout", str(TIMEOUT),
+                 *request.param) as running:
         yield running
 
 

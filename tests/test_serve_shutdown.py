@@ -31,9 +31,11 @@ def _refused(base: str) -> bool:
     return False
 
 
-def test_sigterm_mid_stream(tiny, tmp_path):  # noqa: F811
+# --parallel 1: the engine with one sequence, so the second request waits in the queue
+@pytest.mark.parametrize("mode", [(), ("--parallel", "1")], ids=["one-at-a-time", "parallel"])
+def test_sigterm_mid_stream(tiny, tmp_path, mode):  # noqa: F811
     log = tmp_path / "serve.log"
-    proc, base = start(tiny, log, "-c", "4096", "--api-key", KEY, "--shutdown-timeout", str(BOUND))
+    proc, base = start(tiny, log, "-c", "4096", "--api-key", KEY, "--shutdown-timeout", str(BOUND), *mode)
     try:
         wait_ready(proc, base, log)
         queued = {}

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from .test_serve import KEY, serving
+from .test_serve import KEY, MODES, serving
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -27,10 +27,10 @@ def json_schema(schema, name="place"):
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def server(smollm2, tmp_path_factory):
+@pytest.fixture(scope="module", params=MODES)
+def server(smollm2, tmp_path_factory, request):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serving(smollm2, log, "-c", "2048", "--api-key", KEY, "--seed", "1") as running:
+    with serving(smollm2, log, "-c", "2048", "--api-key", KEY, "--seed", "1", *request.param) as running:
         yield running[0]
 
 

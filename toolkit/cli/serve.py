@@ -13,6 +13,18 @@ from .options import echo_session_log, hf_file_option, load_options, plan_option
 _LIMITS = ServeLimits()  # the defaults
 
 
+def _parallel(value: str | None) -> int | None:
+    """None: one request at a time (llama-cpp-python's server); 0: auto; else P sequences."""
+    if value is None:
+        return None
+    if value == "auto":
+        return 0
+    if not value.isdigit() or not 1 <= int(value) <= 256:
+        raise click.BadParameter(f"{value!r}: a number of sequences, 1 to 256 (llama.cpp's LLAMA_MAX_SEQ), "
+                                 "or auto")
+    return int(value)
+
+
 @cli.command("serve")
 @click.argument("model", required=False)
 @hf_file_option
@@ -38,9 +50,13 @@ _LIMITS = ServeLimits()  # the defaults
 @click.option("--chat-format", "chat_format", default=None, metavar="NAME",
               help="llama-cpp-python's chat format for /v1/chat/completions instead of the model's template, "
                    "e.g. chatml-function-calling (tool_choice \"auto\").")
+@click.option("--parallel", "-np", "parallel", default=None, metavar="P|auto",
+              callback=lambda ctx, param, v: _parallel(v),
+              help="Answer P requests together on ctxq's engine: one KV cache of --ctx cells, a document the "
+                   "requests share held once (auto: from the plan's free memory).  [default: one at a time]")
 @session_option(serve=True)
 def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
-              shutdown_timeout, chat_format, session):
+              shutdown_timeout, chat_format, session, parallel):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
     Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health, /metrics.
@@ -66,13 +82,16 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
         p = runner.make_plan(model, options=opts)
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
                                       alias=alias, limits=limits, session=session,
-                                      chat_format=chat_format)
+                                      chat_format=chat_format, parallel=parallel)
         click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
 
-        def ready(memory):
+        def ready(loaded):
+            memory, n_seq, why = loaded if parallel is not None else (loaded, None, None)
             click.echo(memory_table(memory), err=True)
+            if n_seq is not None:
+                click.echo(f"ctxq: --parallel {n_seq}: {why}", err=True)
             click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
 
         click.echo(f"ctxq: loading the model; http://{host}:{port}/health says when it is ready", err=True)

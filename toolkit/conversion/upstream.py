@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 # Everything a CMake build of llama.cpp's tools needs (llama-server, llama-batched-bench, ...).
 SOURCE_PARTS = CONVERTER_PARTS + ("CMakeLists.txt", "cmake/", "common/", "ggml/", "include/", "src/",
-                                  "tools/", "examples/", "vendor/", "licenses/", "LICENSE", "build-info.sh")
+                                  "tools/", "examples/", "vendor/", "licenses/", "LICENSE", "build-info.sh",
+                                  # scripts/ui-assets.cmake: llama-server's build runs it (tools/ui/CMakeLists.txt)
+                                  "scripts/")
 
 
 def llama_cpp_python_version() -> str:
@@ -58,7 +60,10 @@ def sdist(version: str) -> Path:
 
 
 def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
-    if (dest / ".complete").exists():
+    # The marker names the parts, so a folder fetched with fewer parts is fetched again.
+    marker_text = version + "\n" + " ".join(parts) + "\n"
+    done = dest / ".complete"
+    if done.exists() and done.read_text() == marker_text:
         return dest
     with tempfiles.folder(dest, "fetch") as tmp:
         archive = sdist(version)
@@ -71,8 +76,8 @@ def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
                     m.name = m.name.split(marker, 1)[1]
                     members.append(m)
             tar.extractall(unpacked, members=members, filter="data")
-        (unpacked / ".complete").write_text(version + "\n")
-        if (dest / ".complete").exists():  # another process finished first: keep its copy
+        (unpacked / ".complete").write_text(marker_text)
+        if done.exists() and done.read_text() == marker_text:  # another process finished first: keep its copy
             return dest
         if dest.exists():  # an incomplete earlier fetch
             shutil.rmtree(dest)
@@ -80,7 +85,7 @@ def _fetch(dest: Path, parts: tuple[str, ...], version: str) -> Path:
         try:
             os.replace(unpacked, dest)
         except OSError:  # another process renamed its copy into place between the check and here
-            if not (dest / ".complete").exists():
+            if not (done.exists() and done.read_text() == marker_text):
                 raise
     return dest
 

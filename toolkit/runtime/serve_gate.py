@@ -1,7 +1,8 @@
 """`ctxq serve`'s gate: what every request passes before llama-cpp-python's routes.
 
-The model generates for one request at a time (llama-cpp-python serves one sequence per `Llama`);
-the gate keeps the others in a bounded queue, answers what cannot be served at once with an
+The model generates for one request at a time (llama-cpp-python serves one sequence per `Llama`),
+or for P at once with `--parallel P` (ctxq's engine, `serve_parallel`); the gate keeps the others in
+a bounded queue, answers what cannot be served at once with an
 error in OpenAI's shape, and tells the generation when to stop: its client is gone, its time is up,
 or the server is shutting down.
 """
@@ -43,21 +44,25 @@ class Run:
 class Service:
     """State shared by the gate, /health, /metrics and the generation thread."""
 
-    def __init__(self, alias: str, names: set[str], n_ctx: int, limits: ServeLimits, metrics):
+    def __init__(self, alias: str, names: set[str], n_ctx: int, limits: ServeLimits, metrics, concurrency: int = 1):
         self.alias, self.names, self.n_ctx, self.limits, self.metrics = alias, names, n_ctx, limits, metrics
         self.llm = None  # set by `ready` once the model is loaded
-        self.slot = asyncio.Lock()  # FIFO: asyncio wakes waiters in arrival order
-        self.waiting, self.current = 0, None
+        # FIFO: asyncio wakes waiters in arrival order; `concurrency` requests generate at once
+        self.slot = asyncio.Lock() if concurrency == 1 else asyncio.Semaphore(concurrency)
+        self.waiting, self.current, self.active = 0, None, 0
         self.shutdown_deadline = math.inf
         self._waiters: set = set()
         self._loop = None
         self.started = int(time.time())  # /v1/models' `created`
         self._seconds = 1.0  # running mean of a request's time on the model (s), for Retry-After
 
-    def ready(self, llm) -> None:
+    def ready(self, llm, metered_generate: bool = True) -> None:
+        """The model is loaded; `metered_generate`: count and stop llama-cpp-python's generations
+        (the engine counts its own)."""
         from .serve_metrics import metered
 
-        llm.generate = metered(llm, self.metrics, lambda: self.current is not None and self.current.should_stop())
+        if metered_generate:
+            llm.generate = metered(llm, self.metrics, lambda: self.current is not None and self.current.should_stop())
         self.llm = llm
 
     @property
@@ -66,7 +71,7 @@ class Service:
             return "stopping"
         if self.llm is None:
             return "loading"
-        return "busy" if self.slot.locked() else "ready"
+        return "busy" if self.active else "ready"
 
     def retry_after(self) -> int:
         """Seconds until the queue ahead has likely drained (1 to 60)."""
@@ -104,10 +109,12 @@ class Service:
             raise reject(503, f"the request waited {self.limits.timeout:g} s for the model, its time limit "
                          "(timeout)", retry_after=self.retry_after(), code="server_overloaded")
         self.current = Run(start + self.limits.timeout, self)
+        self.active += 1
         return self.current
 
     def give_back(self, start: float) -> None:
         self.current = None
+        self.active -= 1
         self.slot.release()
         self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - start)
 
@@ -194,7 +201,9 @@ class Gate:
         if expected is not None:
             expected.stopped = run.should_stop
         try:
-            await self._run(scope, receive, checked(send, expected), json.dumps(data).encode(), run)
+            # "ctxq.run": for the engine's routes, which stop their own request (serve_parallel)
+            await self._run({**scope, "ctxq.run": run}, receive, checked(send, expected),
+                            json.dumps(data).encode(), run)
         finally:
             svc.give_back(start)
 

@@ -22,6 +22,7 @@ class Metrics:
         self.requests = Counter()  # status -> answers
         self.prompt_tokens = self.prompt_reused = self.predicted_tokens = 0
         self.prompt_seconds = self.predicted_seconds = 0.0
+        self.extra = lambda: []  # more rows (name, type, help, samples): the engine's, with --parallel
 
     def answered(self, status: int) -> None:
         with self._lock:
@@ -55,7 +56,7 @@ class Metrics:
                  [({}, _rate(self.predicted_tokens, self.predicted_seconds))]),
             ]
         out = []
-        for name, kind, text, samples in rows:
+        for name, kind, text, samples in rows + self.extra():
             out += [f"# HELP ctxq_{name} {text}", f"# TYPE ctxq_{name} {kind}"]
             for labels, value in samples:
                 tags = ",".join(f'{k}="{v}"' for k, v in labels.items())

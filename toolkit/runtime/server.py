@@ -14,6 +14,7 @@ loaded by `runner.load_plan`, exactly as `ctxq run` loads it, in `create_app`'s 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from ..errors import InvalidOption
@@ -78,12 +79,12 @@ def _routes(app, service: Service, plan_flags: str) -> None:
     def health():
         status = service.status
         body = {"status": status, "model": service.alias, "n_ctx": service.n_ctx, "plan": plan_flags,
-                "processing": int(service.slot.locked()), "queue": service.waiting}
+                "processing": service.active, "queue": service.waiting}
         return JSONResponse(body, status_code=503 if status in ("loading", "stopping") else 200)
 
     @app.get("/metrics")
     def metrics():
-        text = service.metrics.render(processing=int(service.slot.locked()), queued=service.waiting)
+        text = service.metrics.render(processing=service.active, queued=service.waiting)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -122,13 +123,15 @@ def _routes(app, service: Service, plan_flags: str) -> None:
 
 def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int | None = None,
                seed: int | None = None, alias: str | None = None, limits: ServeLimits | None = None,
-               session=None, chat_format: str | None = None):
+               session=None, chat_format: str | None = None, parallel: int | None = None):
     """(app, load): the app answers at once (`/health` "loading", the API 503 with Retry-After) and
     serves the plan's model once `load()` has run; `load()` loads it as `ctxq run` does and returns
     the memory report. One app per process: llama-cpp-python keeps the model in a module global.
     `session`: a saved session file to start from (restored when it matches this model and plan);
     `chat_format`: llama-cpp-python's chat format to answer chat with instead of the model's template
-    (e.g. "chatml-function-calling", for tool_choice "auto")."""
+    (e.g. "chatml-function-calling", for tool_choice "auto"); `parallel`: serve completions on ctxq's
+    engine, that many sequences decoded together (0: the default from the plan, `serve_parallel`);
+    `load()` then returns (memory, the number of sequences, why)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
     from llama_cpp.server import app as server_app
@@ -138,6 +141,8 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
 
     from . import serve_errors
 
+    if parallel is not None:
+        _check_parallel(parallel, chat_format, session)
     if chat_format is not None:
         from llama_cpp.llama_chat_format import LlamaChatCompletionHandlerRegistry
 
@@ -154,12 +159,21 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
                   title="ctxq (llama-cpp-python server)", version=server_app.llama_cpp.__version__)
     serve_errors.install(app)
     _fixed_schema_grammars()
+    backend = None
+    if parallel is not None:  # the engine's completion routes come first: they answer those paths
+        from .serve_parallel import Backend, install
+
+        backend = Backend(service, seed)
+        install(app, backend)
     _routes(app, service, p.llama_flags())
     app.add_middleware(Gate, service=service, api_key=api_key)
     app.state.ctxq = service
+    app.state.ctxq_backend = backend
 
     def load():
         """The model, loaded as planned; the API serves it from the moment this returns."""
+        if backend is not None:
+            return _load_engine(p, parallel, backend, alias, rpc=rpc, n_threads=n_threads)
         llm, memory, _ = load_plan(p, rpc=rpc, n_threads=n_threads, seed=seed)
         if session is not None:  # before the first request is let in
             restore_session(llm, session, p)
@@ -170,6 +184,45 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
         return memory
 
     return app, load
+
+
+def _check_parallel(parallel: int, chat_format, session) -> None:
+    from ..errors import InvalidOption
+
+    if not isinstance(parallel, int) or not 0 <= parallel <= 256:  # LLAMA_MAX_SEQ (llama-cparams.h)
+        raise InvalidOption(f"`parallel` is {parallel!r}; it must be 1 to 256 sequences (0: the default)",
+                            option="parallel", value=parallel, limit=256)
+    for name, value in (("chat_format", chat_format), ("session", session)):
+        if value is not None:
+            raise InvalidOption(f"`{name}` is not served with `parallel` yet; leave one of them out",
+                                option=name, value=value)
+
+
+def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
+    """The plan's model in ctxq's engine with `parallel` sequences (0: the plan's default);
+    (memory report, sequences, why that many)."""
+    from llama_cpp.server import app as server_app
+
+    from ..serve import engine as engine_mod
+    from .serve_parallel import default_parallel
+
+    llm, memory, _ = load_plan(p, **load_kwargs)
+    try:
+        n, why = (parallel, f"{parallel} sequences share the {p.n_ctx:,} KV cells (--parallel)") if parallel \
+            else default_parallel(p, llm.n_vocab())
+        # the engine's context replaces the Llama's, so the plan's KV memory is held once (as
+        # engine.from_plan does; the model, its tokenizer and template stay in `llm`)
+        llm._ctx.close()
+        engine = engine_mod.Engine(llm, n_seq_max=n, n_ctx=p.n_ctx, own_llm=True)
+    except BaseException:
+        llm.close()
+        raise
+    service = backend.service
+    service.slot = asyncio.Semaphore(n)  # before any request is let in
+    backend.ready(engine, llm)
+    server_app._llama_proxy = _proxy(llm, alias)  # /extras/tokenize and its kin
+    service.ready(llm, metered_generate=False)
+    return memory, n, why
 
 
 def serve(app, load, *, host: str, port: int, on_ready=None) -> None:
@@ -214,5 +267,8 @@ def serve(app, load, *, host: str, port: int, on_ready=None) -> None:
     loader.start()
     server.run()
     loader.join()  # a stop during the load waits for it: llama.cpp cannot drop a half-loaded model
+    backend = getattr(app.state, "ctxq_backend", None)
+    if backend is not None and backend.engine is not None:  # its thread and context, after the last answer
+        backend.engine.close()
     if failed:
         raise failed[0]

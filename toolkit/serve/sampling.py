@@ -79,7 +79,7 @@ class Chain:
                                     option="grammar")
             add(g)
         if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            add(lc.llama_sampler_init_penalties(PENALTY_LAST_N, p.repeat_penalty, p.frequency_penalty,
+            add(lc.llama_sampler_init_penalties(n_vocab, PENALTY_LAST_N, p.repeat_penalty, p.frequency_penalty,
                                                 p.presence_penalty))
         if p.temperature <= 0:
             add(lc.llama_sampler_init_greedy())

@@ -122,6 +122,13 @@ class Scheduler:
             victim = st.lru_idle(exclude=keep | {i for i, sl in enumerate(st.slots) if sl.tokens and
                                                  st.cells_freed_by(i) == 0})
             victim = st.lru_idle(exclude=keep) if victim is None else victim
+            if victim is None and src in keep and src != dst and parent is None and not st.slots[src].busy \
+                    and len(st.slots[src].tokens) > n:
+                # the idle sequence this request shares a prefix with (a chat template's start, BOS) holds
+                # the cells it needs: it keeps only that prefix (recurrent state is matched whole, never cut)
+                rm(src, n)
+                st.truncate(src, n)
+                continue
             if victim is None:
                 return False
             self._evict(victim, rm)

@@ -1,0 +1,78 @@
+"""llama.cpp's own tools (llama-server, llama-batched-bench), built once from the vendored sources.
+
+The sources are those llama-cpp-python 0.3.36 vendors (`ctxq.conversion.upstream.source_dir()`), so
+the tools run the same llama.cpp as ctxq. The build goes to `<ctxq home>/build/llama-tools-<key>/`
+(key: version, CMake flags, this CPU's flags) and is reused; the binaries are static, copied into
+`bin/` when the build has finished, so a killed build leaves no `bin/`. Nothing here is committed.
+
+    .venv/bin/python scripts/llama_tools.py          # build (or find) them, print their folder
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ctxq.conversion.upstream import llama_cpp_python_version, source_dir
+from ctxq.paths import ctxq_home
+
+TARGETS = ("llama-server", "llama-batched-bench")
+# As scripts/setup.sh builds llama-cpp-python: native, without AMX code (its kernels crash here).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_args(cuda: bool) -> list[str]:
+    args = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF",
+            # No network in the build: no web UI download (tools/ui), no HTTPS client.
+            "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"]
+    if platform.machine() == "x86_64":
+        args += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    if cuda:
+        args += ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=native"]
+    return args
+
+
+def _home(cuda: bool) -> Path:
+    args = cmake_args(cuda)
+    cpu = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "") \
+        if Path("/proc/cpuinfo").exists() else platform.machine()
+    key = hashlib.sha256("\n".join([llama_cpp_python_version(), *args, cpu]).encode()).hexdigest()[:16]
+    return ctxq_home() / "build" / f"llama-tools-{key}"
+
+
+def built(cuda: bool = False) -> Path | None:
+    """The folder holding the tools when they are built, else None."""
+    bin_dir = _home(cuda) / "bin"
+    return bin_dir if all((bin_dir / t).exists() for t in TARGETS) else None
+
+
+def build(cuda: bool = False, log=sys.stderr) -> Path:
+    """The folder holding llama-server and llama-batched-bench; builds them on first use."""
+    if built(cuda) is not None:
+        return built(cuda)
+    args, home = cmake_args(cuda), _home(cuda)
+    bin_dir = home / "bin"
+    src = source_dir(llama_cpp_python_version())
+    work = home / "cmake"
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "-S", str(src), "-B", str(work), "-G", "Ninja", *args], check=True,
+                   stdout=log, stderr=log)
+    subprocess.run(["cmake", "--build", str(work), "-j", jobs, "--target", *TARGETS], check=True,
+                   stdout=log, stderr=log)
+    tmp = home / "bin.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for t in TARGETS:
+        shutil.copy2(work / "bin" / t, tmp / t)
+    os.replace(tmp, bin_dir)
+    return bin_dir
+
+
+if __name__ == "__main__":
+    print(build(cuda="--cuda" in sys.argv[1:]))
