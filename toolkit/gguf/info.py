@@ -53,8 +53,7 @@ STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::cr
 # with the output head, not with the token embeddings on the host.
 OUTPUT_NORM = {"lfm2": "token_embd_norm.weight", "lfm2moe": "token_embd_norm.weight"}
 
-# Bytes per element for the KV-cache types ctxq chooses between (ggml block sizes).
-KV_TYPES = ("f16", "q8_0", "q4_0")
+KV_TYPES = ("f16", "q8_0", "q4_0")  # the KV-cache types ctxq chooses between
 
 # A tensor of layer il: `blk.<il>.` (llama.cpp's tensor names, LLM_TENSOR_NAMES).
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -111,8 +110,7 @@ class LayerFacts:
     dense_bytes: int  # weights of blk.<il>.* that are not routed experts
     expert_bytes: int  # routed-expert weights (EXPERT_RE)
     mtp: bool = False  # a NextN block llama.cpp does not load (MTP_ARCHS): no weights, KV or state
-    # K and V row widths of its own KV cache when llama.cpp's accounting gave them (planning.facts): MLA keeps
-    # no V, a layer reading another's KV (Gemma 4's shared layers) none; None: head size x n_head_kv
+    # K, V row widths of its own KV when llama.cpp's accounting gave them (planning.facts; MLA: no V); None: heads
     k_width: int | None = None
     v_width: int | None = None
 
@@ -125,9 +123,7 @@ class LayerFacts:
         attn = "sliding" if self.sliding else "attention" if self.attention else ""
         return "+".join(k for k in (attn, "recurrent" if self.recurrent else "") if k) or "ffn"
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.dense_bytes + self.expert_bytes
+    weight_bytes = property(lambda self: self.dense_bytes + self.expert_bytes)
 
 
 @dataclass
@@ -319,7 +315,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
 
 def kv_per_token(info: ModelInfo) -> dict[str, int]:
     """KV bytes per token of the attention layers for each KV type whose blocks divide their rows."""
-    out = {}
+    out: dict[str, int] = {}
     for kv in KV_TYPES:
         try:
             out[kv] = sum(kv_bytes(kv, info.n_embd_k_gqa(il)) + kv_bytes(kv, info.n_embd_v_gqa(il))

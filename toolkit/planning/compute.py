@@ -112,6 +112,23 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     return out
 
 
+def model_path(src: GGUFFile) -> str:
+    """A local file llama.cpp can load the header of: the model itself, or for a Hub model whose header
+    alone was fetched, a header-only copy with its data region a sparse hole (compute.write_sparse)."""
+    need = src.data_offset + sum(t.nbytes for t in src.tensors)
+    if src.path.stat().st_size >= need:
+        return str(src.path)
+    return str(sparse_copy(src))
+
+
+def load_error(src: GGUFFile, e: CtxqError) -> CtxqError:
+    """A failed llama.cpp load as one line naming the architecture and llama.cpp's reason (`e` itself when
+    the model loaded and the context's settings were refused)."""
+    if not hasattr(e, "reason"):
+        return e
+    return CtxqError(f"llama.cpp cannot load this {src.arch} model ({src.path.name}): {e.reason}")
+
+
 def sparse_copy(src: GGUFFile) -> Path:
     """A header-only copy of src with every tensor (a Hub model's header, to ask llama.cpp about)."""
     out = _derived_path(src, ("all",), False, None)
@@ -228,8 +245,6 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
         # a derived model llama.cpp refuses (hparams that depend on the layer count or on layers left out):
         # the real header's own compute buffer, the peak of every layer and the head, stands for each
         log.info("derived model refused (%s); compute from the real header", e)
-        from .facts import load_error, model_path
-
         try:
             whole = _dry_run(model_path(src), *args)
         except CtxqError as e2:

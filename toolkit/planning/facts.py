@@ -16,6 +16,7 @@ from ..errors import CtxqError
 from ..gguf.info import RECURRENT_RULES, ModelInfo, kv_per_token
 from ..gguf.reader import GGUFFile
 from ..llama.accounting import Accounting, accounting
+from .compute import load_error, model_path
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +31,6 @@ def verified(info: ModelInfo) -> bool:
     return info.arch in VERIFIED_ARCHS
 
 
-def model_path(src: GGUFFile) -> str:
-    """A local file llama.cpp can load the header of: the model itself, or for a Hub model whose header
-    alone was fetched, a header-only copy with its data region a sparse hole (compute.write_sparse)."""
-    need = src.data_offset + sum(t.nbytes for t in src.tensors)
-    if src.path.stat().st_size >= need:
-        return str(src.path)
-    from .compute import sparse_copy
-
-    return str(sparse_copy(src))
-
-
 def accounting_at(src: GGUFFile, info: ModelInfo, **settings) -> Accounting:
     """llama.cpp's accounting of src at these settings (llama.accounting's keywords); a model llama.cpp
     cannot load is one line naming its architecture and llama.cpp's reason."""
@@ -50,14 +40,6 @@ def accounting_at(src: GGUFFile, info: ModelInfo, **settings) -> Accounting:
         if (err := load_error(src, e)) is e:
             raise
         raise err from e
-
-
-def load_error(src: GGUFFile, e: CtxqError) -> CtxqError:
-    """A failed llama.cpp load as one line naming the architecture and llama.cpp's reason (`e` itself when
-    the model loaded and the context's settings were refused)."""
-    if not hasattr(e, "reason"):
-        return e
-    return CtxqError(f"llama.cpp cannot load this {src.arch} model ({src.path.name}): {e.reason}")
 
 
 def facts_for(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, n_batch: int,
