@@ -50,8 +50,12 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
             # as in a split; _layout costs the final one exactly
-            dp = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first, n_cpu_slots=lo_bound)
-            if dp.total > budget:
+            key = (start, hi, d, id(devs[d]), lo_bound)
+            total = c.totals.get(key)
+            if total is None:
+                total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
+                                                    n_cpu_slots=lo_bound).total
+            if total > budget:
                 break
             take += 1
         counts[d] = take
