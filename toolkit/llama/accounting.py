@@ -78,7 +78,8 @@ class Accounting:
     @property
     def mla(self) -> bool:
         """Multi-head latent attention: llama.cpp keeps no V cache (llama_kv_cache: has_v = !is_mla())."""
-        return any(c.layers for c in self.caches) and all(c.v_bytes == 0 for c in self.caches if c.layers)
+        held = [c for c in self.caches if c.layers]
+        return bool(held) and all(c.v_bytes == 0 < c.k_bytes for c in held)
 
     def cache_of(self, il: int) -> KVCache | None:
         return next((c for c in self.caches if il in c.layers), None)

@@ -72,9 +72,9 @@ class Costs:
             ls = list(layers)
             return tuple(sum(col[i] for i in ls) for col in
                          (self.layer_weights, self.layer_kv, self.layer_state, self.layer_experts))
-        p = self._prefix
-        a, b = layers.start, max(layers.start, layers.stop)
-        return tuple(col[b] - col[a] for col in p)
+        if not layers:  # also a range past the last layer (every slot on the CPU)
+            return 0, 0, 0, 0
+        return tuple(col[layers.stop] - col[layers.start] for col in self._prefix)
 
     @cached_property
     def totals(self) -> dict:
