@@ -72,7 +72,8 @@ def with_facts(info: ModelInfo, acc: Accounting) -> ModelInfo:
             n_head_kv=la.n_head_kv if attn else 0,
             state_bytes=(la.state_bytes if rule_state and la.recurrent else per_state) if rec else 0,
             k_width=acc.n_embd_k_gqa[il] if own else 0,
-            v_width=acc.v_width(il, True) if own else 0))
+            # accounted at the plan's flash attention: without it a transposed V pads to the widest layer
+            v_width=acc.v_width(il, acc.flash_attn) if own else 0))
     out = replace(info, layers=layers, n_swa=acc.n_swa if any(la.sliding for la in layers) else 0)
     out.kv_bytes_per_token = kv_per_token(out)
     return out
