@@ -236,6 +236,8 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
     one = tuple(sorted(ils[0] for ils in groups))
     two = tuple(sorted(il for ils in groups for il in ils[:2]))
     try:
+        if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
+            raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers
         full = _dry_run(str(write_derived(src, one, False, _flags(info, one))), *args)
         layer = _dry_run(str(write_derived(src, one, True, _flags(info, one))), *args)
         # A one-layer graph frees its inputs after its only layer; a device holding many layers keeps them
@@ -253,6 +255,17 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
             raise err from e2
         return ComputePeaks(layer_full=whole, output=whole, layer_steady=whole)
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
+
+
+def _keeps_window(path: Path, args: tuple) -> bool:
+    """llama.cpp gives the derived model a SWA cache too (some architectures switch their window on by the
+    layer count: exaone4.cpp only at n_layer == 64; without it the derived graph has one mask, not two)."""
+    from ..llama.accounting import accounting
+
+    n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn = args
+    acc = accounting(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
+                     flash_attn=flash_attn)
+    return any(c.swa and c.layers for c in acc.caches)
 
 
 def _flags(info: ModelInfo, layers: tuple[int, ...]) -> LayerFlags:
