@@ -26,6 +26,15 @@ devices of 1 GiB each that the planner fills, choosing which layers keep their e
 in llama.cpp's layout, sparse data) instead of the real geometries, over flash attention on and off; their
 target is issue 22's for tiny models (3 % or 2 MiB). `--realistic` takes the same families at real layer
 widths, a few layers each (`ctxq.testing.hybrid.REALISTIC`), against the 1 % or 32 MiB target.
+
+`--arch` takes issue 28's matrix no rule wrote: small random checkpoints of architectures outside ctxq's
+tables, built with transformers and converted by llama.cpp's own converter (`ctxq.testing.upstream_models`,
+cached), over the hybrid cells; the MoE ones also with the experts of two layers in host memory
+(`n_cpu_moe=2`). A cell whose plan fails is a row too (status FAILS, with llama.cpp's or ctxq's reason).
+`--arch --realistic` takes header-only conversions at real layer widths (`ctxq.testing.upstream_widths.REALISTIC`):
+
+    .venv/bin/python scripts/accuracy.py --arch --out docs/accuracy-table.md
+    .venv/bin/python scripts/accuracy.py --arch --realistic --out docs/accuracy-table.md
 """
 
 from __future__ import annotations
@@ -37,11 +46,13 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from ctxq.errors import CtxqError
 from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers
 from ctxq.testing.accuracy import TARGET_ABS, TARGET_REL, TINY_ABS, TINY_REL, check_cell
 from ctxq.testing.hybrid import MAKERS, REALISTIC
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
+from ctxq.testing import upstream_models, upstream_widths
 from ctxq.units import GiB, MiB
 
 DEVICE_SETS = {"cpu": None, "rpc2": [1, 1], "rpc3": [2, 1, 1], "rpc5": [16, 16, 16, 8, 8]}
@@ -51,6 +62,9 @@ MOE_MODELS = {"qwen3-30b-a3b-4l": GEOMETRIES["qwen3-30b-a3b"].scaled(n_layer=4, 
 PLACEMENTS = {"none": {}, "cpu_moe": {"cpu_moe": True}, "ncmoe2": {"n_cpu_moe": 2}, "auto": {"search": True}}
 HYBRID = dict(models=",".join(MAKERS), devices="cpu,rpc2,rpc3", ctx="16384,65536", kv="f16,q8_0", fa="on,off")
 HYBRID_REALISTIC = dict(HYBRID, models=",".join(REALISTIC), devices="rpc2,rpc3")
+ARCH = dict(HYBRID, models=",".join(upstream_models.NAMES))
+ARCH_REALISTIC = dict(HYBRID, models=",".join(upstream_widths.REALISTIC), devices="rpc2,rpc3")
+ARCH_PLACEMENTS = {"none": {}, "ncmoe2": {"n_cpu_moe": 2}}  # the MoE checkpoints: experts of layers 0-1 on the host
 
 
 def main() -> int:
@@ -65,6 +79,7 @@ def main() -> int:
     ap.add_argument("--hybrid", action="store_true", help="issue 22's tiny hybrid and gpt-oss models")
     ap.add_argument("--realistic", action="store_true", help="with --hybrid: the families at real layer widths")
     ap.add_argument("--moe", action="store_true", help="issue 21's MoE cells: experts placed four ways")
+    ap.add_argument("--arch", action="store_true", help="issue 28's checkpoints converted by llama.cpp's converter")
     ap.add_argument("--fa", default="on", help="flash attention: on, off or on,off")
     ap.add_argument("--out", default=None, help="write the table as a Markdown section of this file")
     ap.add_argument("--section", default=None, help="the section of --out (default: by the matrix)")
@@ -75,40 +90,58 @@ def main() -> int:
         for k, v in (HYBRID_REALISTIC if a.realistic else HYBRID).items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
+    if a.arch:
+        for k, v in (ARCH_REALISTIC if a.realistic else ARCH).items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
     if a.moe:
         for k, v in MOE.items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
-    tiny = a.hybrid and all(m in MAKERS for m in a.models.split(","))
+    tiny = (a.hybrid and all(m in MAKERS for m in a.models.split(","))) or (a.arch and not a.realistic)
     target = Target(TINY_REL, TINY_ABS) if tiny else Target(TARGET_REL, TARGET_ABS)
-    section = a.section or ("moe" if a.moe else "hybrid" if tiny else "hybrid-realistic" if a.hybrid else "dense")
+    section = a.section or ("moe" if a.moe else ("arch-realistic" if a.realistic else "arch") if a.arch
+                            else "hybrid" if tiny else "hybrid-realistic" if a.hybrid else "dense")
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
     for name in a.models.split(","):
-        model = str({**MAKERS, **REALISTIC}[name](tmp / f"{name}.gguf") if a.hybrid
-                    else write_synthetic_gguf(tmp / f"{name}.gguf", {**GEOMETRIES, **MOE_MODELS}[name]))
+        model = _model(a, name, tmp)
+        if model is None:
+            continue
         info = model_info(model)
+        moe_model = a.arch and info.n_expert > 0
         for dev in a.devices.split(","):
             sizes = DEVICE_SETS[dev]
             with start_workers(len(sizes)) if sizes else nullcontext() as w:
                 for ctx in map(int, a.ctx.split(",")):
                     for kv, fa, place in [(kv, fa, pl) for kv in a.kv.split(",") for fa in a.fa.split(",")
-                                          for pl in (PLACEMENTS if a.moe else ["none"])]:
-                        moe = dict(PLACEMENTS[place])
-                        if moe.get("search") and not sizes:
-                            continue  # no devices to fill
+                                          for pl in (PLACEMENTS if a.moe else ARCH_PLACEMENTS if moe_model
+                                                     else ["none"])]:
+                        moe = dict({**PLACEMENTS, **ARCH_PLACEMENTS}[place])
+                        if (moe.get("search") or moe.get("n_cpu_moe")) and not sizes:
+                            continue  # no devices to fill, or every expert on the host already
                         kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
                         if kv_gib > a.max_kv_gib:
                             print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
                             continue
                         if fa == "off" and kv != "f16":  # a quantized V cache needs flash attention
                             continue
+                        experts = a.moe or (moe_model and place != "none")
                         label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "") \
-                            + (f" experts:{place}" if a.moe else "")
+                            + (f" experts:{place}" if experts else "")
                         cell_sizes = [1.0] * len(sizes) if moe.get("search") else sizes
-                        r = check_cell(model, ctx, kv, cell_sizes, workers=w, label=label, flash_attn=fa == "on",
-                                       **moe)
-                        kv = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if a.moe else "")
+                        kv_label = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if experts else "")
+                        try:
+                            r = check_cell(model, ctx, kv, cell_sizes, workers=w, label=label,
+                                           flash_attn=fa == "on", **moe)
+                        except CtxqError as e:  # a plan (or load) that fails is a result of the matrix
+                            rows.append([name, dev, ctx, kv_label, "-", None, None, None, "FAILS", "-", str(e)])
+                            fails += 1
+                            print(f"{label}: FAILS: {e}", flush=True)
+                            if a.out:
+                                _write(a.out, section, rows, target, sys.argv[1:], done=False)
+                            continue
+                        kv = kv_label
                         for d in r.devices:
                             status = "UNDER" if d.under else "ok" if target.holds(d) else "OVER"
                             rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
@@ -144,14 +177,33 @@ class Target:
 def _table(rows, target: Target) -> str:
     head = f"| model | devices | n_ctx | KV | device | planned MiB | llama.cpp MiB | error MiB | within {target} | layers match |"
     lines = [head, "|" + "---|" * 10]
+    failed = []
     for r in rows:
+        if r[5] is None:  # the cell failed: its reason goes under the table
+            failed.append(f"- {' '.join(map(str, r[:4]))}: {r[10]}")
+            lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | - | - | - | - | FAILS | - |")
+            continue
         lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.2f} | {r[6]:.2f} | {r[7]:+.2f} | {r[8]} | {r[9]} |")
-    return "\n".join(lines)
+    return "\n".join(lines + (["", "Cells that failed:", ""] + failed if failed else []))
+
+
+def _model(a, name: str, tmp: Path) -> str | None:
+    """The GGUF of `name` for this matrix (None, with a line, where it cannot be built)."""
+    if a.arch:
+        try:
+            return str(upstream_widths.build_realistic(name) if a.realistic else upstream_models.build(name))
+        except upstream_models.NotBuildable as e:
+            print(f"skip {name}: {e}", flush=True)
+            return None
+    if a.hybrid:
+        return str({**MAKERS, **REALISTIC}[name](tmp / f"{name}.gguf"))
+    return str(write_synthetic_gguf(tmp / f"{name}.gguf", {**GEOMETRIES, **MOE_MODELS}[name]))
 
 
 def _write(out, section: str, rows, target: Target, argv, done: bool) -> None:
     """Write the rows as section `section` of `out`, keeping its other sections and text."""
-    worst = max(rows, key=lambda r: abs(r[7])) if rows else None
+    measured = [r for r in rows if r[7] is not None]
+    worst = max(measured, key=lambda r: abs(r[7])) if measured else None
     bad = sum(1 for r in rows if r[8] != "ok" or r[9] != "yes")
     under = sum(1 for r in rows if r[8] == "UNDER")
     tail = (f"{len(rows)} device rows{'' if done else ' so far (run in progress)'}; {under} under llama.cpp, {bad} outside "
