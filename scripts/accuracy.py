@@ -125,6 +125,9 @@ def main() -> int:
             with start_workers(len(sizes)) if sizes else nullcontext() as w:
                 for _, ctx, kv, fa, place in [c for c in cells if c[0] == dev]:
                     moe = dict({**PLACEMENTS, **ARCH_PLACEMENTS}[place])
+                    if kv not in info.kv_bytes_per_token:  # K or V rows not a multiple of the type's block
+                        print(f"skip {name} {dev} {ctx} {kv}: llama.cpp cannot hold this model's KV as {kv}", flush=True)
+                        continue
                     kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
                     if kv_gib > a.max_kv_gib:
                         print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import tempfiles
@@ -58,19 +58,19 @@ def _layers(n: int, every: int, first: str, second: str) -> list[str]:
 _GEMMA4_FULL = {"02": {"head_dim": 64}, "05": {"head_dim": 64}}
 # The SentencePiece-style BPE tokenizer of write_tokenizer(spm_bpe=True): 4 specials, 256 byte tokens, "▁",
 # printable ASCII and a few merges
-_SPM_MERGES = [("▁", "t"), ("t", "h"), ("h", "e"), ("▁", "a")]
-_SPM_VOCAB = 4 + 256 + 1 + 94 + len(_SPM_MERGES)
-_SPM_IDS = dict(vocab_size=_SPM_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+SPM_MERGES = [("▁", "t"), ("t", "h"), ("h", "e"), ("▁", "a")]
+SPM_VOCAB = 4 + 256 + 1 + 94 + len(SPM_MERGES)
+SPM_IDS = dict(vocab_size=SPM_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 SPECS: dict[str, Spec] = {
     "deepseek-v3": Spec("DeepseekV3ForCausalLM", "deepseek_v3", dict(
         num_hidden_layers=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=2, topk_group=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=32, head_dim=16, scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=None, **_MOE),
+        n_group=2, topk_group=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, head_dim=32, scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=None, **_MOE),
         arch="deepseek2", moe=True, note="MLA: llama.cpp keeps only the compressed K (is_mla)"),
     "deepseek-v2-lite": Spec("DeepseekV2ForCausalLM", "deepseek_v2", dict(
         num_hidden_layers=27, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
-        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, head_dim=16,
+        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, head_dim=32,
         topk_method="greedy", rope_scaling=None, **_MOE),
         arch="deepseek2", moe=True, note="27 layers: deepseek2.cpp's is_lite (no q_lora) is by layer count"),
     "gemma3n": Spec("Gemma3nForCausalLM", "gemma3n_text", dict(
@@ -83,15 +83,15 @@ SPECS: dict[str, Spec] = {
              "projections, which llama.cpp's loader requires (and this build gives them their own KV anyway)"),
     "gemma4": Spec("Gemma4ForCausalLM", "gemma4_text", dict(
         num_hidden_layers=6, layer_types=_layers(6, 3, "sliding_attention", "full_attention"), sliding_window=512,
-        vocab_size_per_layer_input=_SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
-        tie_word_embeddings=True, **_SPM_IDS), arch="gemma4", spm_bpe=True,
+        vocab_size_per_layer_input=SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
+        tie_word_embeddings=True, **SPM_IDS), arch="gemma4", spm_bpe=True,
         note="no per-layer embeddings (as the 31B); the converter takes Gemma 4's vocabulary only as a "
              "SentencePiece-style BPE tokenizer.json (gguf-py's LlamaHfVocab)"),
     "gemma4-moe": Spec("Gemma4ForCausalLM", "gemma4_text", dict(
         num_hidden_layers=6, layer_types=_layers(6, 3, "sliding_attention", "full_attention"), sliding_window=512,
-        vocab_size_per_layer_input=_SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
+        vocab_size_per_layer_input=SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64,
-        tie_word_embeddings=True, **_SPM_IDS), arch="gemma4", moe=True, spm_bpe=True),
+        tie_word_embeddings=True, **SPM_IDS), arch="gemma4", moe=True, spm_bpe=True),
     "llama4": Spec("Llama4ForCausalLM", "llama4_text", dict(
         num_hidden_layers=8, intermediate_size=64, intermediate_size_mlp=256, num_local_experts=8,
         num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192, layer_types=None,
@@ -123,7 +123,7 @@ SPECS: dict[str, Spec] = {
     "kimi-linear": Spec("KimiLinearForCausalLM", "kimi_linear", dict(
         num_hidden_layers=8, num_key_value_heads=4, layer_types=_layers(8, 4, "linear_attention", "full_attention"),
         mlp_layer_types=["dense"] + ["sparse"] * 7, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
-        kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, qk_head_dim=48,
+        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, qk_head_dim=64,
         linear_head_dim=32, linear_num_heads=4, first_k_dense_replace=1, num_shared_experts=1,
         linear_attn_config=dict(full_attn_layers=[4, 8], kda_layers=[1, 2, 3, 5, 6, 7], head_dim=32, num_heads=4,
                                 short_conv_kernel_size=4)),
@@ -193,12 +193,12 @@ class NotBuildable(CtxqError):
 
 
 def cache_key(name: str, outtype: str = "f16", extra: dict | None = None) -> str:
-    """Name, config (and `extra` settings), output type, transformers and llama-cpp-python versions, hashed."""
+    """Name, every setting of its entry (and `extra`), output type, transformers and llama-cpp-python versions,
+    hashed."""
     import transformers
 
-    s = SPECS[name]
-    blob = json.dumps([name, s.hf_arch, s.model_type, s.config, outtype, transformers.__version__,
-                       llama_cpp_python_version()] + ([extra] if extra else []), sort_keys=True, default=str)
+    blob = json.dumps([name, asdict(SPECS[name]), outtype, transformers.__version__, llama_cpp_python_version(),
+                       extra], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -295,9 +295,9 @@ def _write_spm_bpe_tokenizer(out: Path) -> None:
 
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + [chr(c) for c in range(33, 127)]
-    tokens += ["".join(m) for m in _SPM_MERGES]
-    assert len(tokens) == _SPM_VOCAB
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_SPM_MERGES, unk_token="<unk>",
+    tokens += ["".join(m) for m in SPM_MERGES]
+    assert len(tokens) == SPM_VOCAB
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=SPM_MERGES, unk_token="<unk>",
                      byte_fallback=True, fuse_unk=True)
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")

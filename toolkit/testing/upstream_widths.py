@@ -25,7 +25,7 @@ from ..conversion.upstream import converter_dir, converter_env
 from ..errors import CtxqError
 from ..paths import ctxq_home
 from .synthetic import write_sparse_safetensors
-from .upstream_models import _SPM_IDS, _SPM_VOCAB, SPECS, NotBuildable, cache_key, make_config, write_tokenizer
+from .upstream_models import SPECS, SPM_IDS, SPM_VOCAB, NotBuildable, cache_key, make_config, write_tokenizer
 
 _VOCAB = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=131072)
 
@@ -52,7 +52,7 @@ REALISTIC: dict[str, Real] = {
     "olmo3-7b-4l": Real("olmo3", dict(num_hidden_layers=4, sliding_window=4096, layer_types=None)),
     # Gemma 4 (transformers' Gemma4TextConfig defaults): 2304 wide, 8 heads / 4 KV, sliding layers of 256-wide
     # heads (window 512) and every 6th full with 512-wide heads, per-layer embeddings of 256; 6 layers
-    "gemma4-6l": Real("gemma4", dict(num_hidden_layers=6, layer_types=None, vocab_size_per_layer_input=_SPM_VOCAB,
+    "gemma4-6l": Real("gemma4", dict(num_hidden_layers=6, layer_types=None, vocab_size_per_layer_input=SPM_VOCAB,
                                      per_layer_config={"05": {"head_dim": 512}})),
 }
 
@@ -82,7 +82,7 @@ def _write_sparse_checkpoint(name: str, r: Real, out: Path) -> None:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     s = SPECS[r.base]
-    cls, cfg = make_config(name, s, {**_VOCAB, **(_SPM_IDS if s.spm_bpe else {}), **r.config})
+    cls, cfg = make_config(name, s, {**_VOCAB, **(SPM_IDS if s.spm_bpe else {}), **r.config})
     with torch.device("meta"):
         model = cls(cfg)
     state = model.state_dict()
