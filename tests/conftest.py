@@ -19,6 +19,10 @@ from ctxq.models import fetch_default_model
 # Python's normal KeyboardInterrupt again.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Every plan made in the tests (in this process and in the `ctxq` children, which inherit it) fails when
+# its weights, KV, state or output buffer differ from llama.cpp's own accounting (ctxq.planning.referee).
+os.environ.setdefault("CTXQ_REFEREE", "strict")
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:

@@ -39,7 +39,7 @@ RECURRENT_RULES: dict[str, str] = {
 # the MROPE / IMROPE architectures of llama_model_rope_type).
 MROPE_ARCHS = {"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe", "qwen3tts"}
 # Mamba-2 mixers (llama_model_granite_hybrid / nemotron_h: ssm_in, ssm_conv1d, ssm_scan).
-MAMBA2_ARCHS = {"granitehybrid", "nemotron_h", "mamba2", "falcon-h1"}
+MAMBA2_ARCHS = {"granitehybrid", "nemotron_h", "nemotron_h_moe", "mamba2", "falcon-h1"}
 FULL_ATTENTION_INTERVAL = 4  # the default of llama_model_qwen35 / qwen3next::load_arch_hparams
 # Multi-token-prediction (NextN) blocks: the last `{arch}.nextn_predict_layers` blocks. These architectures
 # create their tensors with TENSOR_SKIP unless llama_model_params.load_mtp (false by default; the
@@ -53,8 +53,7 @@ STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::cr
 # with the output head, not with the token embeddings on the host.
 OUTPUT_NORM = {"lfm2": "token_embd_norm.weight", "lfm2moe": "token_embd_norm.weight"}
 
-# Bytes per element for the KV-cache types ctxq chooses between (ggml block sizes).
-KV_TYPES = ("f16", "q8_0", "q4_0")
+KV_TYPES = ("f16", "q8_0", "q4_0")  # the KV-cache types ctxq chooses between
 
 # A tensor of layer il: `blk.<il>.` (llama.cpp's tensor names, LLM_TENSOR_NAMES).
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
@@ -111,6 +110,9 @@ class LayerFacts:
     dense_bytes: int  # weights of blk.<il>.* that are not routed experts
     expert_bytes: int  # routed-expert weights (EXPERT_RE)
     mtp: bool = False  # a NextN block llama.cpp does not load (MTP_ARCHS): no weights, KV or state
+    # K, V row widths of its own KV when llama.cpp's accounting gave them (planning.facts; MLA: no V); None: heads
+    k_width: int | None = None
+    v_width: int | None = None
 
     @property
     def kind(self) -> str:
@@ -121,9 +123,7 @@ class LayerFacts:
         attn = "sliding" if self.sliding else "attention" if self.attention else ""
         return "+".join(k for k in (attn, "recurrent" if self.recurrent else "") if k) or "ffn"
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.dense_bytes + self.expert_bytes
+    weight_bytes = property(lambda self: self.dense_bytes + self.expert_bytes)
 
 
 @dataclass
@@ -196,10 +196,12 @@ class ModelInfo:
         return sum(la.state_bytes for la in self.layers)
 
     def n_embd_k_gqa(self, il: int) -> int:
-        return self.head_dim_k * self.layers[il].n_head_kv
+        la = self.layers[il]
+        return self.head_dim_k * la.n_head_kv if la.k_width is None else la.k_width
 
     def n_embd_v_gqa(self, il: int) -> int:
-        return self.head_dim_v * self.layers[il].n_head_kv
+        la = self.layers[il]
+        return self.head_dim_v * la.n_head_kv if la.v_width is None else la.v_width
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -307,14 +309,20 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
                                             ("inner_size", "state_size", "group_count", "time_step_rank"))
         info.ssm_in_rows = 2 * d_inner + 2 * n_group * d_state + heads
         info.ssm_d_inner = d_inner
+    info.kv_bytes_per_token = kv_per_token(info)
+    return info
+
+
+def kv_per_token(info: ModelInfo) -> dict[str, int]:
+    """KV bytes per token of the attention layers for each KV type whose blocks divide their rows."""
+    out: dict[str, int] = {}
     for kv in KV_TYPES:
         try:
-            info.kv_bytes_per_token[kv] = sum(
-                kv_bytes(kv, info.n_embd_k_gqa(il)) + kv_bytes(kv, info.n_embd_v_gqa(il))
-                for il in range(n_layer) if layers[il].attention)
+            out[kv] = sum(kv_bytes(kv, info.n_embd_k_gqa(il)) + kv_bytes(kv, info.n_embd_v_gqa(il))
+                          for il in range(info.n_layer) if info.layers[il].attention)
         except GGUFError:
             pass  # rows not a multiple of the type's block: llama.cpp cannot use that KV type
-    return info
+    return out
 
 
 def _check_experts(path: str, n_expert: int, names: list[set[str]], routers: list[bool]) -> None:

@@ -23,6 +23,15 @@ log = logging.getLogger(__name__)
 class Measurement:
     allocations: backend.Allocations
     log: list[str]
+    model_bytes: int = 0  # llama_model_size: the bytes of every tensor llama.cpp created (a dry run too)
+
+
+def load_reason(lines: list[str]) -> str:
+    """Why llama.cpp refused a model: its loader's "error loading model: ..." line, else the last error."""
+    for line in lines:
+        if "error loading model: " in line:
+            return line.split("error loading model: ", 1)[1].strip()
+    return last_error_line(lines)
 
 
 def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split: list[float] | None = None,
@@ -58,8 +67,11 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
     with backend.capture_log() as lines:
         model = lc.llama_model_load_from_file(str(model_path).encode(), mp)
         if not model:
-            raise CtxqError(f"llama.cpp could not load {model_path}: {last_error_line(lines)}")
+            e = CtxqError(f"llama.cpp could not load {model_path}: {load_reason(lines)}")
+            e.reason = load_reason(lines)
+            raise e
         try:
+            model_bytes = int(lc.llama_model_size(model))
             ctx = lc.llama_init_from_model(model, cp)
             if not ctx:
                 raise CtxqError(f"llama.cpp could not create the context: {last_error_line(lines)}")
@@ -67,4 +79,4 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
         finally:
             lc.llama_model_free(model)
     del split_arr
-    return Measurement(backend.parse_allocations(lines), lines)
+    return Measurement(backend.parse_allocations(lines), lines, model_bytes)

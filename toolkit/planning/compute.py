@@ -26,6 +26,7 @@ from pathlib import Path
 
 import gguf
 
+from ..errors import CtxqError
 from ..gguf.info import RECURRENT_RULES, ModelInfo, block_of
 from ..gguf.reader import GGUFFile
 from ..gguf.writer import write_sparse_gguf
@@ -111,6 +112,31 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     return out
 
 
+def model_path(src: GGUFFile) -> str:
+    """A local file llama.cpp can load the header of: the model itself, or for a Hub model whose header
+    alone was fetched, a header-only copy with its data region a sparse hole (compute.write_sparse)."""
+    need = src.data_offset + sum(t.nbytes for t in src.tensors)
+    if src.path.stat().st_size >= need:
+        return str(src.path)
+    return str(sparse_copy(src))
+
+
+def load_error(src: GGUFFile, e: CtxqError) -> CtxqError:
+    """A failed llama.cpp load as one line naming the architecture and llama.cpp's reason (`e` itself when
+    the model loaded and the context's settings were refused)."""
+    if not hasattr(e, "reason"):
+        return e
+    return CtxqError(f"llama.cpp cannot load this {src.arch} model ({src.path.name}): {e.reason}")
+
+
+def sparse_copy(src: GGUFFile) -> Path:
+    """A header-only copy of src with every tensor (a Hub model's header, to ask llama.cpp about)."""
+    out = _derived_path(src, ("all",), False, None)
+    if not out.exists():
+        write_sparse(src, out, [(t.name, t.shape, t.type) for t in src.tensors])
+    return out
+
+
 def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], *,
                  layers: tuple[int, ...] | None = None, n_vocab: int | None = None,
                  flags: LayerFlags | None = None) -> Path:
@@ -135,6 +161,8 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                 value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
             if key == f"{arch}.block_count" and layers is not None:
                 value = len(layers)
+            if key == f"{arch}.leading_dense_block_count" and layers is not None and isinstance(value, int):
+                value = sum(1 for i in layers if i < value)  # the kept dense layers stay the leading ones
             if key == f"{arch}.nextn_predict_layers" and layers is not None:
                 value = 0  # derived models keep no NextN block (compute_peaks leaves them out)
             if key == f"{arch}.vocab_size":
@@ -181,11 +209,13 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     Architectures with sliding windows build an iSWA graph that needs both kinds present
     (llama_model::build_graph asserts is_swa_any), and hybrids a graph over both memories."""
     by_kind: dict[str, list[int]] = {}
+    groups: dict[tuple[str, bool], list[int]] = {}  # dense and expert layers of a kind measured apart
     for il, la in enumerate(info.layers):
         if not la.mtp:  # unloaded NextN blocks are not in the graph
             by_kind.setdefault(la.kind, []).append(il)
+            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
-    mixed = _peaks(src, info, [ils for ils in by_kind.values()], args)
+    mixed = _peaks(src, info, list(groups.values()), args)
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
@@ -205,11 +235,23 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
     each group."""
     one = tuple(sorted(ils[0] for ils in groups))
     two = tuple(sorted(il for ils in groups for il in ils[:2]))
-    full = _dry_run(str(write_derived(src, one, False, _flags(info, one))), *args)
-    layer = _dry_run(str(write_derived(src, one, True, _flags(info, one))), *args)
-    # A one-layer graph frees its inputs after its only layer; a device holding many layers keeps them
-    # alive from one layer to the next, so its steady peak is measured on two layers of each kind.
-    steady = _dry_run(str(write_derived(src, two, True, _flags(info, two))), *args)
+    try:
+        full = _dry_run(str(write_derived(src, one, False, _flags(info, one))), *args)
+        layer = _dry_run(str(write_derived(src, one, True, _flags(info, one))), *args)
+        # A one-layer graph frees its inputs after its only layer; a device holding many layers keeps them
+        # alive from one layer to the next, so its steady peak is measured on two layers of each kind.
+        steady = _dry_run(str(write_derived(src, two, True, _flags(info, two))), *args)
+    except CtxqError as e:
+        # a derived model llama.cpp refuses (hparams that depend on the layer count or on layers left out):
+        # the real header's own compute buffer, the peak of every layer and the head, stands for each
+        log.info("derived model refused (%s); compute from the real header", e)
+        try:
+            whole = _dry_run(model_path(src), *args)
+        except CtxqError as e2:
+            if (err := load_error(src, e2)) is e2:
+                raise
+            raise err from e2
+        return ComputePeaks(layer_full=whole, output=whole, layer_steady=whole)
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
 
 

@@ -21,7 +21,9 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from . import compute as compute_mod
 from . import cuda as cuda_mod
@@ -62,6 +64,28 @@ class Costs:
     cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
     recurrent_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (recurrent_tails)
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
+
+    def sums(self, layers) -> tuple[int, int, int, int]:
+        """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks thousands
+        of times)."""
+        if not (isinstance(layers, range) and layers.step == 1) or len(self.layer_experts) != len(self.layer_kv):
+            ls = list(layers)
+            return tuple(sum(col[i] for i in ls) for col in
+                         (self.layer_weights, self.layer_kv, self.layer_state, self.layer_experts))
+        p = self._prefix
+        a, b = layers.start, max(layers.start, layers.stop)
+        return tuple(col[b] - col[a] for col in p)
+
+    @cached_property
+    def totals(self) -> dict:
+        """Memo of device totals by (first slot, end slot, device index, device, CPU slots) for the
+        search, which asks the same device the same question at every fill fraction it tries."""
+        return {}
+
+    @cached_property
+    def _prefix(self) -> tuple[list[int], ...]:
+        return tuple(list(itertools.accumulate(col, initial=0)) for col in
+                     (self.layer_weights, self.layer_kv, self.layer_state, self.layer_experts))
 
     def with_cpu_experts(self, layers) -> Costs:
         """These costs with the experts of `layers` in CPU memory: those layers' device weights lose them.
@@ -159,10 +183,10 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     hold layers and the first n_cpu_slots layer slots sit on the CPU; first_cuda: it is the first CUDA
     device in llama.cpp's order (the op-offload target)."""
     dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
-    dp.weights = sum(c.layer_weights[i] for i in layers) + (c.output_weights if has_output else 0)
-    dp.kv = sum(c.layer_kv[i] for i in layers)
-    dp.state = sum(c.layer_state[i] for i in layers)
-    dp.cpu_experts = [il for il in layers if il in c.cpu_experts]
+    weights, kv, state, experts = c.sums(layers)
+    dp.weights = weights + (c.output_weights if has_output else 0)
+    dp.kv, dp.state = kv, state
+    dp.cpu_experts = [il for il in layers if il in c.cpu_experts] if c.cpu_experts else []
     dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
     run = [il for il in layers if il not in c.mtp_layers] if c.mtp_layers else layers  # layers in the graph
     peaks = _peaks(c, run)
@@ -170,7 +194,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         peaks = _moe_split_peaks(c, peaks, run)
     dp.compute = _device_compute(c, peaks, _inputs(c, run), bool(run), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
-    dp.experts = sum(c.layer_experts[i] for i in layers if i not in c.cpu_experts)
+    dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
     if n_used > 1 or n_cpu_slots:
         dp.compute += recurrent_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
     if dev.kind != "gpu":

@@ -19,8 +19,11 @@ from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer
 from .options import KV_TYPES, PlanOptions
+from .checks import check_kv_can_fit, check_reserve, does_not_fit
+from .facts import model_facts
 from .plan import DevicePlan, ExpertPlacement, Plan
-from ..errors import DoesNotFit, InvalidOption
+from .referee import refereed
+from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
 from ..units import GiB
 
@@ -47,8 +50,12 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
             # as in a split; _layout costs the final one exactly
-            dp = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first, n_cpu_slots=lo_bound)
-            if dp.total > budget:
+            key = (start, hi, d, id(devs[d]), lo_bound)
+            total = c.totals.get(key)
+            if total is None:
+                total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
+                                                    n_cpu_slots=lo_bound).total
+            if total > budget:
                 break
             take += 1
         counts[d] = take
@@ -168,17 +175,25 @@ def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, de
 
 
 def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
-    """The plan for resolved options on devices already resolved (`devices.resolve_devices`)."""
+    """The plan for resolved options on devices already resolved (`devices.resolve_devices`), its
+    split-independent terms checked against llama.cpp's own accounting (`referee`)."""
     src = compute_mod.load_source(model)  # headers only: a Hub model's weights are not downloaded
     path = src.source or src.path  # what llama.cpp loads: a local file, or the Hub model `ctxq run` fetches
-    info = model_info(src)
+    # verified rules, else llama.cpp's accounting of the header (planning.facts)
+    info = model_facts(src, model_info(src), n_ctx=opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch,
+                       flash_attn=opts.flash_attn)
+    p = _plan_info(src, str(path), info, devices, cpu, opts)
+    return refereed(p, src, info, lambda better: _plan_info(src, str(path), better, devices, cpu, opts))
+
+
+def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
     experts = ExpertPlacement.chosen((t.name for t in src.tensors), info.n_layer, opts)  # checked before the search
     auto_experts = bool(experts.expert_layers) and not experts.fixed and opts.expert_offload is not False
     candidates, usable = opts.kv_candidates(), _kv_types(info)
     if len(candidates) > 1:  # kv="auto": the types these heads can use (a type given is checked below)
         candidates = [(tk, tv) for tk, tv in candidates if tk in usable and tv in usable]
-    _check_reserve(devices, opts)
-    _check_kv_can_fit(info, devices, cpu, opts, candidates)
+    check_reserve(devices, opts)
+    check_kv_can_fit(info, devices, cpu, opts, candidates)
     cuda = any(d.backend == "cuda" for d in devices)
     for tk, tv in candidates:
         for name, t in (("type_k", tk), ("type_v", tv)):
@@ -204,7 +219,7 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
         if p is not None:
             plans.append(p)
     if not plans:
-        raise _does_not_fit(cpu, hosts, opts.n_ctx)
+        raise does_not_fit(cpu, hosts, opts.n_ctx)
     return experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1))
 
 
@@ -212,27 +227,6 @@ def _kv_types(info: ModelInfo) -> list[str]:
     """KV types whose blocks divide each K and V head, not only a row (llama_init_from_model: "does not divide")."""
     return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_QUANT_SIZES[T[t.upper()]][0])
                                                         or info.head_dim_v % b)]
-
-
-def _check_kv_can_fit(info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions, candidates) -> None:
-    """Refuse, before llama.cpp is asked (its dry run would throw std::bad_alloc), a context whose KV cache
-    alone, at the smallest KV type tried, exceeds all devices and the host together."""
-    kv = min((sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, tk, tv)) for tk, tv in candidates
-              if tk in info.kv_bytes_per_token and tv in info.kv_bytes_per_token), default=0)
-    room = sum(d.usable for d in devices) + cpu.usable
-    if kv > room:
-        raise DoesNotFit(f"{opts.n_ctx} tokens do not fit: their KV cache alone needs {kv / GiB:,.1f} GiB, "
-                         f"the devices and the host have {room / GiB:,.1f} GiB",
-                         "give a smaller n_ctx", option="n_ctx", value=opts.n_ctx)
-
-
-def _check_reserve(devices: list[Device], opts: PlanOptions) -> None:
-    """A reserve must leave room for something on every GPU it applies to."""
-    for d in devices:
-        r = opts.reserve if opts.reserve is not None else d.reserve
-        if d.kind == "gpu" and r is not None and r >= d.usable:
-            raise InvalidOption(f"a reserve of {r / GiB:.2f} GiB leaves nothing of {d.name}'s {d.usable / GiB:.2f} GiB; "
-                                "give a smaller `reserve`", option="reserve", value=r, limit=d.usable)
 
 
 def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
@@ -341,19 +335,6 @@ def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: Pla
                 f"{chosen.type_k} ({kv_got / GiB:.1f} GiB) does")
     chosen.reason = why
     return chosen
-
-
-def _does_not_fit(cpu: Device, hosts: list[tuple[DevicePlan, str]], n_ctx: int) -> DoesNotFit:
-    host_need = min((h.total for h, _ in hosts), default=0)
-    if hosts and host_need > cpu.usable:
-        short = host_need - cpu.usable
-        kv_hint = "" if any(tv == "q4_0" for _, tv in hosts) else "use type_k=q4_0 type_v=q4_0, "
-        return DoesNotFit(f"{n_ctx} tokens do not fit: the CPU needs {host_need / GiB:.1f} GiB for the layers "
-                          f"the GPUs cannot hold, {cpu.usable / GiB:.1f} GiB is available",
-                          f"add {short / GiB:.1f} GiB of GPU memory, {kv_hint}or use a smaller quantization "
-                          "of the model", option="n_ctx", value=n_ctx)
-    return DoesNotFit(f"{n_ctx} tokens do not fit on these devices",
-                      "use a smaller quantization, a smaller n_ctx, or more GPU memory", option="n_ctx", value=n_ctx)
 
 
 def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions,

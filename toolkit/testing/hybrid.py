@@ -17,6 +17,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 from ..gguf.writer import write_sparse_gguf
+from .synthetic import model_keys
 
 Spec = tuple[str, tuple[int, ...], int]
 
@@ -97,18 +98,16 @@ def _qwen35_tensors(g: HybridGeometry, recurrent: list[bool], moe: bool = False,
 
 
 def _common_keys(w: gguf.GGUFWriter, g: HybridGeometry, name: str, tokenizer: bool = False) -> None:
-    w.add_name(name)
-    w.add_file_type(1)  # LLAMA_FTYPE_MOSTLY_F16
-    w.add_context_length(g.n_ctx_train)
-    w.add_embedding_length(g.n_embd)
-    w.add_block_count(g.n_layer)
-    w.add_head_count(g.n_head)
-    w.add_key_length(g.head_dim)
-    w.add_value_length(g.head_dim)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_vocab_size(g.n_vocab)
+    model_keys(w, g, name, 1, 1e-6)  # LLAMA_FTYPE_MOSTLY_F16
     if not tokenizer:
         w.add_tokenizer_model("none")  # llama.cpp adds vocab_size dummy tokens (llama_vocab::load)
+
+
+def _attention_at(w: gguf.GGUFWriter, g: HybridGeometry, attention) -> None:
+    """A dense FFN in every layer and KV heads only in the `attention` layers (head_count_kv 0 elsewhere)."""
+    w.add_feed_forward_length(g.n_ff)
+    w.add_head_count_kv([g.n_head_kv if il in attention else 0 for il in range(g.n_layer)])
+    w.add_rope_dimension_count(g.head_dim)
 
 
 def _ssm_keys(w: gguf.GGUFWriter, g: HybridGeometry, d_inner: int | None = None) -> None:
@@ -235,9 +234,7 @@ def write_lfm2(path: str | os.PathLike, g: HybridGeometry = HybridGeometry(n_lay
 
     def metadata(w: gguf.GGUFWriter) -> None:
         _common_keys(w, g, "tiny-lfm2")
-        w.add_feed_forward_length(g.n_ff)
-        w.add_head_count_kv([g.n_head_kv if il in attention else 0 for il in range(g.n_layer)])
-        w.add_rope_dimension_count(g.head_dim)
+        _attention_at(w, g, attention)
         w.add_shortconv_l_cache(l_cache)
 
     return _write(path, "lfm2", g, blocks, metadata, tied=True, output_norm="token_embd_norm.weight")
@@ -257,9 +254,7 @@ def write_granite_hybrid(path: str | os.PathLike, g: HybridGeometry = HybridGeom
 
     def metadata(w: gguf.GGUFWriter) -> None:
         _common_keys(w, g, "tiny-granitehybrid")
-        w.add_feed_forward_length(g.n_ff)
-        w.add_head_count_kv([g.n_head_kv if il in attention else 0 for il in range(g.n_layer)])
-        w.add_rope_dimension_count(g.head_dim)
+        _attention_at(w, g, attention)
         _ssm_keys(w, g, d_inner)
 
     return _write(path, "granitehybrid", g, blocks, metadata)

@@ -123,23 +123,29 @@ def tensor_specs(g: Geometry, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int,
     return out
 
 
+def model_keys(w: gguf.GGUFWriter, g, name: str, file_type: int, rms_eps: float) -> None:
+    """The keys every test model has, from a geometry with n_ctx_train, n_embd, n_layer, n_head, head_dim and
+    n_vocab (`Geometry`, `hybrid.HybridGeometry`)."""
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_context_length(g.n_ctx_train)
+    w.add_embedding_length(g.n_embd)
+    w.add_block_count(g.n_layer)
+    w.add_head_count(g.n_head)
+    w.add_key_length(g.head_dim)
+    w.add_value_length(g.head_dim)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_vocab_size(g.n_vocab)
+
+
 def write_synthetic_gguf(path: str | os.PathLike, g: Geometry, mix: str = "Q4_K_M") -> Path:
     """Write a loadable GGUF of geometry g whose data region is a sparse hole."""
 
     def metadata(w: gguf.GGUFWriter) -> None:
-        w.add_name(g.name)
-        w.add_file_type(15 if mix == "Q4_K_M" else 1)  # LLAMA_FTYPE_MOSTLY_Q4_K_M / F16
-        w.add_context_length(g.n_ctx_train)
-        w.add_embedding_length(g.n_embd)
-        w.add_block_count(g.n_layer)
+        model_keys(w, g, g.name, 15 if mix == "Q4_K_M" else 1, 1e-5)  # LLAMA_FTYPE_MOSTLY_Q4_K_M / F16
         w.add_feed_forward_length(g.n_ff)
-        w.add_head_count(g.n_head)
         w.add_head_count_kv(g.n_head_kv)
-        w.add_key_length(g.head_dim)
-        w.add_value_length(g.head_dim)
         w.add_rope_dimension_count(g.head_dim)
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(g.n_vocab)
         if g.n_swa:
             w.add_sliding_window(g.n_swa)
         if g.n_expert:
