@@ -213,6 +213,9 @@ def _table(rows, target: Target) -> str:
 def _model(a, name: str, tmp: Path) -> str | None:
     """The GGUF of `name` for this matrix (None, with a line, where it cannot be built)."""
     if a.arch:
+        if name in upstream_models.NOT_BUILDABLE:
+            print(f"skip {name}: {upstream_models.NOT_BUILDABLE[name]}", flush=True)
+            return None
         try:
             return str(upstream_widths.build_realistic(name) if a.realistic else upstream_models.build(name))
         except upstream_models.NotBuildable as e:
