@@ -65,6 +65,14 @@ HYBRID_REALISTIC = dict(HYBRID, models=",".join(REALISTIC), devices="rpc2,rpc3")
 ARCH = dict(HYBRID, models=",".join(upstream_models.NAMES))
 ARCH_REALISTIC = dict(HYBRID, models=",".join(upstream_widths.REALISTIC), devices="rpc2,rpc3")
 ARCH_PLACEMENTS = {"none": {}, "ncmoe2": {"n_cpu_moe": 2}}  # the MoE checkpoints: experts of layers 0-1 on the host
+# --arch without --devices/--ctx/--kv/--fa: these cells of the hybrid product (1-3 devices, 16k-64k, f16/q8_0, flash
+# attention on and off; about 15 s each on 2 cores) rather than all 18, and for the MoE checkpoints one with experts
+# in host memory: (devices, n_ctx, KV type, flash attention, expert placement)
+ARCH_CELLS = [("cpu", 16384, "f16", "on", "none"), ("rpc2", 65536, "q8_0", "on", "none"),
+              ("rpc3", 16384, "f16", "off", "none"), ("rpc3", 65536, "f16", "on", "none")]
+ARCH_MOE_CELLS = [("rpc3", 65536, "q8_0", "on", "ncmoe2")]
+ARCH_REALISTIC_CELLS = [("rpc2", 16384, "f16", "on", "none"), ("rpc2", 65536, "q8_0", "on", "none"),
+                        ("rpc3", 16384, "f16", "off", "none"), ("rpc3", 65536, "f16", "on", "none")]
 
 
 def main() -> int:
@@ -90,6 +98,7 @@ def main() -> int:
         for k, v in (HYBRID_REALISTIC if a.realistic else HYBRID).items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
+    preset = a.arch and all(getattr(a, k) == ap.get_default(k) for k in ("devices", "ctx", "kv", "fa"))
     if a.arch:
         for k, v in (ARCH_REALISTIC if a.realistic else ARCH).items():
             if getattr(a, k) == ap.get_default(k):
@@ -110,55 +119,69 @@ def main() -> int:
             continue
         info = model_info(model)
         moe_model = a.arch and info.n_expert > 0
-        for dev in a.devices.split(","):
+        cells = _cells(a, preset, moe_model)
+        for dev in dict.fromkeys(c[0] for c in cells):
             sizes = DEVICE_SETS[dev]
             with start_workers(len(sizes)) if sizes else nullcontext() as w:
-                for ctx in map(int, a.ctx.split(",")):
-                    for kv, fa, place in [(kv, fa, pl) for kv in a.kv.split(",") for fa in a.fa.split(",")
-                                          for pl in (PLACEMENTS if a.moe else ARCH_PLACEMENTS if moe_model
-                                                     else ["none"])]:
-                        moe = dict({**PLACEMENTS, **ARCH_PLACEMENTS}[place])
-                        if (moe.get("search") or moe.get("n_cpu_moe")) and not sizes:
-                            continue  # no devices to fill, or every expert on the host already
-                        kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
-                        if kv_gib > a.max_kv_gib:
-                            print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
-                            continue
-                        if fa == "off" and kv != "f16":  # a quantized V cache needs flash attention
-                            continue
-                        experts = a.moe or (moe_model and place != "none")
-                        label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "") \
-                            + (f" experts:{place}" if experts else "")
-                        cell_sizes = [1.0] * len(sizes) if moe.get("search") else sizes
-                        kv_label = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if experts else "")
-                        try:
-                            r = check_cell(model, ctx, kv, cell_sizes, workers=w, label=label,
-                                           flash_attn=fa == "on", **moe)
-                        except CtxqError as e:  # a plan (or load) that fails is a result of the matrix
-                            rows.append([name, dev, ctx, kv_label, "-", None, None, None, "FAILS", "-", str(e)])
-                            fails += 1
-                            print(f"{label}: FAILS: {e}", flush=True)
-                            if a.out:
-                                _write(a.out, section, rows, target, sys.argv[1:], done=False)
-                            continue
-                        kv = kv_label
-                        for d in r.devices:
-                            status = "UNDER" if d.under else "ok" if target.holds(d) else "OVER"
-                            rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
-                                         d.shown_error / MiB, status, "yes" if r.layers_match else "NO"])
-                            if a.out:  # rows as they come, so an interrupted run keeps what it measured
-                                _write(a.out, section, rows, target, sys.argv[1:], done=False)
-                            if abs(d.error) > abs(worst[0]):
-                                worst = (d.error, f"{r.label} {d.name}")
-                        fails += not r.layers_match or any(d.under or not target.holds(d) for d in r.devices)
-                        print(f"{r.label}: worst {r.worst.name} {r.worst.error / MiB:+.2f} MiB, layers "
-                              f"{'match' if r.layers_match else 'DIFFER ' + r.layer_mismatch}", flush=True)
+                for _, ctx, kv, fa, place in [c for c in cells if c[0] == dev]:
+                    moe = dict({**PLACEMENTS, **ARCH_PLACEMENTS}[place])
+                    if kv not in info.kv_bytes_per_token:  # K or V rows not a multiple of the type's block
+                        print(f"skip {name} {dev} {ctx} {kv}: llama.cpp cannot hold this model's KV as {kv}", flush=True)
+                        continue
+                    kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
+                    if kv_gib > a.max_kv_gib:
+                        print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
+                        continue
+                    experts = a.moe or (moe_model and place != "none")
+                    label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "") \
+                        + (f" experts:{place}" if experts else "")
+                    cell_sizes = [1.0] * len(sizes) if moe.get("search") else sizes
+                    kv_label = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if experts else "")
+                    try:
+                        r = check_cell(model, ctx, kv, cell_sizes, workers=w, label=label,
+                                       flash_attn=fa == "on", **moe)
+                    except CtxqError as e:  # a plan (or load) that fails is a result of the matrix
+                        rows.append([name, dev, ctx, kv_label, "-", None, None, None, "FAILS", "-", str(e)])
+                        fails += 1
+                        print(f"{label}: FAILS: {e}", flush=True)
+                        if a.out:
+                            _write(a.out, section, rows, target, sys.argv[1:], done=False)
+                        continue
+                    kv = kv_label
+                    for d in r.devices:
+                        status = "UNDER" if d.under else "ok" if target.holds(d) else "OVER"
+                        rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
+                                     d.shown_error / MiB, status, "yes" if r.layers_match else "NO"])
+                        if a.out:  # rows as they come, so an interrupted run keeps what it measured
+                            _write(a.out, section, rows, target, sys.argv[1:], done=False)
+                        if abs(d.error) > abs(worst[0]):
+                            worst = (d.error, f"{r.label} {d.name}")
+                    fails += not r.layers_match or any(d.under or not target.holds(d) for d in r.devices)
+                    print(f"{r.label}: worst {r.worst.name} {r.worst.error / MiB:+.2f} MiB, layers "
+                          f"{'match' if r.layers_match else 'DIFFER ' + r.layer_mismatch}", flush=True)
     print(_table(rows, target))
     print(f"\n{len(rows)} device rows, {fails} cells outside the target; worst error {worst[0] / MiB:+.2f} MiB ({worst[1]}); "
           f"{time.time() - t0:.0f} s")
     if a.out:
         _write(a.out, section, rows, target, sys.argv[1:], done=True)
     return 0 if fails == 0 else 1
+
+
+def _cells(a, preset: bool, moe_model: bool) -> list[tuple]:
+    """(devices, n_ctx, KV type, flash attention, expert placement) of one model's cells."""
+    if preset:
+        return (ARCH_REALISTIC_CELLS if a.realistic else ARCH_CELLS) + (ARCH_MOE_CELLS if moe_model else [])
+    placements = PLACEMENTS if a.moe else ARCH_PLACEMENTS if moe_model else ["none"]
+    cells = []
+    for dev in a.devices.split(","):
+        for ctx in map(int, a.ctx.split(",")):
+            for kv, fa, pl in [(kv, fa, pl) for kv in a.kv.split(",") for fa in a.fa.split(",") for pl in placements]:
+                if (PLACEMENTS.get(pl, {}).get("search") or pl == "ncmoe2") and not DEVICE_SETS[dev]:
+                    continue  # no devices to fill, or every expert on the host already
+                if fa == "off" and kv != "f16":  # a quantized V cache needs flash attention
+                    continue
+                cells.append((dev, ctx, kv, fa, pl))
+    return cells
 
 
 class Target:
@@ -190,6 +213,9 @@ def _table(rows, target: Target) -> str:
 def _model(a, name: str, tmp: Path) -> str | None:
     """The GGUF of `name` for this matrix (None, with a line, where it cannot be built)."""
     if a.arch:
+        if name in upstream_models.NOT_BUILDABLE:
+            print(f"skip {name}: {upstream_models.NOT_BUILDABLE[name]}", flush=True)
+            return None
         try:
             return str(upstream_widths.build_realistic(name) if a.realistic else upstream_models.build(name))
         except upstream_models.NotBuildable as e:

@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import tempfiles
@@ -43,6 +43,9 @@ class Spec:
     note: str = ""  # why the config looks as it does
     added_tokens: tuple[str, ...] = ()  # special tokens the converter looks up by name, added after SmolLM2's
     renames: tuple[tuple[str, str], ...] = ()  # (regex, replacement) on the saved tensor names
+    converter_args: tuple[str, ...] = ()  # more options for convert_hf_to_gguf.py
+    spm_bpe: bool = False  # a SentencePiece-style BPE tokenizer (byte fallback) instead of SmolLM2's
+    saved_config: dict = field(default_factory=dict)  # keys written to config.json over what transformers saves
 
 
 def _layers(n: int, every: int, first: str, second: str) -> list[str]:
@@ -53,33 +56,42 @@ def _layers(n: int, every: int, first: str, second: str) -> list[str]:
 # Gemma 4's full-attention layers have heads twice as wide as its sliding ones (512 and 256 in the real config);
 # the converter reads the full layers' head size from per_layer_config (conversion/gemma.py).
 _GEMMA4_FULL = {"02": {"head_dim": 64}, "05": {"head_dim": 64}}
+# The SentencePiece-style BPE tokenizer of write_tokenizer(spm_bpe=True): 4 specials, 256 byte tokens, "▁",
+# printable ASCII and a few merges
+SPM_MERGES = [("▁", "t"), ("t", "h"), ("h", "e"), ("▁", "a")]
+SPM_VOCAB = 4 + 256 + 1 + 94 + len(SPM_MERGES)
+SPM_IDS = dict(vocab_size=SPM_VOCAB, pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 SPECS: dict[str, Spec] = {
     "deepseek-v3": Spec("DeepseekV3ForCausalLM", "deepseek_v3", dict(
         num_hidden_layers=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=2, topk_group=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=32, head_dim=16, scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=None, **_MOE),
+        n_group=2, topk_group=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, head_dim=32, scoring_func="sigmoid", topk_method="noaux_tc", rope_scaling=None, **_MOE),
         arch="deepseek2", moe=True, note="MLA: llama.cpp keeps only the compressed K (is_mla)"),
     "deepseek-v2-lite": Spec("DeepseekV2ForCausalLM", "deepseek_v2", dict(
         num_hidden_layers=27, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
-        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, head_dim=16,
+        kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, head_dim=32,
         topk_method="greedy", rope_scaling=None, **_MOE),
         arch="deepseek2", moe=True, note="27 layers: deepseek2.cpp's is_lite (no q_lora) is by layer count"),
     "gemma3n": Spec("Gemma3nForCausalLM", "gemma3n_text", dict(
         num_hidden_layers=10, intermediate_size=[256] * 10, activation_sparsity_pattern=[0.95] * 2 + [0.0] * 8,
-        num_kv_shared_layers=4, vocab_size_per_layer_input=49152, hidden_size_per_layer_input=256,
-        layer_types=_layers(10, 5, "sliding_attention", "full_attention"), sliding_window=512, laurel_rank=16,
+        num_kv_shared_layers=0, vocab_size_per_layer_input=49152, hidden_size_per_layer_input=256,
+        layer_types=_layers(10, 5, "sliding_attention", "full_attention"), sliding_window=512,
         tie_word_embeddings=True), arch="gemma3n",
-        note="per-layer embeddings 256 wide: llama-hparams.h's n_embd_altup"),
+        note="per-layer embeddings 256 wide (llama-hparams.h's n_embd_altup) and laurel rank 64: llama.cpp's "
+             "gemma3n loader has both fixed. No KV-shared layers: transformers 5 makes them without k/v "
+             "projections, which llama.cpp's loader requires (and this build gives them their own KV anyway)"),
     "gemma4": Spec("Gemma4ForCausalLM", "gemma4_text", dict(
         num_hidden_layers=6, layer_types=_layers(6, 3, "sliding_attention", "full_attention"), sliding_window=512,
-        vocab_size_per_layer_input=49152, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
-        tie_word_embeddings=True), arch="gemma4"),
+        vocab_size_per_layer_input=SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
+        tie_word_embeddings=True, **SPM_IDS), arch="gemma4", spm_bpe=True,
+        note="no per-layer embeddings (as the 31B); the converter takes Gemma 4's vocabulary only as a "
+             "SentencePiece-style BPE tokenizer.json (gguf-py's LlamaHfVocab)"),
     "gemma4-moe": Spec("Gemma4ForCausalLM", "gemma4_text", dict(
         num_hidden_layers=6, layer_types=_layers(6, 3, "sliding_attention", "full_attention"), sliding_window=512,
-        vocab_size_per_layer_input=49152, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
+        vocab_size_per_layer_input=SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,
         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64,
-        tie_word_embeddings=True), arch="gemma4", moe=True),
+        tie_word_embeddings=True, **SPM_IDS), arch="gemma4", moe=True, spm_bpe=True),
     "llama4": Spec("Llama4ForCausalLM", "llama4_text", dict(
         num_hidden_layers=8, intermediate_size=64, intermediate_size_mlp=256, num_local_experts=8,
         num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=8192, layer_types=None,
@@ -104,17 +116,21 @@ SPECS: dict[str, Spec] = {
     "granite4-moe": Spec("GraniteMoeHybridForCausalLM", "granitemoehybrid", dict(
         num_hidden_layers=8, layer_types=_layers(8, 4, "mamba", "attention"), num_local_experts=8,
         num_experts_per_tok=2, intermediate_size=64, shared_intermediate_size=256, mamba_n_heads=8, mamba_d_head=32,
-        mamba_d_state=16, mamba_n_groups=1, mamba_expand=2), arch="granitehybrid", moe=True),
+        mamba_d_state=16, mamba_n_groups=1, mamba_expand=2), arch="granitehybrid", moe=True,
+        saved_config=dict(layer_types=_layers(8, 4, "mamba", "attention")),
+        note="layer_types as Granite 4's config.json words them (the converter looks for 'attention'; "
+             "transformers 5 saves 'full_attention')"),
     "kimi-linear": Spec("KimiLinearForCausalLM", "kimi_linear", dict(
         num_hidden_layers=8, num_key_value_heads=4, layer_types=_layers(8, 4, "linear_attention", "full_attention"),
         mlp_layer_types=["dense"] + ["sparse"] * 7, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
-        kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, qk_head_dim=48,
+        kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, qk_head_dim=64,
         linear_head_dim=32, linear_num_heads=4, first_k_dense_replace=1, num_shared_experts=1,
         linear_attn_config=dict(full_attn_layers=[4, 8], kda_layers=[1, 2, 3, 5, 6, 7], head_dim=32, num_heads=4,
                                 short_conv_kernel_size=4)),
-        arch="kimi-linear", moe=True, renames=((r"(layers\.0\.)block_sparse_moe\.(\w+_proj)", r"\1mlp.\2"),),
-        note="MLA and delta-net layers. The converter reads the released config.json's linear_attn_config and "
-             "first_k_dense_replace, and the dense layer 0 as mlp.*: transformers 5 writes neither"),
+        arch="kimi-linear", moe=True, saved_config=dict(moe_router_activation_func="sigmoid"), renames=((r"(layers\.0\.)block_sparse_moe\.(\w+_proj)", r"\1mlp.\2"),),
+        note="MLA and delta-net layers. The converter reads the released config.json's linear_attn_config, "
+             "first_k_dense_replace and moe_router_activation_func (llama.cpp needs the gating function), and "
+             "the dense layer 0 as mlp.*: transformers 5 writes none of them"),
     "smollm3": Spec("SmolLM3ForCausalLM", "smollm3", dict(num_hidden_layers=4), arch="smollm3"),
     "exaone4": Spec("Exaone4ForCausalLM", "exaone4", dict(
         num_hidden_layers=64, sliding_window=4096, layer_types=_layers(64, 4, "sliding_attention", "full_attention")),
@@ -126,7 +142,14 @@ SPECS: dict[str, Spec] = {
     "qwen35moe": Spec("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", dict(
         num_hidden_layers=8, layer_types=_layers(8, 4, "linear_attention", "full_attention"), num_experts=8,
         shared_expert_intermediate_size=64, linear_key_head_dim=32, linear_value_head_dim=32,
-        linear_num_key_heads=2, linear_num_value_heads=4, **_MOE), arch="qwen35moe", moe=True),
+        linear_num_key_heads=2, linear_num_value_heads=4, rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+            mrope_interleaved=True), **_MOE), arch="qwen35moe", moe=True,
+        converter_args=("--no-mtp",), saved_config=dict(model_type="qwen3_moe"),
+        note="--no-mtp: transformers' model has no multi-token-prediction block and the converter asks for one. "
+             "mrope sections summing to the 8 rotated dims / 2, as the real ones do. config.json says qwen3_moe: "
+             "for qwen3_5_moe_text transformers 5 loads Qwen3_5Tokenizer whatever the files say, and SmolLM2's "
+             "vocabulary through Qwen's pre-tokenizer has a hash the converter does not know"),
     "lfm2moe": Spec("Lfm2MoeForCausalLM", "lfm2_moe", dict(
         num_hidden_layers=6, num_dense_layers=2, num_experts=8, layer_types=["conv", "conv", "full_attention",
                                                                            "conv", "conv", "full_attention"],
@@ -142,8 +165,10 @@ SPECS: dict[str, Spec] = {
         num_hidden_layers=4, moe_num_experts=8, moe_k=2, moe_layer_start_index=1, moe_intermediate_size=64,
         moe_num_shared_experts=1), arch="ernie4_5-moe", moe=True),
     "hunyuan-moe": Spec("HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe", dict(
-        num_hidden_layers=4, num_experts=8, moe_topk=2, intermediate_size=64, num_shared_expert=1),
-        arch="hunyuan-moe", moe=True),
+        num_hidden_layers=4, num_experts=8, moe_topk=[2] * 4, intermediate_size=64, num_shared_expert=[1] * 4,
+        moe_intermediate_size=[64] * 4), arch="hunyuan-moe", moe=True,
+        note="per-layer lists: the converter (hunyuan.py) reads moe_topk, num_shared_expert and "
+             "moe_intermediate_size as Hunyuan-A13B's config.json has them"),
     "hunyuan-dense": Spec("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense", dict(num_hidden_layers=4),
                           arch="hunyuan-dense"),
     "seed-oss": Spec("SeedOssForCausalLM", "seed_oss", dict(num_hidden_layers=4), arch="seed_oss"),
@@ -155,7 +180,12 @@ SPECS: dict[str, Spec] = {
 }
 NAMES = tuple(SPECS)
 # Entries that cannot be built or converted with these versions, and why (the tests skip them with the reason).
-NOT_BUILDABLE: dict[str, str] = {}
+NOT_BUILDABLE: dict[str, str] = {
+    "ernie45-moe": "llama.cpp's converter reads ERNIE-4.5's vocabulary only from a SentencePiece tokenizer.model "
+                   "(conversion/ernie.py set_vocab), which needs the sentencepiece package: not a test dependency",
+    "hunyuan-moe": "llama.cpp's converter reads Hunyuan-A13B's vocabulary as a tiktoken tokenizer "
+                   "(conversion/hunyuan.py set_vocab: tokenizer.mergeable_ranks), which no tokenizer.json gives",
+}
 
 
 class NotBuildable(CtxqError):
@@ -163,12 +193,12 @@ class NotBuildable(CtxqError):
 
 
 def cache_key(name: str, outtype: str = "f16", extra: dict | None = None) -> str:
-    """Name, config (and `extra` settings), output type, transformers and llama-cpp-python versions, hashed."""
+    """Name, every setting of its entry (and `extra`), output type, transformers and llama-cpp-python versions,
+    hashed."""
     import transformers
 
-    s = SPECS[name]
-    blob = json.dumps([name, s.hf_arch, s.model_type, s.config, extra, outtype, transformers.__version__,
-                       llama_cpp_python_version()], sort_keys=True, default=str)
+    blob = json.dumps([name, asdict(SPECS[name]), outtype, transformers.__version__, llama_cpp_python_version(),
+                       extra], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -184,7 +214,7 @@ def build(name: str, outtype: str = "f16") -> Path:
         write_checkpoint(name, tmp / "hf")
         part = tmp / "out.gguf"
         try:
-            run_converter(tmp / "hf", part, outtype, timeout=600)
+            run_converter(tmp / "hf", part, outtype, extra=list(SPECS[name].converter_args), timeout=600)
         except CtxqError as e:
             raise NotBuildable(f"{name}: {e}") from e
         os.replace(part, dest)
@@ -205,7 +235,10 @@ def write_checkpoint(name: str, out: Path) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     if s.renames:
         _rename_tensors(out / "model.safetensors", s.renames)
-    write_tokenizer(out, s.added_tokens)
+    if s.saved_config:
+        cfg_file = out / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **s.saved_config}, indent=2) + "\n")
+    write_tokenizer(out, s.added_tokens, s.spm_bpe)
     return out
 
 
@@ -224,9 +257,13 @@ def make_config(name: str, s: Spec, values: dict):
     return cls, cfg
 
 
-def write_tokenizer(out: Path, added_tokens: tuple[str, ...] = ()) -> None:
-    """SmolLM2's tokenizer files in `out`, with `added_tokens` as special tokens after its own."""
+def write_tokenizer(out: Path, added_tokens: tuple[str, ...] = (), spm_bpe: bool = False) -> None:
+    """SmolLM2's tokenizer files in `out`, with `added_tokens` as special tokens after its own
+    (`spm_bpe`: the small SentencePiece-style one instead)."""
     from .smollm2_hf import rebuild_smollm2_hf
+
+    if spm_bpe:
+        return _write_spm_bpe_tokenizer(out)
 
     tok = rebuild_smollm2_hf()
     shutil.copy(tok / "tokenizer_config.json", out / "tokenizer_config.json")
@@ -249,3 +286,24 @@ def _rename_tensors(path: Path, renames: tuple[tuple[str, str], ...]) -> None:
     for pattern, repl in renames:
         tensors = {re.sub(pattern, repl, k): v for k, v in tensors.items()}
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_spm_bpe_tokenizer(out: Path) -> None:
+    """A BPE tokenizer.json as SentencePiece exports it (byte fallback, "▁" for spaces, a Sequence decoder):
+    what gguf-py's LlamaHfVocab accepts. Ids as Gemma's: pad 0, eos 1, bos 2, unk 3."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + [chr(c) for c in range(33, 127)]
+    tokens += ["".join(m) for m in SPM_MERGES]
+    assert len(tokens) == SPM_VOCAB
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=SPM_MERGES, unk_token="<unk>",
+                     byte_fallback=True, fuse_unk=True)
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "<eos>",
+        "bos_token": "<bos>", "unk_token": "<unk>"}, indent=2) + "\n")

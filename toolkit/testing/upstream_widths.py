@@ -25,7 +25,7 @@ from ..conversion.upstream import converter_dir, converter_env
 from ..errors import CtxqError
 from ..paths import ctxq_home
 from .synthetic import write_sparse_safetensors
-from .upstream_models import SPECS, NotBuildable, cache_key, make_config, write_tokenizer
+from .upstream_models import SPECS, SPM_IDS, SPM_VOCAB, NotBuildable, cache_key, make_config, write_tokenizer
 
 _VOCAB = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=131072)
 
@@ -52,7 +52,7 @@ REALISTIC: dict[str, Real] = {
     "olmo3-7b-4l": Real("olmo3", dict(num_hidden_layers=4, sliding_window=4096, layer_types=None)),
     # Gemma 4 (transformers' Gemma4TextConfig defaults): 2304 wide, 8 heads / 4 KV, sliding layers of 256-wide
     # heads (window 512) and every 6th full with 512-wide heads, per-layer embeddings of 256; 6 layers
-    "gemma4-6l": Real("gemma4", dict(num_hidden_layers=6, layer_types=None, vocab_size_per_layer_input=49152,
+    "gemma4-6l": Real("gemma4", dict(num_hidden_layers=6, layer_types=None, vocab_size_per_layer_input=SPM_VOCAB,
                                      per_layer_config={"05": {"head_dim": 512}})),
 }
 
@@ -82,7 +82,7 @@ def _write_sparse_checkpoint(name: str, r: Real, out: Path) -> None:
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     s = SPECS[r.base]
-    cls, cfg = make_config(name, s, {**_VOCAB, **r.config})
+    cls, cfg = make_config(name, s, {**_VOCAB, **(SPM_IDS if s.spm_bpe else {}), **r.config})
     with torch.device("meta"):
         model = cls(cfg)
     state = model.state_dict()
@@ -96,7 +96,12 @@ def _write_sparse_checkpoint(name: str, r: Real, out: Path) -> None:
             state = {re.sub(pattern, repl, k): v for k, v in state.items()}
     cfg.save_pretrained(out)
     write_sparse_safetensors(out / "model.safetensors", {k: tuple(v.shape) for k, v in state.items()})
-    write_tokenizer(out, s.added_tokens)
+    if s.saved_config:
+        import json
+
+        cfg_file = out / "config.json"
+        cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **s.saved_config}, indent=2) + "\n")
+    write_tokenizer(out, s.added_tokens, s.spm_bpe)
 
 
 # Run in the converter's child: GGUFWriter skips each tensor's bytes (a hole) instead of materializing them.
@@ -117,6 +122,7 @@ def write_tensors_to_file(self, *, progress=False):
 
 gw.GGUFWriter.write_tensors_to_file = write_tensors_to_file
 sys.argv = sys.argv[1:]
+sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])  # the converter imports its conversion/ package
 runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
