@@ -26,7 +26,6 @@ SMALL_UNDER = ("devices under llama.cpp by 0.04-1.9 MiB beyond its printed round
 GEMMA3N = "Gemma 3n: every device under llama.cpp by 4-37 MiB at 64k (not yet traced: per-layer embeddings, altup?)"
 HOST_MOE = ("experts in host memory (n_cpu_moe=2): llama.cpp's host compute is 77.6 MiB for every tiny MoE; the plan "
             "gives 132-174 MiB (over) where attention layers hold the experts")
-EXAONE4 = "EXAONE 4 (64 layers): devices under llama.cpp by 0.25-9.5 MiB in every cell: not yet traced"
 HOST_UNDER = ("experts in host memory (n_cpu_moe=2) on a hybrid (Granite 4, Kimi-Linear, Qwen3.5-MoE): the host's "
               "compute planned at 15-16 MiB, llama.cpp's 77.6 MiB (under)")
 
@@ -49,7 +48,7 @@ TINY = [
     pytest.param("deepseek-v3", [2, 1, 1], 16384, "f16", False, None, id="deepseek-v3-rpc3-16k-fa-off"),
     pytest.param("gemma3n", None, 16384, "f16", True, None, id="gemma3n-cpu-16k"),
     pytest.param("gemma4", [2, 1, 1], 65536, "f16", True, None, marks=_xfail(SMALL_UNDER), id="gemma4-rpc3-64k"),
-    pytest.param("exaone4", None, 16384, "f16", True, None, marks=_xfail(EXAONE4), id="exaone4-cpu-16k"),
+    pytest.param("exaone4", None, 16384, "f16", True, None, id="exaone4-cpu-16k"),  # fixed by the real-header compute fallback
     pytest.param("glm4moe", [1, 1], 65536, "q8_0", True, None, marks=_xfail(SMALL_UNDER), id="glm4moe-rpc2-64k-q8"),
     pytest.param("llama4", [1, 1], 65536, "q8_0", True, None, marks=_xfail(SMALL_UNDER), id="llama4-rpc2-64k-q8"),
     pytest.param("deepseek-v2-lite", [1, 1], 65536, "q8_0", True, None, marks=_xfail(SMALL_UNDER),
