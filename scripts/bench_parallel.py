@@ -157,7 +157,7 @@ def round_of(server: Server, doc: str, n: int, max_tokens: int, peak_cells=None)
 
 
 def measure(label: str, start, ns: list[int], docs: dict, max_tokens: int, *, restart: bool = False,
-            engine: bool = False, cells=None) -> dict:
+            engine: bool = False, today: bool = False, cells=None) -> dict:
     """{N: row} from the server `start(N)` gives (one for every N, or a fresh one per N with `restart`).
     `engine`: ctxq's, whose /metrics say the cells used and the prompt tokens evaluated; else `cells(rows)`."""
     rows, srv = {}, None
@@ -168,10 +168,15 @@ def measure(label: str, start, ns: list[int], docs: dict, max_tokens: int, *, re
                 srv.stop()
                 srv = None
             srv = srv or start(n)
-            before = srv.metrics() if engine else None
+            before = srv.metrics() if engine or today else None
             row = round_of(srv, docs[n], n, max_tokens, (lambda: srv.metrics()["ctxq_kv_cells_used"]) if engine else None)
             if engine:
                 row["evaluated"] = srv.metrics()[evaluated] - before[evaluated]
+            elif today:  # one sequence: a prompt and its answer
+                grew = {k: srv.metrics()[k] - before[k] for k in ("ctxq_prompt_tokens_total",
+                                                                  "ctxq_prompt_tokens_reused_total")}
+                row["evaluated"] = grew["ctxq_prompt_tokens_total"] - grew["ctxq_prompt_tokens_reused_total"]
+                row["cells"] = grew["ctxq_prompt_tokens_total"] / n + max_tokens
             else:
                 row["cells"] = cells(row["rows"])
             rows[n] = row
@@ -289,10 +294,10 @@ def main() -> None:
     table[f"ctxq serve --parallel {max(ns)}"] = measure(
         "ctxq --parallel", lambda n: Server(ctxq_cmd(model, n_ctx, max(ns), a.threads), logs / "ctxq.log"),
         ns, docs, a.max_tokens, engine=True)
-    if "today" not in skip:  # one sequence: the longest prompt and answer
+    if "today" not in skip:  # llama-cpp-python's streams carry no usage: its /metrics say what it evaluated
         table["ctxq serve (one at a time)"] = measure(
             "today's serve", lambda n: Server(ctxq_cmd(model, n_ctx, None, a.threads), logs / "today.log"),
-            ns, docs, a.max_tokens, cells=lambda rs: max(r["prompt"] + r["completion"] for r in rs))
+            ns, docs, a.max_tokens, today=True)
     bin_dir = None
     if not {"llama-server", "batched-bench"} <= skip:
         try:
