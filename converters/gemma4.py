@@ -8,6 +8,9 @@ version writes it (conversion/gemma.py, Gemma4Model on top of Gemma3Model).
   rotates the first dims, so the rest is frozen through `rope_freqs` (frequency factor 1e30).
 - The last `num_kv_shared_layers` layers reuse earlier layers' caches (no K/V tensors).
 - Per-layer embeddings (`hidden_size_per_layer_input`), `layer_scalar`, unshifted norms (x * w).
+- Experts (26B-A4B, `enable_moe_block`) beside the dense MLP of every layer: the packed
+  `experts.gate_up_proj` stays fused (`ffn_gate_up_exps`), `router.scale` becomes `ffn_gate_inp.scale`
+  and `router.per_expert_scale` `ffn_down_exps.scale` (Gemma4Model.modify_tensors).
 - The `…ForConditionalGeneration` checkpoints convert their language model; vision and audio towers
   are left out, as llama.cpp's text conversion leaves them.
 The vocabulary is llama.cpp's `gemma4` tokenizer model (tokenizer.load_gemma4_vocab).
@@ -15,16 +18,23 @@ The vocabulary is llama.cpp's `gemma4` tokenizer model (tokenizer.load_gemma4_vo
 
 from __future__ import annotations
 
+import re
+from typing import TYPE_CHECKING
+
 import gguf
 import numpy as np
 
 from ..errors import ConversionError
 from . import register
-from .base import Family
+from .base import Family, Rewritten
+
+if TYPE_CHECKING:
+    from .checkpoint import TensorRef
 
 _SKIP = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 # Gemma4Model.generate_extra_tensors: frequency factor of the dims proportional RoPE leaves unrotated
 _FROZEN = 1e30
+_ROUTER_SCALE = re.compile(r"^model\.layers\.(\d+)\.router\.(scale|per_expert_scale)$")
 
 
 def _full_layer_value(cfg: dict, key: str, plain: str):
@@ -82,8 +92,10 @@ def _check(cfg: dict) -> None:
     if cfg.get("use_bidirectional_attention") == "all":
         raise ConversionError("Gemma 4 with use_bidirectional_attention='all': llama.cpp's gemma4 graph is causal "
                               "for text")
-    if cfg.get("enable_moe_block"):
-        raise ConversionError("Gemma 4 with experts (enable_moe_block) has no native ctxq converter yet")
+    if cfg.get("enable_moe_block") and not (cfg.get("num_experts") and cfg.get("top_k_experts")
+                                            and cfg.get("moe_intermediate_size")):
+        raise ConversionError("Gemma 4 with enable_moe_block needs num_experts, top_k_experts and "
+                              "moe_intermediate_size in config.json")
     _check_kv_sharing(cfg)
 
 
@@ -114,6 +126,10 @@ def _hparams(cfg: dict, w: gguf.GGUFWriter) -> None:
     w.add_key_length_swa(hd_swa)
     w.add_value_length_swa(hd_swa)
     w.add_rope_dimension_count_swa(int(hd_swa * float(cfg["_rope_swa"].get("partial_rotary_factor", 1.0))))
+    if cfg.get("enable_moe_block"):  # TextModel.set_gguf_parameters reads num_experts and top_k_experts
+        w.add_expert_count(int(cfg["num_experts"]))
+        w.add_expert_used_count(int(cfg["top_k_experts"]))
+        w.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
 
 
 def _rope_freqs(cfg: dict) -> dict[str, np.ndarray]:
@@ -129,6 +145,15 @@ def _rename(name: str, cfg: dict) -> str | None:
     return name.replace("model.language_model.", "model.", 1)
 
 
+def _rewrite(name: str, ref: "TensorRef", cfg: dict) -> "list[Rewritten] | None":
+    """The router's two scales, which gguf's TensorNameMap has no name for."""
+    m = _ROUTER_SCALE.match(name)
+    if m is None:
+        return None
+    out = "ffn_gate_inp.scale" if m.group(2) == "scale" else "ffn_down_exps.scale"
+    return [(f"blk.{m.group(1)}.{out}", tuple(ref.shape), ref.load_f32)]
+
+
 GEMMA4 = register(Family(gguf.MODEL_ARCH.GEMMA4, config=_config, check=_check, extra_hparams=_hparams,
-                         extra_tensors=_rope_freqs, rename=_rename), "Gemma4ForCausalLM",
+                         extra_tensors=_rope_freqs, rename=_rename, rewrite=_rewrite), "Gemma4ForCausalLM",
                   "Gemma4ForConditionalGeneration")

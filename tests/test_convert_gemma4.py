@@ -38,6 +38,10 @@ VARIANTS = {
     # 31B-like: no per-layer embeddings, full layers with K = V (no v_proj) and one KV head, untied output
     "31b": dict(BASE, num_hidden_layers=4, layer_types=[_SWA, _FULL, _SWA, _FULL], hidden_size_per_layer_input=0,
                 attention_k_eq_v=True, num_global_key_value_heads=1, tie_word_embeddings=False),
+    # 26B-A4B-like: 4 experts (2 per token, fused gate/up) beside the dense MLP in every layer
+    "moe": dict(BASE, num_hidden_layers=4, layer_types=[_SWA, _FULL, _SWA, _FULL], hidden_size_per_layer_input=0,
+                attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
+                top_k_experts=2, moe_intermediate_size=32),
 }
 
 
