@@ -43,6 +43,8 @@ VARIANTS = {
                 attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4,
                 top_k_experts=2, moe_intermediate_size=32),
 }
+VARIANTS["e2b_mm"] = VARIANTS["e2b"]  # inside Gemma4ForConditionalGeneration, with a vision tower (MULTIMODAL)
+MULTIMODAL = {"e2b_mm"}
 
 
 def write_gemma_tokenizer(folder: Path, vocab_size: int = 300) -> int:
@@ -75,15 +77,24 @@ def write_gemma_tokenizer(folder: Path, vocab_size: int = 300) -> int:
 
 
 def make(folder: Path, variant: str, seed: int = 0, **overrides) -> Path:
-    """A random Gemma4ForCausalLM checkpoint of `variant`, saved as safetensors with its tokenizer."""
+    """A random Gemma4ForCausalLM (or ConditionalGeneration) checkpoint of `variant`, saved as safetensors
+    with its tokenizer."""
     folder.mkdir(parents=True, exist_ok=True)
     n_tok = write_gemma_tokenizer(folder)
     # as many embedding rows as tokens, as Gemma 4's checkpoints (llama.cpp's converter cuts token_embd to
     # the tokenizer's size, Gemma3Model.modify_tensors)
     args = {**VARIANTS[variant], **overrides, "vocab_size": n_tok, "vocab_size_per_layer_input": n_tok}
     cfg = transformers.Gemma4TextConfig(**args)
+    cls = transformers.Gemma4ForCausalLM
+    if variant in MULTIMODAL:  # media token ids inside the small vocabulary (the Hub's lie past 255,999)
+        vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+        cfg = transformers.Gemma4Config(text_config=cfg, vision_config=vision, audio_config=None,
+                                        **{k: n_tok - 1 - i for i, k in enumerate(
+                                            ("image_token_id", "boi_token_id", "eoi_token_id", "video_token_id"))})
+        cls = transformers.Gemma4ForConditionalGeneration
     torch.manual_seed(seed)
-    model = transformers.Gemma4ForCausalLM(cfg).float().eval()
+    model = cls(cfg).float().eval()
     randomize(model)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
