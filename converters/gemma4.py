@@ -96,6 +96,10 @@ def _check(cfg: dict) -> None:
                                             and cfg.get("moe_intermediate_size")):
         raise ConversionError("Gemma 4 with enable_moe_block needs num_experts, top_k_experts and "
                               "moe_intermediate_size in config.json")
+    pl_vocab = cfg.get("vocab_size_per_layer_input")
+    if cfg.get("hidden_size_per_layer_input") and pl_vocab is not None and pl_vocab != cfg.get("vocab_size"):
+        raise ConversionError(f"Gemma 4 with vocab_size_per_layer_input {pl_vocab} != vocab_size "
+                              f"{cfg.get('vocab_size')}: llama.cpp's gemma4 reads one per-layer row per token")
     _check_kv_sharing(cfg)
 
 
