@@ -206,3 +206,22 @@ def test_rope_freqs_freeze_what_proportional_rope_leaves_unrotated(tmp_path):
     r = convert(make(tmp_path / "m", "e2b"), "f32", tmp_path / "m.gguf")
     freqs = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(r.path).tensors}["rope_freqs.weight"]
     assert freqs.tolist() == [1.0] * 3 + [np.float32(1e30)] * 9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["e2b", "moe"])
+def test_gemma4_quantizes_to_q4_k_m_with_llama_cpp(variant, tmp_path):
+    """Through llama.cpp's quantizer with the quality gate, as the other 2026 families."""
+    from ctxq.gguf.info import model_info
+
+    folder = make(tmp_path / variant, variant)
+    ids = hf_ids(folder)
+    ref = reference_logits(folder, ids)
+    r = convert(folder, "Q4_K_M", tmp_path / f"{variant}-Q4_K_M.gguf")
+    assert model_info(r.path).file_type == "Q4_K_M" and r.quality is not None
+    got, _ = llama_logits(r.path, ids, type_k=0, type_v=0)
+    # 4-bit weights of random models move logits a lot; a wrong layout makes them unrelated (chance: 1 in ~450)
+    rel = float(np.mean(np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+    agree = float((ref.argmax(1) == got.argmax(1)).mean())
+    print(f"gemma4 {variant} Q4_K_M: mean relative L2 {rel:.3f}, top-1 agreement {agree:.3f}, quality gate {r.quality}")
+    assert rel < 0.5 and agree > 0.5, (rel, agree)
