@@ -210,10 +210,13 @@ def test_rope_freqs_freeze_what_proportional_rope_leaves_unrotated(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["e2b", "moe"])
-def test_gemma4_quantizes_to_q4_k_m_with_llama_cpp(variant, tmp_path):
+def test_gemma4_quantizes_to_q4_k_m_with_llama_cpp(variant, tmp_path, monkeypatch):
     """Through llama.cpp's quantizer with the quality gate, as the other 2026 families."""
     from ctxq.gguf.info import model_info
 
+    # a cache of its own: the same random checkpoint would otherwise come from ctxq's quantized cache
+    # after a first run (cache_lookup, before --force is looked at), without a quality gate
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
     folder = make(tmp_path / variant, variant)
     ids = hf_ids(folder)
     ref = reference_logits(folder, ids)
