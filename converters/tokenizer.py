@@ -191,7 +191,8 @@ def load_gemma4_vocab(folder: Path, config: dict, tj: dict | None, n_vocab: int)
     tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
     named = {_token_text(tc.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                                               "cls_token", "mask_token")}
-    named |= {_token_text(t) for t in tc.get("extra_special_tokens") or tc.get("additional_special_tokens") or []}
+    extra = tc.get("extra_special_tokens") or tc.get("additional_special_tokens") or []
+    named |= {_token_text(t) for t in (extra.values() if isinstance(extra, dict) else extra)}  # {name: token} too
     size = max([*model["vocab"].values(), *(a["id"] for a in tj.get("added_tokens", []))]) + 1
     tokens: list[str | None] = [None] * size
     types = [TokenType.NORMAL] * size
