@@ -10,7 +10,7 @@ from .base import Family
 
 FAMILIES: dict[str, Family] = {}
 _MODULES = ("llama", "qwen", "gemma", "phi3", "gpt_oss", "qwen35", "glm4moe", "smollm3", "lfm2", "granite_hybrid",
-            "nemotron_h")
+            "nemotron_h", "gemma4")
 
 
 def register(family: Family, *hf_names: str) -> Family:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,8 @@ def load_vocab(folder: Path, config: dict, n_vocab: int, pre: str | None = None)
     """The vocabulary of a checkpoint folder, padded to the embedding's n_vocab rows."""
     tj_path, spm_path = folder / "tokenizer.json", folder / "tokenizer.model"
     tj = json.loads(tj_path.read_text(encoding="utf-8")) if tj_path.is_file() else None
+    if str(config.get("model_type", "")).startswith("gemma4"):
+        return load_gemma4_vocab(folder, config, tj, n_vocab)
     byte_level = tj is not None and tj.get("model", {}).get("type") == "BPE" and \
         (tj.get("decoder") or {}).get("type") in ("ByteLevel", None) and \
         any(p[0] == "bytelevel" for p in pre_signature(tj.get("pre_tokenizer")))
@@ -169,6 +172,52 @@ def _spm_vocab(path: Path, tj: dict | None, n_vocab: int) -> Vocab:
     _pad(tokens, types, n_vocab)
     scores += [-1000.0] * (len(tokens) - n_before)
     return Vocab("llama", tokens, [int(t) for t in types], scores=scores, add_space_prefix=add_dummy_prefix)
+
+
+# Gemma4Model.set_vocab: tokens llama.cpp's chat parser must see, typed USER_DEFINED whatever the tokenizer says
+GEMMA4_VISIBLE = {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+                  '<|"|>'}
+
+
+def load_gemma4_vocab(folder: Path, config: dict, tj: dict | None, n_vocab: int) -> Vocab:
+    """llama.cpp's `gemma4` tokenizer model: the SentencePiece-style BPE of tokenizer.json (spaces as
+    U+2581, byte fallback) with its merges, every score -1000, no pre-tokenizer name (llama_vocab::impl::load
+    sets it), BOS added and no space prefix, as Gemma4Model.set_vocab writes it through gguf's LlamaHfVocab."""
+    model = (tj or {}).get("model") or {}
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        raise ConversionError(f"{folder}: Gemma 4 needs its tokenizer.json (a BPE with byte fallback); download "
+                              "the tokenizer files too")
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
+    named = {_token_text(tc.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                                              "cls_token", "mask_token")}
+    extra = tc.get("extra_special_tokens") or tc.get("additional_special_tokens") or []
+    named |= {_token_text(t) for t in (extra.values() if isinstance(extra, dict) else extra)}  # {name: token} too
+    size = max([*model["vocab"].values(), *(a["id"] for a in tj.get("added_tokens", []))]) + 1
+    tokens: list[str | None] = [None] * size
+    types = [TokenType.NORMAL] * size
+    for text, i in model["vocab"].items():
+        tokens[i] = text
+        types[i] = TokenType.BYTE if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", text) else TokenType.NORMAL
+    # LlamaHfVocab: CONTROL are the tokens transformers names special (all_special_ids, from
+    # tokenizer_config.json), USER_DEFINED the other added tokens past the base vocabulary
+    for a in tj.get("added_tokens", []):
+        tokens[a["id"]] = a["content"]
+        if a["content"] not in model["vocab"]:
+            types[a["id"]] = TokenType.USER_DEFINED
+    for i, t in enumerate(tokens):
+        if t in named:
+            types[i] = TokenType.CONTROL
+    for i, t in enumerate(tokens):
+        if t in GEMMA4_VISIBLE:
+            types[i] = TokenType.USER_DEFINED
+    _pad(tokens, types, n_vocab)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    vocab = Vocab("gemma4", tokens, [int(t) for t in types], scores=[-1000.0] * len(tokens), merges=merges,
+                  add_space_prefix=False)
+    _special_tokens(folder, config, tj, vocab)
+    vocab.add_bos, vocab.add_eos = True, (bool(tc["add_eos_token"]) if "add_eos_token" in tc else None)
+    return vocab
 
 
 # --- a minimal protobuf reader for sentencepiece's ModelProto (sentencepiece_model.proto) -------
