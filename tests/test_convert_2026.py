@@ -1,5 +1,5 @@
 """Issue 30 part 1: the 2026 families converted by ctxq's own converters (SmolLM3, LFM2, LFM2-MoE,
-Granite 4 hybrid, Nemotron-H with and without experts, Gemma 4), checked two ways on random small
+Granite 4 hybrid, Nemotron-H with and without experts; Gemma 4 is tests/test_convert_gemma4.py), checked two ways on random small
 checkpoints made by transformers 5:
 
 - llama.cpp runs the converted file and computes transformers' logits (relative L2 at the last
@@ -253,10 +253,12 @@ def test_what_llama_cpp_computes_differently_is_refused_in_one_line(family, over
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["lfm2", "granite_hybrid", "nemotron_h_moe"])
-def test_hybrids_quantize_to_q4_k_m_with_llama_cpp(family, tmp_path):
+def test_hybrids_quantize_to_q4_k_m_with_llama_cpp(family, tmp_path, monkeypatch):
     """Through llama.cpp's quantizer (its recurrent tensors kept as it keeps them) with the quality gate."""
     from ctxq.gguf.info import model_info
 
+    # a CTXQ_HOME of its own: a rerun would otherwise find ctxq's cached quantization (no quality gate)
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
     folder = make(tmp_path / family, family)
     ids = hf_ids(folder)
     ref = reference_logits(folder, ids)
