@@ -159,14 +159,15 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
         if path is not None:  # the context is sized from the input: tokenize before planning
             tokens, keep = question_tokens(path, document, questions, chat=chat, system=system)
             n_ctx = -(-cells_needed(tokens, keep, max_tokens) // CELL_ROUND) * CELL_ROUND
-        plan = make_plan(model_or_llm, options=opts.updated(n_ctx=n_ctx))
+        # the plan is the engine's context: one sequence per question and the document's (unless given)
+        plan = make_plan(model_or_llm, options=opts.updated(n_ctx=n_ctx, parallel=opts.parallel or _n_seq(questions)))
         if path is None:
             tokens, keep = question_tokens(resolve_model(plan.model), document, questions, chat=chat, system=system)
         _check_fits(tokens, keep, max_tokens, plan.n_ctx)
         if on_plan:
             on_plan(plan, cells_needed(tokens, keep, max_tokens))
         t0 = time.perf_counter()
-        with from_plan(plan, n_seq_max=_n_seq(questions), rpc=opts.rpc, n_threads=n_threads, seed=seed) as e:
+        with from_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed) as e:
             load_s = time.perf_counter() - t0
             if on_loaded:
                 on_loaded(plan, load_s)

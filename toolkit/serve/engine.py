@@ -358,9 +358,17 @@ class Engine:
                            steps=c.steps)
 
 
-def from_plan(plan, *, n_seq_max: int, n_ctx: int | None = None, **load_kwargs) -> Engine:
+def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, **load_kwargs) -> Engine:
     """An engine on `plan`'s model, loaded as `ctxq.runtime.runner.load_plan` loads it. The Llama's own
-    context is freed at once (the engine's replaces it, so the plan's KV memory is held once)."""
+    context is freed at once (the engine's replaces it, so the plan's KV memory is held once). A parallel
+    plan (`Plan.context_settings`) gives n_seq_max and n_outputs_max; else n_seq_max is needed."""
+    if plan.parallel:
+        n_seq_max = n_seq_max or plan.n_seq_max
+        if n_seq_max != plan.n_seq_max:
+            raise InvalidOption(f"the plan is for {plan.n_seq_max} sequences, not {n_seq_max}: plan with "
+                                f"parallel={n_seq_max}", option="n_seq_max", value=n_seq_max, limit=plan.n_seq_max)
+    elif n_seq_max is None:
+        raise InvalidOption("give n_seq_max, or a plan made with parallel=P", option="n_seq_max", value=None)
     from ..runtime.runner import load_plan
 
     llm, memory, _ = load_plan(plan, **load_kwargs)
