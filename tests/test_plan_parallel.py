@@ -100,3 +100,12 @@ def test_ctxq_plan_parallel_flag(smollm2):
     d = json.loads(r.stdout)
     assert (d["n_seq_max"], d["kv_unified"], d["n_outputs_max"]) == (4, True, 4)
     assert d["llama_flags"].endswith("-np 4 -kvu")
+
+
+def test_parallel_is_refused_where_one_sequence_runs(smollm2):
+    import ctxq
+
+    with pytest.raises(InvalidOption, match="one sequence"):
+        ctxq.load(smollm2, 4096, parallel=4)
+    r = run_ctxq("run", str(smollm2), "-c", "1024", "-p", "hi", "-n", "1", "--parallel", "4")
+    assert r.returncode != 0 and "--parallel is for several questions" in r.stderr, r.stderr

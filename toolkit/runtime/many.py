@@ -144,10 +144,14 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
         raise InvalidOption("with several questions give max_tokens (n_predict) of 0 or more",
                             option="n_predict", value=max_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    given = settings.get("parallel") or (options.parallel if options else None)
+    if given is not None and given < 2:  # the document's sequence and at least one question's
+        raise InvalidOption(f"parallel={given}: several questions need 2 sequences or more (the document's and "
+                            "a question's)", option="parallel", value=given)
     if hasattr(model_or_llm, "_model"):  # a loaded Llama
         llm = model_or_llm
         tokens, keep = question_tokens(llm.model_path, document, questions, chat=chat, system=system)
-        with Engine(llm, n_seq_max=_n_seq(questions), n_ctx=n_ctx or llm.n_ctx()) as e:
+        with Engine(llm, n_seq_max=given or _n_seq(questions), n_ctx=n_ctx or llm.n_ctx()) as e:
             _check_fits(tokens, keep, max_tokens, e.n_ctx)
             return answer_all(e, questions, tokens, keep, params, session=session,
                               plan=getattr(llm, "ctxq_plan", None), on_answer=on_answer)
