@@ -80,8 +80,15 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
     if session is not None:
         echo_session_log()
     with runner.local_workers(options) as opts:
-        # --parallel P: the plan is the engine's context (n_seq_max, kv_unified, n_outputs_max); auto: see server
-        p = runner.make_plan(model, options=opts.updated(parallel=parallel or None))
+        # --parallel P: the plan is the engine's context (n_seq_max, kv_unified, n_outputs_max); auto: the most
+        # sequences (at most 16) whose plan fits as the one-sequence plan does (serve_parallel.auto_plan)
+        auto_why = None
+        if parallel == 0:
+            from ..runtime.serve_parallel import auto_plan
+
+            p, parallel, auto_why = auto_plan(lambda n: runner.make_plan(model, options=opts.updated(parallel=n)))
+        else:
+            p = runner.make_plan(model, options=opts.updated(parallel=parallel))
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
                                       alias=alias, limits=limits, session=session,
                                       chat_format=chat_format, parallel=parallel)
@@ -93,7 +100,7 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             memory, n_seq, why = loaded if parallel is not None else (loaded, None, None)
             click.echo(memory_table(memory), err=True)
             if n_seq is not None:
-                click.echo(f"ctxq: --parallel {n_seq}: {why}", err=True)
+                click.echo(f"ctxq: --parallel {n_seq}: {auto_why or why}", err=True)
             click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
 
         click.echo(f"ctxq: loading the model; http://{host}:{port}/health says when it is ready", err=True)
