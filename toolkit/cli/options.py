@@ -13,7 +13,7 @@ import functools
 import click
 
 from ..planning.options import (DEFAULT_N_BATCH, DEFAULT_N_CTX, DEFAULT_N_UBATCH, DEFAULT_PREFER, KV_TYPES,
-                                PlanOptions)
+                                MAX_PARALLEL, PlanOptions)
 from ..errors import InvalidOption
 from ..units import GiB
 
@@ -40,7 +40,7 @@ def device_options(f):
     return f
 
 
-def _plan_flags(for_plan: bool) -> list:
+def _plan_flags(for_plan: bool, parallel: bool = True) -> list:
     """The options in the order --help lists them."""
     if for_plan:
         ctx = click.option("-c", "--ctx", "n_ctx", type=int, required=True,
@@ -82,6 +82,11 @@ def _plan_flags(for_plan: bool) -> list:
                      help="Memory kept free on every GPU outside llama.cpp's buffers (CUDA context, cuBLAS, "
                           "graphs).  [default: 0.75 for CUDA, 1.0 for other GPU backends]"),
     ]
+    if parallel:  # `ctxq serve` has its own --parallel (P or auto)
+        flags.append(click.option("-np", "--parallel", "parallel", type=click.IntRange(1, MAX_PARALLEL), default=None,
+                                  metavar="P", help="Plan for P sequences decoded together in one context: "
+                                  "one unified KV cache of --ctx cells (-kvu), one output row and recurrent state "
+                                  "each.  [default: 1; ctxq run: one per question, plus the document's]"))
     if for_plan:
         flags.append(click.option("--cpu-memory", "cpu_memory", type=float, default=None,
                                   callback=lambda ctx, param, v: int(v * GiB) if v else None,
@@ -89,15 +94,16 @@ def _plan_flags(for_plan: bool) -> list:
     return flags
 
 
-def plan_options(for_plan: bool = False):
+def plan_options(for_plan: bool = False, parallel: bool = True):
     """Add the options that make a plan; the command receives them as one `options: PlanOptions`.
-    for_plan: `ctxq plan`'s variant (--ctx required, --cpu-memory, a split to evaluate)."""
+    for_plan: `ctxq plan`'s variant (--ctx required, --cpu-memory, a split to evaluate); parallel: add
+    --parallel P (serve has its own)."""
     def decorate(f):
         @functools.wraps(f)
         def command(**kw):
             return f(options=PlanOptions.take(kw), **kw)
 
-        for flag in reversed(_plan_flags(for_plan)):  # click lists options in reverse order of application
+        for flag in reversed(_plan_flags(for_plan, parallel)):  # click lists options in reverse order of application
             command = flag(command)
         return command
 

@@ -84,6 +84,8 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, f
         _run_many(model, document, questions, options=options, n_threads=n_threads, seed=seed, session=session,
                  chat=chat, system=system, n_predict=n_predict, temp=temp, dry_run=dry_run, as_json=as_json)
         return
+    if options.parallel is not None:  # a single prompt runs on a Llama's one-sequence context
+        raise click.UsageError("--parallel is for several questions about a document (-f FILE -p Q1 -p Q2 ...)")
     prompt = questions[0] if questions else None
     document, text = _read_input(prompt, file)
     if text is None and document is None and not dry_run:

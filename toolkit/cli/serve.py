@@ -28,7 +28,7 @@ def _parallel(value: str | None) -> int | None:
 @cli.command("serve")
 @click.argument("model", required=False)
 @hf_file_option
-@plan_options()
+@plan_options(parallel=False)
 @load_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback by default).")
 @click.option("--port", type=int, default=8000, show_default=True)
@@ -50,13 +50,13 @@ def _parallel(value: str | None) -> int | None:
 @click.option("--chat-format", "chat_format", default=None, metavar="NAME",
               help="llama-cpp-python's chat format for /v1/chat/completions instead of the model's template, "
                    "e.g. chatml-function-calling (tool_choice \"auto\").")
-@click.option("--parallel", "-np", "parallel", default=None, metavar="P|auto",
+@click.option("--parallel", "-np", "serve_parallel", default=None, metavar="P|auto",
               callback=lambda ctx, param, v: _parallel(v),
               help="Answer P requests together on ctxq's engine: one KV cache of --ctx cells, a document the "
                    "requests share held once (auto: from the plan's free memory).  [default: one at a time]")
 @session_option(serve=True)
 def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
-              shutdown_timeout, chat_format, session, parallel):
+              shutdown_timeout, chat_format, session, serve_parallel):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
     Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health, /metrics.
@@ -70,6 +70,7 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
     from ..errors import ReorderNeeded
     from ..runtime import runner, server
 
+    parallel = serve_parallel  # not PlanOptions' `parallel`: it may be 0 (auto, from the plan; server.py)
     if hf_file:
         from ..hub import with_file
 
@@ -79,7 +80,15 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
     if session is not None:
         echo_session_log()
     with runner.local_workers(options) as opts:
-        p = runner.make_plan(model, options=opts)
+        # --parallel P: the plan is the engine's context (n_seq_max, kv_unified, n_outputs_max); auto: the most
+        # sequences (at most 16) whose plan fits as the one-sequence plan does (serve_parallel.auto_plan)
+        auto_why = None
+        if parallel == 0:
+            from ..runtime.serve_parallel import auto_plan
+
+            p, parallel, auto_why = auto_plan(lambda n: runner.make_plan(model, options=opts.updated(parallel=n)))
+        else:
+            p = runner.make_plan(model, options=opts.updated(parallel=parallel))
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
                                       alias=alias, limits=limits, session=session,
                                       chat_format=chat_format, parallel=parallel)
@@ -91,7 +100,7 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             memory, n_seq, why = loaded if parallel is not None else (loaded, None, None)
             click.echo(memory_table(memory), err=True)
             if n_seq is not None:
-                click.echo(f"ctxq: --parallel {n_seq}: {why}", err=True)
+                click.echo(f"ctxq: --parallel {n_seq}: {auto_why or why}", err=True)
             click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
 
         click.echo(f"ctxq: loading the model; http://{host}:{port}/health says when it is ready", err=True)

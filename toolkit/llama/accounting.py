@@ -70,10 +70,13 @@ class Accounting:
     caches: list[KVCache] = field(default_factory=list)
     reused: dict[int, int] = field(default_factory=dict)  # layer -> the layer whose KV it reads
     recurrent: list[int] = field(default_factory=list)  # layers with a recurrent state
-    state_bytes: int = 0  # R + S (+ P) as printed, for one sequence
+    state_bytes: int = 0  # R + S (+ P) as printed, for n_seq_max sequences
     state_printed: int = 0  # how many state sizes were printed (each within PRINT_ROUNDING)
     output_bytes: int = 0  # the host's output (logits) buffer
     model_bytes: int = 0  # llama_model_size
+    n_seq_max: int = 1  # the context's sequences: the RS buffer holds max(1, n_seq_max) states
+    kv_unified: bool = False
+    n_outputs_max: int = 0  # 0: llama.cpp's default (n_batch)
 
     @property
     def mla(self) -> bool:
@@ -126,7 +129,7 @@ class Accounting:
         printing's precision so that it is never below llama.cpp's."""
         if not self.recurrent:
             return 0
-        return -(-(self.state_bytes + self.state_printed * PRINT_ROUNDING) // len(self.recurrent))
+        return -(-(self.state_bytes + self.state_printed * PRINT_ROUNDING) // (len(self.recurrent) * self.n_seq_max))
 
 
 def parse(lines: list[str], **settings) -> Accounting:
@@ -181,11 +184,15 @@ def _file_key(path: str) -> str:
 
 
 def accounting(path: str | os.PathLike, *, n_ctx: int, n_ubatch: int = 512, n_batch: int = 2048,
-               type_k: str = "f16", type_v: str = "f16", flash_attn: bool = True) -> Accounting:
+               type_k: str = "f16", type_v: str = "f16", flash_attn: bool = True, n_seq_max: int = 1,
+               kv_unified: bool = False, n_outputs_max: int = 0) -> Accounting:
     """llama.cpp's accounting of the model file at `path` with these settings (a CPU dry run, cached).
     CtxqError with llama.cpp's reason when llama.cpp cannot load it."""
     path = str(path)
     settings = dict(n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v, flash_attn=flash_attn)
+    parallel = dict(n_seq_max=n_seq_max, kv_unified=kv_unified, n_outputs_max=n_outputs_max)
+    if parallel != dict(n_seq_max=1, kv_unified=False, n_outputs_max=0):  # the single-sequence keys stay as they were
+        settings.update(parallel)
     key = hashlib.sha256(json.dumps([_file_key(path), n_batch, settings, _VERSION, _llama_version()],
                                     sort_keys=True).encode()).hexdigest()[:24]
     return _cached(key, path, n_batch, tuple(sorted(settings.items())))
@@ -217,8 +224,7 @@ def _cached(key: str, path: str, n_batch: int, settings: tuple) -> Accounting:
     from .measure import measure
 
     s = dict(settings)
-    m = measure(path, n_ctx=s["n_ctx"], n_ubatch=s["n_ubatch"], n_batch=n_batch, type_k=s["type_k"],
-                type_v=s["type_v"], flash_attn=s["flash_attn"], dry_run=True)
+    m = measure(path, n_batch=n_batch, dry_run=True, **s)
     acc = parse(m.log, **s)
     acc.model_bytes = m.model_bytes
     folder.mkdir(parents=True, exist_ok=True)

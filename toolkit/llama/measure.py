@@ -37,7 +37,10 @@ def load_reason(lines: list[str]) -> str:
 def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split: list[float] | None = None,
             type_k: str = "f16", type_v: str = "f16", flash_attn: bool = False, n_batch: int = 2048,
             n_ubatch: int = 512, dry_run: bool = False, use_mmap: bool = True,
-            swa_full: bool = False) -> Measurement:
+            swa_full: bool = False, n_seq_max: int = 1, kv_unified: bool = False,
+            n_outputs_max: int = 0) -> Measurement:
+    """n_seq_max / kv_unified / n_outputs_max: llama_context_params' own (0 outputs: llama.cpp's default,
+    n_batch); a parallel plan's (`Plan.context_settings`)."""
     lc = backend.llama_cpp()
     lc.llama_backend_init()
     from gguf.constants import GGMLQuantizationType as T
@@ -58,7 +61,9 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
     cp.n_ctx = n_ctx
     cp.n_batch = n_batch
     cp.n_ubatch = n_ubatch
-    cp.n_seq_max = 1
+    cp.n_seq_max = n_seq_max
+    cp.kv_unified = kv_unified
+    cp.n_outputs_max = n_outputs_max
     cp.type_k = int(T[type_k.upper()])
     cp.type_v = int(T[type_v.upper()])
     cp.flash_attn_type = 1 if flash_attn else 0  # LLAMA_FLASH_ATTN_TYPE_ENABLED / DISABLED

@@ -6,11 +6,14 @@
 - KV cache: per attention layer on that layer's device (offload_kqv), kv_size = n_ctx padded to 256
   cells, sliding-window layers pad256(n_swa + n_ubatch) cells (llama_kv_cache_iswa), row sizes by type.
 - recurrent state: per recurrent layer on that layer's device, f32, one row set per sequence
-  (llama_memory_recurrent; ctxq runs one sequence). Its own term (`DevicePlan.state`, llama.cpp's RS buffer).
+  (llama_memory_recurrent holds max(1, n_seq_max) cells). Its own term (`DevicePlan.state`, the RS buffer).
 - compute buffers: measured by llama.cpp itself on a derived one-layer model (`compute.py`), plus the
   graph-input copies that each device holds when the graph is split.
 - host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the
-  logits buffer (n_vocab floats per sequence).
+  logits buffer (n_vocab floats per sequence: llama_context::output_reserve(n_seq_max)).
+- parallel plans (PlanOptions.parallel): the unified KV cache keeps n_ctx cells for all sequences, the
+  state and logits scale with n_seq_max, and the reserved graph outputs n_outputs_max rows, not n_ubatch
+  (llama_context::sched_reserve: n_outputs_pp = min(n_tokens, n_outputs_max)).
 - CUDA's own memory (`cuda.py`), on devices whose backend is CUDA: the f16 K/V copies of flash
   attention over a quantized cache and, on the first CUDA device, the copies of CPU-resident weights
   and KV that the scheduler offloads for prompt processing (both in the compute buffer); the memory
@@ -118,6 +121,10 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     out_w = info.output_bytes + (info.token_embd_bytes if info.output_tied else 0)
     peaks = compute_mod.compute_peaks(src, info, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=opts.n_batch,
                                       type_k=type_k, type_v=type_v, flash_attn=flash_attn)
+    n_seq = opts.parallel or 1
+    # rows of result_output in the reserved graph; compute_peaks measures llama.cpp's default (n_batch >= n_ubatch)
+    outputs = min(n_ubatch, opts.parallel) if opts.parallel else n_ubatch
+    peaks = fewer_outputs(peaks, info.n_vocab * (n_ubatch - outputs) * 4)
     n_kv = round_up(n_ctx, KV_PAD)
     # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
     # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
@@ -126,17 +133,27 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
     mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
-    return Costs(info, list(info.layer_bytes), layer_kv, [la.state_bytes for la in info.layers], out_w, peaks,
+    return Costs(info, list(info.layer_bytes), layer_kv, [n_seq * la.state_bytes for la in info.layers], out_w, peaks,
                  inputs=mask + resid + index_inputs(info, n_ubatch, flash_attn, type_k, type_v),
-                 resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch), logits=info.n_vocab * 4,
-                 # result_output f32 [n_vocab, n_ubatch] (the reserve outputs every token) and up to 3
-                 # residual-sized tensors beside it (Phi-3-mini 4k-32k: 3; Llama-3: 1), measured on RPC
-                 head=info.n_vocab * n_ubatch * 4 + 3 * resid, flash_attn=flash_attn,
+                 resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch),
+                 logits=n_seq * info.n_vocab * 4,
+                 # result_output f32 [n_vocab, outputs] (by default the reserve outputs every token) and up to
+                 # 3 residual-sized tensors beside it (Phi-3-mini 4k-32k: 3; Llama-3: 1), measured on RPC
+                 head=info.n_vocab * outputs * 4 + 3 * resid, flash_attn=flash_attn,
                  f16_cache=type_k == "f16" and type_v == "f16",
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp))
+
+
+def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
+    """The peaks with `fewer` bytes of result_output at the head: the output peak drops by them where the head
+    is the peak, never below the layers' own peak."""
+    if fewer <= 0:
+        return peaks
+    kinds = {k: fewer_outputs(p, fewer) for k, p in peaks.by_kind.items()}
+    return replace(peaks, output=max(peaks.output - fewer, peaks.layer_full), by_kind=kinds)
 
 
 def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, type_v: str) -> int:

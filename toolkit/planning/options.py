@@ -18,6 +18,7 @@ DEFAULT_N_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
 DEFAULT_N_BATCH = 2048  # common_params.n_batch
 DEFAULT_N_UBATCH = 512  # common_params.n_ubatch
 MAX_N_CTX = 2**32 - 1  # llama_context_params.n_ctx is a uint32_t
+MAX_PARALLEL = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h): llama_context refuses a larger n_seq_max
 DEFAULT_PREFER = "quality"
 DEFAULT_KV = "auto"
 PREFER = ("quality", "speed")
@@ -42,6 +43,9 @@ class PlanOptions:
     layer or of the layers below N, as llama.cpp's --cpu-moe / --n-cpu-moe (router and shared experts
     stay with their layer). Neither given: the plan keeps the experts of as few layers as needed in CPU
     memory before it moves any whole layer there; expert_offload=False turns that off (whole layers only).
+    parallel: sequences decoded together in one context (llama.cpp's -np with a unified KV cache, -kvu):
+    n_ctx cells shared by all, one output row and one recurrent state per sequence. None: one sequence
+    and llama.cpp's defaults (what `Llama` makes).
     """
 
     n_ctx: int | None = None
@@ -63,6 +67,7 @@ class PlanOptions:
     cpu_moe: bool | None = None
     n_cpu_moe: int | None = None
     expert_offload: bool | None = None
+    parallel: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -95,6 +100,9 @@ class PlanOptions:
         if self.n_ctx is not None and self.n_ctx > MAX_N_CTX:
             raise InvalidOption(f"n_ctx {self.n_ctx} is beyond llama.cpp's largest context, {MAX_N_CTX} tokens "
                                 "(a 32-bit count)", option="n_ctx", value=self.n_ctx, limit=MAX_N_CTX)
+        if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
+            raise InvalidOption(f"parallel must be 1 to {MAX_PARALLEL} sequences, got {self.parallel}",
+                                option="parallel", value=self.parallel, limit=MAX_PARALLEL)
         if self.reserve is not None and self.reserve < 0:
             raise InvalidOption(f"reserve must be 0 or more bytes, got {self.reserve}", option="reserve",
                                 value=self.reserve)
@@ -126,6 +134,14 @@ class PlanOptions:
         if self.cpu_moe:
             return list(expert_layers)
         return [il for il in expert_layers if il < self.n_cpu_moe]
+
+    def context_settings(self) -> dict:
+        """llama_context_params' n_seq_max / kv_unified / n_outputs_max for these options: a parallel plan
+        shares one pool of n_ctx cells (kv_unified; without it each sequence gets n_ctx / n_seq_max) and
+        reserves one row of logits per sequence, all a decode step reads; no `parallel`: llama.cpp's defaults."""
+        if self.parallel is None:
+            return dict(n_seq_max=1, kv_unified=False, n_outputs_max=0)
+        return dict(n_seq_max=self.parallel, kv_unified=True, n_outputs_max=self.parallel)
 
     def kv_candidates(self) -> list[tuple[str, str]]:
         """(type_k, type_v) pairs to try, in the order of preference."""

@@ -83,6 +83,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     expert_layers: list[int] = field(default_factory=list)  # layers holding expert tensors (MoE); [] when dense
     cpu_expert_layers: list[int] = field(default_factory=list)  # of those, the layers whose experts are in CPU memory
+    # sequences in one context (PlanOptions.parallel): llama_context_params' own fields. n_outputs_max 0 is
+    # llama.cpp's default (n_batch rows of logits); a parallel plan reserves one row per sequence.
+    n_seq_max: int = 1
+    kv_unified: bool = False
+    n_outputs_max: int = 0
 
     @property
     def devices(self) -> list[DevicePlan]:
@@ -96,6 +101,15 @@ class Plan:
         """llama.cpp regexes matching the expert tensors of `cpu_expert_layers`, one per layer (as
         `--n-cpu-moe` builds them): the `tensor_buft_overrides` that keep those tensors in CPU memory."""
         return [expert_pattern(il) for il in self.cpu_expert_layers]
+
+    @property
+    def parallel(self) -> bool:
+        return self.kv_unified or self.n_seq_max > 1
+
+    def context_settings(self) -> dict:
+        """The context fields `Llama` takes no keyword for (n_seq_max, kv_unified, n_outputs_max): set on
+        the context params by the engine (`ctxq.serve.context`) and the referee's dry run."""
+        return dict(n_seq_max=self.n_seq_max, kv_unified=self.kv_unified, n_outputs_max=self.n_outputs_max)
 
     def llama_kwargs(self) -> dict:
         """Keyword arguments for `llama_cpp.Llama`; `expert_overrides()` are not among them (no keyword)."""
@@ -119,6 +133,8 @@ class Plan:
         flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
         if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
             flags += " --swa-full"
+        if self.parallel:  # llama-server's -np; -kvu: one pool of n_ctx cells (common/arg.cpp)
+            flags += f" -np {self.n_seq_max}" + (" -kvu" if self.kv_unified else "")
         return flags + self._expert_flags()
 
     def _expert_flags(self) -> str:

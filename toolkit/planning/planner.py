@@ -206,7 +206,7 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     if opts.split is not None:
         tk, tv = candidates[0]
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
-        return experts.apply(_evaluate_split(c, str(path), devices, cpu, opts, tk, tv))
+        return _settle(experts.apply(_evaluate_split(c, str(path), devices, cpu, opts, tk, tv)), opts)
     plans, hosts = [], []
     for tk, tv in candidates:
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
@@ -220,7 +220,14 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
             plans.append(p)
     if not plans:
         raise does_not_fit(cpu, hosts, opts.n_ctx)
-    return experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1))
+    return _settle(experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1)), opts)
+
+
+def _settle(p: Plan, opts: PlanOptions) -> Plan:
+    """The plan with its context's sequence settings (PlanOptions.context_settings)."""
+    for k, v in opts.context_settings().items():
+        setattr(p, k, v)
+    return p
 
 
 def _kv_types(info: ModelInfo) -> list[str]:

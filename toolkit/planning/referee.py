@@ -60,7 +60,7 @@ def strict() -> bool:
 
 
 def judge(info: ModelInfo, acc: Accounting, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str,
-          flash_attn: bool, skipped: int = 0) -> Verdict:
+          flash_attn: bool, skipped: int = 0, n_seq_max: int = 1) -> Verdict:
     """The differences between the plan's figures (from `info`) and llama.cpp's accounting `acc`, made at
     the same settings, beyond the printed rounding. `skipped`: bytes of the NextN blocks' tensors, which
     llama_model_size counts but a load leaves unallocated (TENSOR_SKIP)."""
@@ -73,11 +73,11 @@ def judge(info: ModelInfo, acc: Accounting, *, n_ctx: int, n_ubatch: int, type_k
     printed = sum(c.k_bytes + c.v_bytes for c in acc.caches)
     if abs(sum(planned) - printed) > slack:
         v.findings.append(Finding("KV", sum(planned), printed))
-    state = sum(la.state_bytes for la in info.layers)
+    state = n_seq_max * sum(la.state_bytes for la in info.layers)  # one state per sequence (memory.costs)
     # the printed sizes' rounding, and the bytes planning.facts adds sharing their upper bound out per layer
     if abs(state - acc.state_bytes) > acc.state_printed * PRINT_ROUNDING + len(acc.recurrent):
         v.findings.append(Finding("recurrent state", state, acc.state_bytes))
-    logits = info.n_vocab * 4  # memory.costs: the host's logits, n_vocab f32 for one sequence
+    logits = n_seq_max * info.n_vocab * 4  # memory.costs: the host's logits, n_vocab f32 per sequence
     if abs(logits - acc.output_bytes) > PRINT_ROUNDING:
         v.findings.append(Finding("output buffer", logits, acc.output_bytes))
     weights = info.token_embd_bytes + info.output_bytes + info.other_bytes + sum(info.layer_bytes)
@@ -113,17 +113,17 @@ def refereed(p, src, info: ModelInfo, replan):
     from .facts import accounting_at
 
     acc = accounting_at(src, info, n_ctx=p.n_ctx, n_ubatch=p.n_ubatch, n_batch=p.n_batch, type_k=p.type_k,
-                        type_v=p.type_v, flash_attn=p.flash_attn)
+                        type_v=p.type_v, flash_attn=p.flash_attn, **p.context_settings())
     settings = dict(n_ctx=p.n_ctx, n_ubatch=p.n_ubatch, type_k=p.type_k, type_v=p.type_v, flash_attn=p.flash_attn)
     mtp = {il for il, la in enumerate(info.layers) if la.mtp}
     skipped = sum(t.nbytes for t in src.tensors if block_of(t.name) in mtp) if mtp else 0
-    v = judge(info, acc, skipped=skipped, **settings)
+    v = judge(info, acc, skipped=skipped, n_seq_max=p.n_seq_max, **settings)
     if not v.findings:
         return p
     if strict():
         raise RefereeError(f"{info.arch}: the plan and llama.cpp's accounting disagree: "
                            + "; ".join(str(f) for f in v.findings[:4]))
-    if v.under:
+    if v.under:  # `larger` reads one sequence's state (Accounting.state_per_layer divides by n_seq_max)
         p = replan(larger(info, acc, **settings))
     p.notes.append(v.note())
     return p

@@ -144,10 +144,14 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
         raise InvalidOption("with several questions give max_tokens (n_predict) of 0 or more",
                             option="n_predict", value=max_tokens)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+    given = settings.get("parallel") or (options.parallel if options else None)
+    if given is not None and given < 2:  # the document's sequence and at least one question's
+        raise InvalidOption(f"parallel={given}: several questions need 2 sequences or more (the document's and "
+                            "a question's)", option="parallel", value=given)
     if hasattr(model_or_llm, "_model"):  # a loaded Llama
         llm = model_or_llm
         tokens, keep = question_tokens(llm.model_path, document, questions, chat=chat, system=system)
-        with Engine(llm, n_seq_max=_n_seq(questions), n_ctx=n_ctx or llm.n_ctx()) as e:
+        with Engine(llm, n_seq_max=given or _n_seq(questions), n_ctx=n_ctx or llm.n_ctx()) as e:
             _check_fits(tokens, keep, max_tokens, e.n_ctx)
             return answer_all(e, questions, tokens, keep, params, session=session,
                               plan=getattr(llm, "ctxq_plan", None), on_answer=on_answer)
@@ -159,14 +163,15 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
         if path is not None:  # the context is sized from the input: tokenize before planning
             tokens, keep = question_tokens(path, document, questions, chat=chat, system=system)
             n_ctx = -(-cells_needed(tokens, keep, max_tokens) // CELL_ROUND) * CELL_ROUND
-        plan = make_plan(model_or_llm, options=opts.updated(n_ctx=n_ctx))
+        # the plan is the engine's context: one sequence per question and the document's (unless given)
+        plan = make_plan(model_or_llm, options=opts.updated(n_ctx=n_ctx, parallel=opts.parallel or _n_seq(questions)))
         if path is None:
             tokens, keep = question_tokens(resolve_model(plan.model), document, questions, chat=chat, system=system)
         _check_fits(tokens, keep, max_tokens, plan.n_ctx)
         if on_plan:
             on_plan(plan, cells_needed(tokens, keep, max_tokens))
         t0 = time.perf_counter()
-        with from_plan(plan, n_seq_max=_n_seq(questions), rpc=opts.rpc, n_threads=n_threads, seed=seed) as e:
+        with from_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed) as e:
             load_s = time.perf_counter() - t0
             if on_loaded:
                 on_loaded(plan, load_s)

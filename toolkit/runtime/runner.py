@@ -155,7 +155,17 @@ def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | No
     if llm.n_ctx() < p.n_ctx:  # llama.cpp must never hold less than the plan promised
         llm.close()
         raise CtxqError(f"llama.cpp made a context of {llm.n_ctx()} tokens, not the {p.n_ctx} planned")
-    return llm, memory_report(p, backend.parse_allocations(lines)), load_s
+    llm.ctxq_allocations = alloc = backend.parse_allocations(lines)
+    return llm, memory_report(p, alloc), load_s
+
+
+def engine_memory(p: Plan, llm, engine) -> list[DeviceMemory]:
+    """Planned against reported bytes for an engine on `llm` (load_plan's): the model's buffers from the load,
+    the context's (KV, state, compute, output) from the engine's own context, which replaced the Llama's."""
+    from dataclasses import replace as with_
+
+    a = engine.allocations
+    return memory_report(p, with_(llm.ctxq_allocations, kv=a.kv, state=a.state, compute=a.compute, output=a.output))
 
 
 def _load_failure(lines: list[str]) -> str | None:
@@ -199,6 +209,10 @@ def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: P
     matches (`llm.ctxq_session` tokens), so a prompt that starts with its tokens evaluates only the rest.
     """
     opts = PlanOptions.take(kwargs, options).updated(n_ctx=n_ctx, split=split, gpus=gpus)
+    if opts.parallel is not None or (plan is not None and plan.parallel):  # Llama makes a one-sequence context
+        raise InvalidOption("a Llama decodes one sequence; `parallel` plans ctxq's engine: use ctxq.ask(document, "
+                            "questions, parallel=P) or `ctxq serve --parallel P`", option="parallel",
+                            value=opts.parallel or plan.n_seq_max)
     if opts.simulate is not None:
         raise InvalidOption("`simulate` starts workers for one run; start them with ctxq.rpc.start_workers() "
                             "and pass rpc=workers.rpc", option="simulate", value=opts.simulate)

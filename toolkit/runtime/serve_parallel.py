@@ -25,6 +25,31 @@ ANSWER_CELLS = 512  # the private cells counted for one sequence's question and 
 MAX_DEFAULT_P = 16
 
 
+def auto_plan(make) -> tuple:
+    """(plan, P, why) for `--parallel auto`: the most sequences, at most MAX_DEFAULT_P and as many as the n_ctx
+    cells hold ANSWER_CELLS-cell answers of, halving from there, whose plan (its output rows, states and
+    compute for P sequences: `PlanOptions.parallel`) fits without moving a layer off the GPUs that the
+    one-sequence plan keeps there. `make(P)` plans for P sequences (None: one, llama.cpp's defaults)."""
+    from ..errors import DoesNotFit
+
+    one = make(None)
+    n = max(1, min(MAX_DEFAULT_P, one.n_ctx // ANSWER_CELLS))
+    while True:
+        try:
+            p = make(n)
+        except DoesNotFit:
+            p = None
+        if n == 1 or (p is not None and p.n_gpu_layers >= one.n_gpu_layers):
+            break
+        n //= 2
+    if p is None:  # one sequence in the engine's context needs less than the plan for llama.cpp's defaults
+        p = make(1)
+    free = min((d.free for d in p.devices if d.layers or d is p.host), default=0)
+    why = (f"{n} sequences share the {p.n_ctx:,} KV cells ({ANSWER_CELLS} cells of answer each, at most "
+           f"{MAX_DEFAULT_P}; the plan for {n} leaves {free / 2**20:,.0f} MiB free)")
+    return p, n, why
+
+
 def default_parallel(p, n_vocab: int, state_per_seq: int = 0) -> tuple[int, str]:
     """(P, why) when --parallel is given without a number: as many sequences as the plan's n_ctx
     cells hold 512-cell answers of (the document's cells are shared), at most 16, and no more than

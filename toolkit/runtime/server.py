@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import InvalidOption
 from ..planning.planner import Plan
-from .runner import load_plan
+from .runner import engine_memory, load_plan
 from .session import restore_session
 from .serve_errors import reject, validation_error
 from .serve_gate import Gate, Service
@@ -214,6 +214,7 @@ def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
         # engine.from_plan does; the model, its tokenizer and template stay in `llm`)
         llm._ctx.close()
         engine = engine_mod.Engine(llm, n_seq_max=n, n_ctx=p.n_ctx, own_llm=True)
+        memory = engine_memory(p, llm, engine)  # the engine's context replaced the one load_plan measured
     except BaseException:
         llm.close()
         raise

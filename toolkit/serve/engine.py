@@ -77,6 +77,7 @@ class Engine:
             raise CtxqError(f"llama.cpp could not make a context of {cp.n_ctx} tokens for {n_seq_max} sequences "
                             f"({tail})")
         self._ctx = ctx
+        self.allocations = backend.parse_allocations(lines)  # this context's buffers, as llama.cpp logged them
         self.n_seq_max = n_seq_max
         self.n_ctx = lc.llama_n_ctx(ctx)  # the unified pool: n_ctx_seq = n_ctx (llama_context ctor)
         self.n_batch = lc.llama_n_batch(ctx)
@@ -358,17 +359,25 @@ class Engine:
                            steps=c.steps)
 
 
-def from_plan(plan, *, n_seq_max: int, n_ctx: int | None = None, **load_kwargs) -> Engine:
+def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, **load_kwargs) -> Engine:
     """An engine on `plan`'s model, loaded as `ctxq.runtime.runner.load_plan` loads it. The Llama's own
-    context is freed at once (the engine's replaces it, so the plan's KV memory is held once)."""
-    from ..runtime.runner import load_plan
+    context is freed at once (the engine's replaces it, so the plan's KV memory is held once). A parallel
+    plan (`Plan.context_settings`) gives n_seq_max and n_outputs_max; else n_seq_max is needed."""
+    if plan.parallel:
+        n_seq_max = n_seq_max or plan.n_seq_max
+        if n_seq_max != plan.n_seq_max:
+            raise InvalidOption(f"the plan is for {plan.n_seq_max} sequences, not {n_seq_max}: plan with "
+                                f"parallel={n_seq_max}", option="n_seq_max", value=n_seq_max, limit=plan.n_seq_max)
+    elif n_seq_max is None:
+        raise InvalidOption("give n_seq_max, or a plan made with parallel=P", option="n_seq_max", value=None)
+    from ..runtime.runner import engine_memory, load_plan
 
-    llm, memory, _ = load_plan(plan, **load_kwargs)
+    llm, _, _ = load_plan(plan, **load_kwargs)
     llm._ctx.close()  # llama-cpp-python frees a closed context only once (LlamaContext.close)
     try:
         e = Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True)
     except BaseException:
         llm.close()
         raise
-    e.memory = memory  # planned against what llama.cpp allocated for the plan's own context at load
+    e.memory = engine_memory(plan, llm, e)  # planned against the model's buffers and this context's
     return e
