@@ -12,6 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -222,7 +223,9 @@ def _plumbing(monkeypatch, key: str):
         seen.append(kwargs[key])
         raise SystemExit(3)
 
-    monkeypatch.setattr(runner, "make_plan", lambda model, options: None)
+    # a plan of 2,048 cells on the CPU: enough for `--parallel auto` (serve_parallel.auto_plan) to pick from
+    plan = SimpleNamespace(n_ctx=2048, n_gpu_layers=0, devices=[], host=None)
+    monkeypatch.setattr(runner, "make_plan", lambda model, options: plan)
     monkeypatch.setattr(server, "create_app", create_app)
     return (lambda *args: CliRunner().invoke(cli, ["serve", "m.gguf", *args])), seen
 
@@ -249,11 +252,11 @@ def test_chat_format_flag_reaches_create_app(monkeypatch):
 
 
 def test_parallel_flag_reaches_create_app(monkeypatch):
-    """None is today's serve, auto is 0 (the plan's default)."""
+    """None is today's serve; auto is what the plan holds (2,048 cells: 4 answers of 512 cells)."""
     invoke, seen = _plumbing(monkeypatch, "parallel")
     for args in ([], ["--parallel", "8"], ["-np", "auto"]):
         assert invoke(*args).exit_code == 3
-    assert seen == [None, 8, 0]
+    assert seen == [None, 8, 4]
     for bad in ("0", "257", "many"):
         r = invoke("--parallel", bad)
         assert r.exit_code == 2 and "1 to 256" in r.output
