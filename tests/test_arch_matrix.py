@@ -48,6 +48,7 @@ TINY = [
     pytest.param("deepseek-v3", [2, 1, 1], 16384, "f16", False, None, id="deepseek-v3-rpc3-16k-fa-off"),
     pytest.param("gemma3n", None, 16384, "f16", True, None, id="gemma3n-cpu-16k"),
     pytest.param("gemma4", [2, 1, 1], 65536, "f16", True, None, id="gemma4-rpc3-64k"),
+    pytest.param("gemma4", [2, 1, 1], 16384, "f16", False, None, id="gemma4-rpc3-16k-fa-off"),  # compute._alternating
     pytest.param("exaone4", None, 16384, "f16", True, None, id="exaone4-cpu-16k"),  # fixed by the real-header compute fallback
     pytest.param("glm4moe", [1, 1], 65536, "q8_0", True, None, id="glm4moe-rpc2-64k-q8"),
     pytest.param("llama4", [1, 1], 65536, "q8_0", True, None, id="llama4-rpc2-64k-q8"),

@@ -62,10 +62,8 @@ class ComputePeaks:
     # hybrid models: the same peaks measured on layers of one kind alone, for a device holding only that kind
     by_kind: dict[str, ComputePeaks] = field(default_factory=dict, compare=False)
     moe_split: bool = False  # a device's peaks in a split graph with experts in CPU memory (memory._moe_split_peaks)
-    # the steady peak lies past the attention, where the one-device graph has freed the layer's input (held_input):
-    # with flash attention, but not MLA's, whose absorbed query (f32 [kv_lora_rank + rope, n_head, n_ubatch]) keeps
-    # the peak inside the attention (DeepSeek-V2-Lite tiny, V3 at real widths: real within 0.03 MiB / 27 MiB over
-    # of the planned without the term)
+    # the steady peak lies past the first layer's attention, where the one-device graph has freed the embeddings
+    # that a device receives as its input (held_input, _input_freed)
     input_freed: bool = False
 
     def of(self, kinds: set[str]) -> ComputePeaks:
@@ -227,7 +225,7 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
             by_kind.setdefault(la.kind, []).append(il)
             groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
-    freed = flash_attn and src.arch_get("attention.kv_lora_rank") is None  # ComputePeaks.input_freed
+    freed = _input_freed(src, info, flash_attn)
     mixed = replace(_peaks(src, info, list(groups.values()), args), input_freed=freed)
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
@@ -248,7 +246,7 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
     """The peaks of derived models holding the first (and for the steady peak the first two) layers of
     each group."""
     one = tuple(sorted(ils[0] for ils in groups))
-    two = tuple(sorted(il for ils in groups for il in ils[:2]))
+    two = _alternating(info, tuple(sorted(il for ils in groups for il in ils[:2])))
     try:
         if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
             raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers
@@ -269,6 +267,37 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
             raise err from e2
         return ComputePeaks(layer_full=whole, output=whole, layer_steady=whole)
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
+
+
+def _input_freed(src: GGUFFile, info: ModelInfo, flash_attn: bool) -> bool:
+    """ComputePeaks.input_freed: the steady peak lies past the first layer's attention. With flash attention
+    it lies in the FFN, except for MLA (its absorbed query keeps it in the attention); without, it is the KQ
+    matrix of the widest attention, past the first layer where that layer slides (a full layer's KQ over n_ctx
+    cells, later: tiny OLMo 3, 16k, 3 RPC devices: one residual under without the term; Gemma 4 then one over)."""
+    if flash_attn:
+        return src.arch_get("attention.kv_lora_rank") is None
+    first = next((la for la in info.layers if la.attention), None)
+    return first is not None and first.sliding
+
+
+def _alternating(info: ModelInfo, two: tuple[int, ...]) -> tuple[int, ...]:
+    """The steady model's layers with its sliding and full-attention ones alternating (sliding, full, sliding,
+    full in file order, where the model has them), so that each attention layer's peak has both masks alive,
+    as on a device holding layers of both kinds with more after them. First two of each kind (Gemma 4's
+    s s f s s f: 0 1 2 5) leave no sliding layer after the full ones, which freed the window's mask (f32
+    [window cells, n_ubatch], flash attention off) before the full layers' KQ peak: tiny Gemma 4 at 16k, 3 RPC
+    devices, 1.5 MiB under on each device holding layers; OLMo 3 1.0."""
+    if not any(info.swa_layers):
+        return two
+    kinds = ("sliding", "attention")
+    seq, want = [], None
+    for il, la in enumerate(info.layers):
+        if la.kind in kinds and la.kind != want and len(seq) < 4:
+            seq.append(il)
+            want = la.kind
+    if len(seq) < 4:  # the model's layers do not alternate that often: the first two of each
+        return two
+    return tuple(sorted({*(il for il in two if info.layers[il].kind not in kinds), *seq}))
 
 
 def _keeps_window(path: Path, args: tuple) -> bool:
