@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 # causes, as measured on this branch with h-facts merged (docs/accuracy-table.md, sections arch and arch-realistic)
 SLIDING_ONLY = ("a device whose layers all slide (or chunk) is planned at the full-attention layers' compute peak: "
                 "over by 200-270 MiB on the 3-device split of the tiny ones, 64-904 MiB at real widths")
-GEMMA3N = "Gemma 3n: every device under llama.cpp by 4-37 MiB at 64k (not yet traced: per-layer embeddings, altup?)"
+GEMMA3N = ("Gemma 3n: every RPC device under llama.cpp by 10-37 MiB: each split receives altup's stacked residual "
+           "streams and the per-layer inputs (f32 [n_embd, n_ubatch, 4], [n_embd_altup, n_ubatch] per layer) in 4 copies, "
+           "and the output device also runs the graph's start (altup_proj is an output-layer weight); the host row is fixed")
 HOST_MOE = ("experts in host memory (n_cpu_moe=2): llama.cpp's host compute is 77.6 MiB for every tiny MoE; the plan "
             "gives 132-174 MiB (over) where attention layers hold the experts")
 HOST_UNDER = ("experts in host memory (n_cpu_moe=2) on a hybrid (Granite 4, Kimi-Linear, Qwen3.5-MoE): the host's "
@@ -98,3 +100,13 @@ def test_tiny_checkpoint_cell(name, devices, n_ctx, kv, fa, n_cpu_moe, request):
 def test_real_width_cell(name, devices, n_ctx, kv, fa, n_cpu_moe, request):
     _check(str(upstream_widths.build_realistic(name)), devices, n_ctx, kv, fa, n_cpu_moe, request.node.callspec.id,
            tiny=False)
+
+
+def test_host_gathers_gemma3n_per_layer_rows():
+    """The host gathers Gemma 3n's per-layer embedding rows for the devices of a split graph (compute.host_gathers):
+    its row is within the tiny target and not under, though the devices' rows are not yet (GEMMA3N)."""
+    with start_workers(2) as w:
+        r = check_cell(str(upstream_models.build("gemma3n")), 65536, "q8_0", [1, 1], workers=w, label="gemma3n host",
+                       flash_attn=True)
+    host = next(d for d in r.devices if d.name == "CPU")
+    assert not host.under and host.ok_tiny, f"planned {host.planned}, llama.cpp {host.real}"

@@ -338,3 +338,16 @@ def held_input(peaks: ComputePeaks, resid: int, copies: int) -> int:
     Tiny SmolLM3, GLM-4.5, Llama 4 and Gemma 4 with flash attention at 16k and 64k on 2-3 RPC devices: 0.245 MiB
     (one residual, f32 [128, 512]) above the other terms on each such device; without flash attention 0.0."""
     return resid if peaks.input_freed and copies > 1 else 0
+
+
+# Input-layer tables besides token_embd whose rows the host gathers per token for every layer (LLM_TENSOR_LAYER_INPUT,
+# GGML_OP_GET_ROWS in llama-arch.cpp): Gemma 3n's per-layer embeddings (llama_model_gemma3n::build_inp_per_layer).
+_HOST_GATHERED = ("per_layer_token_embd.weight",)
+
+
+def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
+    """Bytes the host's compute buffer holds for the rows it gathers from such tables and hands to the devices of a
+    split graph: f32 [row width, n_ubatch] each (Gemma 3n's `inp_per_layer_selected`, [n_embd_altup * n_layer,
+    n_ubatch]). Tiny Gemma 3n at 64k on 2 RPC devices: the host's compute 5.01 MiB above the plan without it,
+    this tensor 5.0 MiB (GGML_SCHED_DEBUG's split inputs)."""
+    return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
