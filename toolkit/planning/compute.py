@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 # (rope.dimension_sections: always 4, get_key_or_arr(..., 4, true) in llama_model_qwen35::load_arch_hparams).
 _FIXED_ARRAYS = (".rope.dimension_sections",)
 _SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
+# Keys a loader requires only for some layer counts, written into a derived model as the value the source's
+# layer count implies: llama_model_deepseek2::load_arch_hparams reads q_lora_rank unless n_layer is 26 or 27
+# ("lite" variants, whose query has no LoRA: the tensors follow q_lora_rank > 0, so 0 keeps them as they are).
+_LAYER_COUNT_KEYS = {"deepseek2": {"attention.q_lora_rank": (0, gguf.GGUFValueType.UINT32)}}
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class ComputePeaks:
     # hybrid models: the same peaks measured on layers of one kind alone, for a device holding only that kind
     by_kind: dict[str, ComputePeaks] = field(default_factory=dict, compare=False)
     moe_split: bool = False  # a device's peaks in a split graph with experts in CPU memory (memory._moe_split_peaks)
+    # the steady peak lies past the first layer's attention, where the one-device graph has freed the embeddings
+    # that a device receives as its input (held_input, _input_freed)
+    input_freed: bool = False
 
     def of(self, kinds: set[str]) -> ComputePeaks:
         """The peaks of a device holding layers of these kinds: its kind's own, or the largest of its
@@ -70,12 +77,12 @@ class ComputePeaks:
         # shaped MLP and Mamba-2 layers: 17.83 MiB real on an RPC device, 17.85 planned, 40.9 with all kinds)
         got = [self.by_kind[k] for k in kinds]
         return ComputePeaks(max(p.layer_full for p in got), max(p.output for p in got),
-                            max(p.layer_steady for p in got))
+                            max(p.layer_steady for p in got), input_freed=self.input_freed)
 
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v2"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v3"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -177,6 +184,9 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                             sub_type=gguf.GGUFValueType.BOOL)
         if f"{arch}.vocab_size" not in src.metadata:
             w.add_vocab_size(n_vocab)
+        for key, (value, vtype) in _LAYER_COUNT_KEYS.get(arch, {}).items():
+            if f"{arch}.{key}" not in src.metadata:
+                w.add_key_value(f"{arch}.{key}", value, vtype)
         w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
 
     return write_sparse_gguf(out, arch, specs, metadata)
@@ -215,7 +225,8 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
             by_kind.setdefault(la.kind, []).append(il)
             groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
-    mixed = _peaks(src, info, list(groups.values()), args)
+    freed = _input_freed(src, info, flash_attn)
+    mixed = replace(_peaks(src, info, list(groups.values()), args), input_freed=freed)
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
@@ -227,14 +238,15 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     # model). Such an attention kind is left to the peaks of all kinds together (ComputePeaks.of).
     kinds = {k: _peaks(src, info, [ils], args) for k, ils in by_kind.items()
              if len(ils) >= 2 or k in ("recurrent", "ffn")}  # their only split input is the residual
-    return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds)
+    kinds = {k: replace(p, input_freed=freed) for k, p in kinds.items()}
+    return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds, input_freed=freed)
 
 
 def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple) -> ComputePeaks:
     """The peaks of derived models holding the first (and for the steady peak the first two) layers of
     each group."""
     one = tuple(sorted(ils[0] for ils in groups))
-    two = tuple(sorted(il for ils in groups for il in ils[:2]))
+    two = _alternating(info, tuple(sorted(il for ils in groups for il in ils[:2])))
     try:
         if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
             raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers
@@ -255,6 +267,37 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple)
             raise err from e2
         return ComputePeaks(layer_full=whole, output=whole, layer_steady=whole)
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
+
+
+def _input_freed(src: GGUFFile, info: ModelInfo, flash_attn: bool) -> bool:
+    """ComputePeaks.input_freed: the steady peak lies past the first layer's attention. With flash attention
+    it lies in the FFN, except for MLA (its absorbed query keeps it in the attention); without, it is the KQ
+    matrix of the widest attention, past the first layer where that layer slides (a full layer's KQ over n_ctx
+    cells, later: tiny OLMo 3, 16k, 3 RPC devices: one residual under without the term; Gemma 4 then one over)."""
+    if flash_attn:
+        return src.arch_get("attention.kv_lora_rank") is None
+    first = next((la for la in info.layers if la.attention), None)
+    return first is not None and first.sliding
+
+
+def _alternating(info: ModelInfo, two: tuple[int, ...]) -> tuple[int, ...]:
+    """The steady model's layers with its sliding and full-attention ones alternating (sliding, full, sliding,
+    full in file order, where the model has them), so that each attention layer's peak has both masks alive,
+    as on a device holding layers of both kinds with more after them. First two of each kind (Gemma 4's
+    s s f s s f: 0 1 2 5) leave no sliding layer after the full ones, which freed the window's mask (f32
+    [window cells, n_ubatch], flash attention off) before the full layers' KQ peak: tiny Gemma 4 at 16k, 3 RPC
+    devices, 1.5 MiB under on each device holding layers; OLMo 3 1.0."""
+    if not any(info.swa_layers):
+        return two
+    kinds = ("sliding", "attention")
+    seq, want = [], None
+    for il, la in enumerate(info.layers):
+        if la.kind in kinds and la.kind != want and len(seq) < 4:
+            seq.append(il)
+            want = la.kind
+    if len(seq) < 4:  # the model's layers do not alternate that often: the first two of each
+        return two
+    return tuple(sorted({*(il for il in two if info.layers[il].kind not in kinds), *seq}))
 
 
 def _keeps_window(path: Path, args: tuple) -> bool:
@@ -282,3 +325,29 @@ def load_source(model) -> GGUFFile:
     from ..models import model_header
 
     return model_header(model)
+
+
+
+def held_input(peaks: ComputePeaks, resid: int, copies: int) -> int:
+    """What a device holding layers but not the head keeps beyond `copies` of its split inputs and the
+    one-device steady peak: the residual it receives. With pipeline parallelism (copies > 1) the scheduler
+    flags every copy of a split's inputs as an output (ggml_backend_sched_split_graph, pass 5: "prevent
+    ggml-alloc from overwriting the tensor"), so the copy in use stays alive through all the device's layers,
+    where the one-device graph frees its layer input once the attention's residual add has read it: where the
+    steady peak lies past the attention (`ComputePeaks.input_freed`), the device holds one residual more.
+    Tiny SmolLM3, GLM-4.5, Llama 4 and Gemma 4 with flash attention at 16k and 64k on 2-3 RPC devices: 0.245 MiB
+    (one residual, f32 [128, 512]) above the other terms on each such device; without flash attention 0.0."""
+    return resid if peaks.input_freed and copies > 1 else 0
+
+
+# Input-layer tables besides token_embd whose rows the host gathers per token for every layer (LLM_TENSOR_LAYER_INPUT,
+# GGML_OP_GET_ROWS in llama-arch.cpp): Gemma 3n's per-layer embeddings (llama_model_gemma3n::build_inp_per_layer).
+_HOST_GATHERED = ("per_layer_token_embd.weight",)
+
+
+def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
+    """Bytes the host's compute buffer holds for the rows it gathers from such tables and hands to the devices of a
+    split graph: f32 [row width, n_ubatch] each (Gemma 3n's `inp_per_layer_selected`, [n_embd_altup * n_layer,
+    n_ubatch]). Tiny Gemma 3n at 64k on 2 RPC devices: the host's compute 5.01 MiB above the plan without it,
+    this tensor 5.0 MiB (GGML_SCHED_DEBUG's split inputs)."""
+    return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
