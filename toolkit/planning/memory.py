@@ -67,6 +67,7 @@ class Costs:
     cpu_experts: frozenset[int] = frozenset()  # layers whose experts sit in CPU memory (tensor overrides)
     recurrent_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (recurrent_tails)
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
+    host_gathers: int = 0  # rows the host gathers for a split graph's devices beside the embeddings (compute.host_gathers)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks thousands
@@ -144,7 +145,8 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
-                 recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp))
+                 recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
+                 host_gathers=compute_mod.host_gathers(src, n_ubatch))
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
@@ -329,7 +331,7 @@ def _device_compute(c: Costs, peaks: compute_mod.ComputePeaks, inputs: int, has_
         if not c.flash_attn or peaks.output <= peaks.layer_full:
             return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
         return peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
-    steady = peaks.layer_steady + (copies - 1) * inputs
+    steady = peaks.layer_steady + (copies - 1) * inputs + compute_mod.held_input(peaks, c.resid, copies)
     if not has_output:
         return steady
     if peaks.moe_split:  # experts in CPU memory (_moe_split_peaks)
@@ -366,7 +368,7 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1
-        dp.compute = copies * (c.inputs + c.n_ubatch * 4) + c.resid
+        dp.compute = copies * (c.inputs + c.n_ubatch * 4) + c.resid + c.host_gathers
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
