@@ -3,14 +3,18 @@
     python scripts/bench_convert.py [MODEL_DIR] [--type f32,f16] [--repeat 2] [--llama-src DIR]
     python scripts/bench_convert.py --family qwen35moe --type f16 --repeat 1   # a native 2026 family
     python scripts/bench_convert.py --family olmo3 --type f16 --repeat 1       # through the fallback
+    python scripts/bench_convert.py --family gemma4 --type f16 --repeat 1      # Gemma 4, its own tokenizer
 
 MODEL_DIR defaults to SmolLM2-135M-Instruct rebuilt as a Hugging Face checkpoint (ctxq.testing.models).
 `--family` instead writes a random bf16 checkpoint at a real model's widths (fewer layers and experts,
-SmolLM2's real tokenizer so that llama.cpp's converter recognises it): `qwen35moe` is Qwen3.5-35B-A3B's
-layer (hidden 2048, gated DeltaNet 16/32 heads of 128, attention 16/2 heads of 256, experts of 512 plus a
-shared one) with 3 linear-attention layers, 1 full-attention layer and the MTP block, 16 experts;
+SmolLM2's real tokenizer so that llama.cpp's converter recognises it; gemma4 has a Gemma-kind one):
+`qwen35moe` is Qwen3.5-35B-A3B's layer (hidden 2048, gated DeltaNet 16/32 heads of 128, attention 16/2
+heads of 256, experts of 512 plus a shared one) with 3 linear-attention layers, 1 full-attention layer
+and the MTP block, 16 experts;
 `olmo3` is OLMo-3-7B's layer (hidden 4096, MLP 11008) twice, which ctxq converts through llama.cpp's
-converter (so its row shows the fallback's cost over running that converter directly).
+converter (so its row shows the fallback's cost over running that converter directly); `gemma4` is
+Gemma 4 E4B's layer (hidden 2560, MLP 10240, 8/2 heads of 256, full layers 512, per-layer input 256) six
+times, the last two KV-shared, with a small Gemma-kind tokenizer (llama.cpp's `gemma4` tokenizer model).
 llama.cpp's converter is the one `ctxq.conversion.upstream` fetches from the llama-cpp-python sdist of
 the installed version (never committed) unless --llama-src names an unpacked llama.cpp. Each tool runs
 in its own process; wall time and peak RSS (wait4's ru_maxrss, which covers the child's own children:
@@ -117,6 +121,73 @@ def _olmo3_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _gemma4_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """transformers 5's Gemma4ForCausalLM state dict: KV-shared layers have no k/v projections or k_norm,
+    tied output (no lm_head), per-layer embeddings of hidden_size_per_layer_input per layer."""
+    h, v, ff, n, pl = (cfg[k] for k in ("hidden_size", "vocab_size", "intermediate_size", "num_hidden_layers",
+                                        "hidden_size_per_layer_input"))
+    nh, nkv, first_shared = cfg["num_attention_heads"], cfg["num_key_value_heads"], n - cfg["num_kv_shared_layers"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+              "model.embed_tokens_per_layer.weight": (v, n * pl),
+              "model.per_layer_model_projection.weight": (n * pl, h),
+              "model.per_layer_projection_norm.weight": (pl,)}
+    for il, kind in enumerate(cfg["layer_types"]):
+        p, hd = f"model.layers.{il}.", cfg["global_head_dim" if kind == "full_attention" else "head_dim"]
+        shapes.update({p + "layer_scalar": (1,), p + "self_attn.q_proj.weight": (nh * hd, h),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.o_proj.weight": (h, nh * hd),
+                       p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                       p + "mlp.down_proj.weight": (h, ff), p + "per_layer_input_gate.weight": (pl, h),
+                       p + "per_layer_projection.weight": (h, pl)})
+        if il < first_shared:
+            shapes.update({p + "self_attn.k_proj.weight": (nkv * hd, h), p + "self_attn.v_proj.weight": (nkv * hd, h),
+                           p + "self_attn.k_norm.weight": (hd,)})
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_per_layer_input_norm"):
+            shapes[f"{p}{norm}.weight"] = (h,)
+    return shapes
+
+
+def _smollm2_tokenizer(dest: Path) -> int:
+    """SmolLM2's real tokenizer files; its vocabulary size."""
+    import json
+
+    tok = Path(subprocess.run([sys.executable, "-c", "from ctxq.testing.models import rebuild_smollm2_hf; "
+                               "print(rebuild_smollm2_hf())"], capture_output=True, text=True, check=True).stdout.strip())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / f, dest / f)
+    return json.loads((tok / "config.json").read_text())["vocab_size"]
+
+
+def _gemma_tokenizer(dest: Path, vocab_size: int = 300) -> int:
+    """A Gemma-kind tokenizer.json (as tests/test_convert_gemma4.py writes): a BPE trained on this
+    script's docstring over text whose spaces are U+2581, byte fallback, Gemma's specials at ids 0-3,
+    which llama.cpp's converter reads as its `gemma4` tokenizer model. Its vocabulary size."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, space = ["<pad>", "<eos>", "<bos>", "<unk>"], normalizers.Replace(" ", "\u2581")
+    t = Tokenizer(models.BPE())
+    t.normalizer = space
+    t.train_from_iterator(__doc__.split("\n") * 4,
+                          trainers.BpeTrainer(vocab_size=vocab_size, max_token_length=6, show_progress=False))
+    learned = json.loads(t.to_str())["model"]
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
+    for text in ["\n", *sorted(learned["vocab"], key=learned["vocab"].get)]:
+        vocab.setdefault(text, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = space
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([*specials, "<|turn>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(dest)
+    return tok.get_vocab_size()
+
+
+_SWA, _FULL = "sliding_attention", "full_attention"
 FAMILIES = {
     "qwen35moe": ({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "hidden_size": 2048,
                    "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
@@ -127,13 +198,26 @@ FAMILIES = {
                    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "hidden_act": "silu",
                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
-                   "tie_word_embeddings": False, "dtype": "bfloat16"}, _qwen35moe_shapes),
+                   "tie_word_embeddings": False, "dtype": "bfloat16"}, _qwen35moe_shapes, _smollm2_tokenizer),
     "olmo3": ({"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 4096, "intermediate_size": 11008,
                "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 65536,
                "rms_norm_eps": 1e-6, "hidden_act": "silu", "sliding_window": 4096, "rope_theta": 500000.0,
                "layer_types": ["sliding_attention", "full_attention"], "attention_bias": False,
                "tie_word_embeddings": False, "dtype": "bfloat16", "pad_token_id": 0, "eos_token_id": 0},
-              _olmo3_shapes),
+              _olmo3_shapes, _smollm2_tokenizer),
+    # E4B's layer; 6 layers, the last 2 KV-shared after a sliding and a full one (what llama.cpp's cache
+    # reuse needs, converters/gemma4.py), MLPs not double-wide
+    "gemma4": ({"architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 2560,
+                "intermediate_size": 10240, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
+                "head_dim": 256, "global_head_dim": 512, "hidden_size_per_layer_input": 256, "num_kv_shared_layers": 2,
+                "layer_types": [_SWA, _SWA, _SWA, _FULL, _SWA, _FULL], "use_double_wide_mlp": False,
+                "sliding_window": 512, "final_logit_softcapping": 30.0, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+                "rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 1000000.0,
+                                                       "partial_rotary_factor": 0.25},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                "tie_word_embeddings": True, "dtype": "bfloat16", "pad_token_id": 0, "eos_token_id": 1,
+                "bos_token_id": 2}, _gemma4_shapes, _gemma_tokenizer),
 }
 
 
@@ -151,16 +235,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def make_family(name: str, dest: Path) -> Path:
-    """A random bf16 checkpoint of `name` at real widths, with SmolLM2's tokenizer."""
+    """A random bf16 checkpoint of `name` at real widths, with its family's tokenizer."""
     import json
 
-    cfg, shapes = FAMILIES[name]
-    tok = Path(subprocess.run([sys.executable, "-c", "from ctxq.testing.models import rebuild_smollm2_hf; "
-                               "print(rebuild_smollm2_hf())"], capture_output=True, text=True, check=True).stdout.strip())
+    cfg, shapes, tokenizer = FAMILIES[name]
     dest.mkdir(parents=True, exist_ok=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok / f, dest / f)
-    cfg = {**cfg, "vocab_size": json.loads((tok / "config.json").read_text())["vocab_size"]}
+    n_tok = tokenizer(dest)
+    cfg = {**cfg, "vocab_size": n_tok}
+    if "hidden_size_per_layer_input" in cfg:  # Gemma 4: one per-layer row per token (converters/gemma4.py)
+        cfg["vocab_size_per_layer_input"] = n_tok
     (dest / "config.json").write_text(json.dumps(cfg, indent=1))
     _write_safetensors(dest / "model.safetensors", shapes(cfg))
     return dest
@@ -238,7 +321,8 @@ def main() -> None:
             ours, theirs = tmp / f"ctxq-{kind}.gguf", tmp / f"llama-{kind}.gguf"
             best = {"ctxq": (1e9, 1 << 62), "llama.cpp": (1e9, 1 << 62)}
             for _ in range(args.repeat):  # alternate, so both see the same page cache
-                entry = ["-c", _PRE_AS_GIVEN, str(work), "smollm"] if args.family else [str(work / "convert_hf_to_gguf.py")]
+                pre = args.family and FAMILIES[args.family][2] is _smollm2_tokenizer  # see _PRE_AS_GIVEN
+                entry = ["-c", _PRE_AS_GIVEN, str(work), "smollm"] if pre else [str(work / "convert_hf_to_gguf.py")]
                 w, r = run([sys.executable, *entry, args.model, "--outtype", kind, "--outfile", str(theirs)],
                            env=env, cwd=work)
                 best["llama.cpp"] = (min(best["llama.cpp"][0], w), min(best["llama.cpp"][1], r))
