@@ -100,6 +100,8 @@ def test_ctxq_plan_parallel_flag(smollm2):
     d = json.loads(r.stdout)
     assert (d["n_seq_max"], d["kv_unified"], d["n_outputs_max"]) == (4, True, 4)
     assert d["llama_flags"].endswith("-np 4 -kvu")
+    r = run_ctxq("plan", str(smollm2), "--ctx", "8192", "--parallel", "4")
+    assert r.returncode == 0 and "context 8,192 tokens shared by 4 sequences," in r.stdout, r.stdout
 
 
 def test_parallel_is_refused_where_one_sequence_runs(smollm2):

@@ -273,6 +273,21 @@ def test_parallel_refuses_what_it_does_not_serve_yet(smollm2):
         assert e.value.option == option
 
 
+@pytest.mark.slow
+def test_parallel_default_is_the_plans_own_p(smollm2):
+    """create_app(parallel=0) on a plan made for 3 sequences runs the engine with those 3 (not a count of its own)."""
+    from ctxq.runtime import runner, server
+
+    p = runner.make_plan(smollm2, 2048, parallel=3)
+    app, load = server.create_app(p, parallel=0)
+    memory, n_seq, why = load()
+    try:
+        assert n_seq == 3 and "(the plan's)" in why, why
+        assert app.state.ctxq_backend.engine.n_seq_max == 3
+    finally:
+        app.state.ctxq_backend.engine.close()
+
+
 def server_app(model, **kwargs):
     from ctxq.runtime import runner, server
 

@@ -36,7 +36,8 @@ def render_plan(p, *, title: str | None = None) -> str:
     lines = []
     if title:
         lines.append(title)
-    lines.append(f"model {Path(p.model).name}: {p.n_layer} layers, context {p.n_ctx:,} tokens, "
+    shared = f" shared by {p.n_seq_max} sequences" if p.parallel else ""  # --parallel: one unified KV cache
+    lines.append(f"model {Path(p.model).name}: {p.n_layer} layers, context {p.n_ctx:,} tokens{shared}, "
                  f"KV {p.type_k}/{p.type_v}, flash attention {'on' if p.flash_attn else 'off'}")
     lines.append(table(rows, head) + "\n(sizes in GiB; layers: count (range), +out = output head; CUDA: CUDA's own "
                  "memory beyond the CPU backend's buffers:\n f16 K/V copies, offload copies, pool; reserve: kept free "

@@ -199,7 +199,8 @@ def _check_parallel(parallel: int, chat_format, session) -> None:
 
 
 def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
-    """The plan's model in ctxq's engine with `parallel` sequences (0: the plan's default);
+    """The plan's model in ctxq's engine with `parallel` sequences (0: the plan's own P when it was made for
+    several, else serve_parallel.default_parallel);
     (memory report, sequences, why that many)."""
     from llama_cpp.server import app as server_app
 
@@ -208,8 +209,12 @@ def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
 
     llm, memory, _ = load_plan(p, **load_kwargs)
     try:
-        n, why = (parallel, f"{parallel} sequences share the {p.n_ctx:,} KV cells (--parallel)") if parallel \
-            else default_parallel(p, llm.n_vocab())
+        if parallel:
+            n, why = parallel, f"{parallel} sequences share the {p.n_ctx:,} KV cells (--parallel)"
+        elif p.parallel:  # a plan made for P sequences (PlanOptions.parallel) answers the default
+            n, why = p.n_seq_max, f"{p.n_seq_max} sequences share the {p.n_ctx:,} KV cells (the plan's)"
+        else:
+            n, why = default_parallel(p, llm.n_vocab())
         # the engine's context replaces the Llama's, so the plan's KV memory is held once (as
         # engine.from_plan does; the model, its tokenizer and template stay in `llm`)
         llm._ctx.close()
