@@ -180,7 +180,9 @@ def measure(label: str, start, ns: list[int], docs: dict, max_tokens: int, *, re
             else:
                 row["cells"] = cells(row["rows"])
             rows[n] = row
-            print(f"{label}, N={n}: {row['tps']:.1f} tok/s, TTFT p50 {row['p50']:.2f} s", file=sys.stderr)
+            short = [r["completion"] for r in row["rows"] if r["completion"] != max_tokens]
+            print(f"{label}, N={n}: {row['tps']:.1f} tok/s, TTFT p50 {row['p50']:.2f} s"
+                  + (f"; answers of other lengths: {short}" if short else ""), file=sys.stderr)
     finally:
         if srv is not None:
             srv.stop()

@@ -6,6 +6,7 @@ the tools run the same llama.cpp as ctxq. The build goes to `<ctxq home>/build/l
 `bin/` when the build has finished, so a killed build leaves no `bin/`. Nothing here is committed.
 
     .venv/bin/python scripts/llama_tools.py          # build (or find) them, print their folder
+    .venv/bin/python scripts/llama_tools.py -j 1     # the same with one compile job (a shared machine)
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def built(cuda: bool = False) -> Path | None:
     return bin_dir if all((bin_dir / t).exists() for t in TARGETS) else None
 
 
-def build(cuda: bool = False, log=sys.stderr) -> Path:
+def build(cuda: bool = False, log=sys.stderr, jobs: int | None = None) -> Path:
     """The folder holding llama-server and llama-batched-bench; builds them on first use."""
     if built(cuda) is not None:
         return built(cuda)
@@ -60,7 +61,7 @@ def build(cuda: bool = False, log=sys.stderr) -> Path:
     bin_dir = home / "bin"
     src = source_dir(llama_cpp_python_version())
     work = home / "cmake"
-    jobs = str(os.cpu_count() or 2)
+    jobs = str(jobs or os.cpu_count() or 2)
     subprocess.run(["cmake", "-S", str(src), "-B", str(work), "-G", "Ninja", *args], check=True,
                    stdout=log, stderr=log)
     subprocess.run(["cmake", "--build", str(work), "-j", jobs, "--target", *TARGETS], check=True,
@@ -75,4 +76,6 @@ def build(cuda: bool = False, log=sys.stderr) -> Path:
 
 
 if __name__ == "__main__":
-    print(build(cuda="--cuda" in sys.argv[1:]))
+    argv = sys.argv[1:]
+    n_jobs = int(argv[argv.index("-j") + 1]) if "-j" in argv else None
+    print(build(cuda="--cuda" in argv, jobs=n_jobs))
