@@ -24,10 +24,6 @@ SLIDING_ONLY = ("a device whose layers all slide (or chunk) is planned at the fu
 GEMMA3N = ("Gemma 3n: every RPC device under llama.cpp by 10-37 MiB: each split receives altup's stacked residual "
            "streams and the per-layer inputs (f32 [n_embd, n_ubatch, 4], [n_embd_altup, n_ubatch] per layer) in 4 copies, "
            "and the output device also runs the graph's start (altup_proj is an output-layer weight); the host row is fixed")
-HOST_MOE = ("experts in host memory (n_cpu_moe=2): llama.cpp's host compute is 77.6 MiB for every tiny MoE; the plan "
-            "gives 132-174 MiB (over) where attention layers hold the experts")
-HOST_UNDER = ("experts in host memory (n_cpu_moe=2) on a hybrid (Granite 4, Kimi-Linear, Qwen3.5-MoE): the host's "
-              "compute planned at 15-16 MiB, llama.cpp's 77.6 MiB (under)")
 
 
 def _xfail(reason: str):
@@ -40,6 +36,7 @@ def _xfail(reason: str):
 # peak), the sliding-window and chunked families under llama.cpp on the CPU and 2 devices.
 # Fixed by h-compute: devices holding layers but not the head, one residual under with flash attention
 # (compute.held_input, with memory.py's patch), and DeepSeek-V2-Lite's derived model (compute._LAYER_COUNT_KEYS).
+# Fixed by h-host: the host's compute with experts in CPU memory (memory.host_cost, compute.host_experts).
 TINY = [
     pytest.param("smollm3", [2, 1, 1], 16384, "f16", False, None, id="smollm3-rpc3-16k-fa-off"),
     pytest.param("smollm3", [2, 1, 1], 65536, "f16", True, None, id="smollm3-rpc3-64k"),
@@ -60,9 +57,8 @@ TINY = [
     pytest.param("gemma3n", [1, 1], 65536, "q8_0", True, None, marks=_xfail(GEMMA3N), id="gemma3n-rpc2-64k-q8"),
     pytest.param("kimi-linear", [2, 1, 1], 16384, "f16", False, None, id="kimi-linear-rpc3-16k-fa-off"),
     pytest.param("nemotron-h-moe", [2, 1, 1], 65536, "f16", True, None, id="nemotron-h-moe-rpc3-64k"),
-    pytest.param("qwen35moe", [2, 1, 1], 65536, "q8_0", True, 2, marks=_xfail(HOST_UNDER),
-                 id="qwen35moe-rpc3-64k-q8-ncmoe2"),
-    pytest.param("deepseek-v3", [2, 1, 1], 65536, "q8_0", True, 2, marks=_xfail(HOST_MOE), id="deepseek-v3-rpc3-64k-q8-ncmoe2"),
+    pytest.param("qwen35moe", [2, 1, 1], 65536, "q8_0", True, 2, id="qwen35moe-rpc3-64k-q8-ncmoe2"),
+    pytest.param("deepseek-v3", [2, 1, 1], 65536, "q8_0", True, 2, id="deepseek-v3-rpc3-64k-q8-ncmoe2"),
 ]
 REAL = [
     pytest.param("deepseek-v3-2l", [1, 1], 16384, "f16", True, None, id="deepseek-v3-2l-rpc2-16k"),

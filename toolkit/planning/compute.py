@@ -351,3 +351,26 @@ def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
     n_ubatch]). Tiny Gemma 3n at 64k on 2 RPC devices: the host's compute 5.01 MiB above the plan without it,
     this tensor 5.0 MiB (GGML_SCHED_DEBUG's split inputs)."""
     return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
+
+
+def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
+    """The host's compute-buffer peak for the routed experts of one layer whose expert tensors sit in CPU memory,
+    the largest over the model's layers. The scheduler gives the host a split of its own for them
+    (ggml_backend_sched_split_graph: the mul_mat_id ops whose weights are in a CPU buffer and the weightless
+    activation between them; GGML_SCHED_DEBUG's splits); build_moe_ffn (llama-graph.cpp) shapes them, f32 but
+    the ids: the split's inputs, the FFN input [n_embd, n_ubatch] and the selected experts (a view spanning the
+    argsort, I32 [n_expert, n_ubatch]); three [n_ff_exp, n_expert_used, n_ubatch] tensors (gate, up and their
+    GLU; or up and the activation's steps, as Nemotron-H's relu and sqr; a fused gate_up is two); the down
+    projection's result [n_embd, n_expert_used, n_ubatch] (and its biased copy). Their sum bounds ggml-alloc's
+    peak over the split; at real widths it is the peak, as no later tensor fits the hole an earlier one leaves
+    (Qwen3-30B-A3B's widths, 2 RPC devices, n_cpu_moe=2, 16k and 64k: 72.25 MiB above the graph inputs, real
+    and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this)."""
+    names = {t.name for t in src.tensors}
+    peak = 0
+    for t in src.tensors:
+        if not t.name.endswith(".ffn_down_exps.weight"):
+            continue
+        n_ff, n_embd, n_expert = t.shape[:3]
+        down = n_embd * n_expert_used * n_ubatch * 4 * (2 if t.name.replace(".weight", ".bias") in names else 1)
+        peak = max(peak, (n_embd + n_expert + 3 * n_ff * n_expert_used) * n_ubatch * 4 + down)
+    return peak

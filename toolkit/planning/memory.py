@@ -68,6 +68,7 @@ class Costs:
     recurrent_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (recurrent_tails)
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
     host_gathers: int = 0  # rows the host gathers for a split graph's devices beside the embeddings (compute.host_gathers)
+    host_experts: int = 0  # the host's peak for one layer's routed experts in CPU memory (compute.host_experts)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks thousands
@@ -146,7 +147,8 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
-                 host_gathers=compute_mod.host_gathers(src, n_ubatch))
+                 host_gathers=compute_mod.host_gathers(src, n_ubatch),
+                 host_experts=compute_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0)
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
@@ -361,10 +363,14 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.state = sum(c.layer_state[i] for i in layers)
     if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
         dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
-    elif len(layers) or moved:  # it runs those layers (or their experts' matmuls): their peak and one copy
-        # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
+    elif len(layers):  # it runs those layers (and experts' matmuls): their peak and one copy of the inputs
+        # (no pipeline parallelism with CPU layers or tensor overrides)
         dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved]) \
             + (recurrent_split(c, layers, 1) if n_used else 0)
+    elif moved:  # it builds every graph input, one copy alive until its last split (all masks, whatever kinds
+        # its layers are), and runs the experts' matmuls (compute.host_experts); the inputs' residual stands for
+        # the embeddings it sent, freed by then, whose hole ggml-alloc does not fill (real widths: measured)
+        dp.compute = c.inputs + c.host_experts + c.host_gathers
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1
