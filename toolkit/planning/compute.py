@@ -227,6 +227,11 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
     freed = _input_freed(src, info, flash_attn)
     mixed = replace(_peaks(src, info, list(groups.values()), args), input_freed=freed)
+    if len(by_kind.get("sliding", ())) >= 2 and not any(info.recurrent_layers):
+        # a device whose layers all slide (or chunk) has no full-attention KQ nor full mask: measured alone
+        # (SLIDING_ONLY in tests/test_arch_matrix.py; two sliding layers give its steady peak)
+        return replace(mixed, by_kind={"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False),
+                                                          input_freed=freed)})
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
@@ -242,11 +247,12 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds, input_freed=freed)
 
 
-def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple) -> ComputePeaks:
+def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple, mix: bool = True) -> ComputePeaks:
     """The peaks of derived models holding the first (and for the steady peak the first two) layers of
-    each group."""
+    each group (mix: sliding and full layers alternating, _alternating)."""
     one = tuple(sorted(ils[0] for ils in groups))
-    two = _alternating(info, tuple(sorted(il for ils in groups for il in ils[:2])))
+    two = tuple(sorted(il for ils in groups for il in ils[:2]))
+    two = _alternating(info, two) if mix else two
     try:
         if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
             raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers

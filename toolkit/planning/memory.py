@@ -39,8 +39,7 @@ from ..units import GiB, MiB, round_up
 
 RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
 HOST_MARGIN = 1 * GiB  # the Python process, llama.cpp's own heap and the OS page cache for mmap
-# llama.cpp keeps this many copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES).
-SCHED_COPIES = 4
+SCHED_COPIES = 4  # copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES)
 
 
 @dataclass
@@ -69,6 +68,7 @@ class Costs:
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
     host_gathers: int = 0  # rows the host gathers for a split graph's devices beside the embeddings (compute.host_gathers)
     host_experts: int = 0  # the host's peak for one layer's routed experts in CPU memory (compute.host_experts)
+    cache_inputs: tuple[int, int] = (0, 0)  # iSWA: one copy of the full and the sliding cache's mask and KV indices
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks thousands
@@ -128,15 +128,16 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     outputs = min(n_ubatch, opts.parallel) if opts.parallel else n_ubatch
     peaks = fewer_outputs(peaks, info.n_vocab * (n_ubatch - outputs) * 4)
     n_kv = round_up(n_ctx, KV_PAD)
-    # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
-    # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
-    # iSWA models carry a second one over the window's cells), the residual stream (f32 [n_embd, n_ubatch])
-    # and the KV cache's index inputs (index_inputs).
+    # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices (docs/accuracy.md): the
+    # attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32; iSWA models carry a second one over the
+    # window's cells, Costs.cache_inputs), the residual stream (f32 [n_embd, n_ubatch]) and index_inputs.
     mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
     mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
+    idx = index_inputs(info, n_ubatch, flash_attn, type_k, type_v)
+    full, per_cache = n_kv * n_ubatch * (2 if flash_attn else 4), (idx - position_inputs(info, n_ubatch)) // 2
     return Costs(info, list(info.layer_bytes), layer_kv, [n_seq * la.state_bytes for la in info.layers], out_w, peaks,
-                 inputs=mask + resid + index_inputs(info, n_ubatch, flash_attn, type_k, type_v),
+                 inputs=mask + resid + idx,
                  resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch),
                  logits=n_seq * info.n_vocab * 4,
                  # result_output f32 [n_vocab, outputs] (by default the reserve outputs every token) and up to
@@ -148,7 +149,8 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
                  host_gathers=compute_mod.host_gathers(src, n_ubatch),
-                 host_experts=compute_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0)
+                 host_experts=compute_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
+                 cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0))
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
@@ -260,13 +262,14 @@ def _moe_split_peaks(c: Costs, peaks: compute_mod.ComputePeaks, layers) -> compu
 def _inputs(c: Costs, layers) -> int:
     """One copy of a device's split-graph inputs: a device holding layers but no attention receives no
     masks nor KV indices, only the residual and the position / output ids (hybrids' recurrent layers:
-    their state-copy indices are a few bytes). Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102."""
-    if not c.peaks.by_kind:  # every layer attends (only hybrids measure kinds apart)
+    their state-copy indices are a few bytes; Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102); an iSWA
+    model's device holding one kind of layer only that cache's mask and indices."""
+    if not c.peaks.by_kind:  # one set of peaks: every layer attends (hybrids and iSWA measure kinds apart)
         return c.inputs
-    layers = list(layers)
-    if layers and not any(c.info.layers[il].attention for il in layers):
+    kinds = {c.info.layers[il].kind for il in layers}
+    if kinds and not any(c.info.layers[il].attention for il in layers):
         return c.inputs_recurrent
-    return c.inputs
+    return c.inputs - (c.cache_inputs[0] if kinds == {"sliding"} else c.cache_inputs[1] if kinds == {"attention"} else 0)
 
 
 def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
@@ -365,11 +368,11 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
         dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
     elif len(layers):  # it runs those layers (and experts' matmuls): their peak and one copy of the inputs
         # (no pipeline parallelism with CPU layers or tensor overrides)
-        dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved]) \
+        dp.compute = _peaks(c, [*layers, *moved]).layer_full + (c.inputs if any(c.info.swa_layers)  # both masks
+                                                                 else _inputs(c, [*layers, *moved])) \
             + (recurrent_split(c, layers, 1) if n_used else 0)
-    elif moved:  # it builds every graph input, one copy alive until its last split (all masks, whatever kinds
-        # its layers are), and runs the experts' matmuls (compute.host_experts); the inputs' residual stands for
-        # the embeddings it sent, freed by then, whose hole ggml-alloc does not fill (real widths: measured)
+    elif moved:  # every graph input, one copy alive until its last split (all masks), and the experts' matmuls
+        # (compute.host_experts); the residual: the embeddings sent, whose hole ggml-alloc does not fill
         dp.compute = c.inputs + c.host_experts + c.host_gathers
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
