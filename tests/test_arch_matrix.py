@@ -24,9 +24,10 @@ FULL_ONLY = ("an iSWA model's device whose layers are all full attention is plan
              "+9.8 MiB (3.6 %) at 16k without flash attention")
 HEAD_ONLY = ("a device holding the output head alone, at real widths: Llama-4-Scout-shaped at 64k +78 MiB (53 %) "
              "over (memory._device_compute's head-only branch)")
-GEMMA3N = ("Gemma 3n: every RPC device under llama.cpp by 10-37 MiB: each split receives altup's stacked residual "
-           "streams and the per-layer inputs (f32 [n_embd, n_ubatch, 4], [n_embd_altup, n_ubatch] per layer) in 4 copies, "
-           "and the output device also runs the graph's start (altup_proj is an output-layer weight); the host row is fixed")
+GEMMA3N = ("Gemma 3n on 2-3 RPC devices: the first layer's device under llama.cpp by 11-12 MiB of compute (its per-layer "
+           "input slabs f32 [n_embd_per_layer * n_layer, n_ubatch] are the model's n_layer wide, the derived model's its own "
+           "layers'), and the weights of per_layer_model_proj (first device, 0.62 MiB) and altup_proj / altup_unembd_proj "
+           "(output device, 0.19) planned on the host; the 16k output device 3.7 MiB under")
 
 
 def _xfail(reason: str):

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # (rope.dimension_sections: always 4, get_key_or_arr(..., 4, true) in llama_model_qwen35::load_arch_hparams).
 _FIXED_ARRAYS = (".rope.dimension_sections",)
 _SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
+# tensors outside the blocks with one slice per layer along a dim (llama-arch.cpp: the per-layer inputs)
+_PER_LAYER_DIM = {"per_layer_token_embd.weight": 0, "per_layer_model_proj.weight": 1}
 # Keys a loader requires only for some layer counts, written into a derived model as the value the source's
 # layer count implies: llama_model_deepseek2::load_arch_hparams reads q_lora_rank unless n_layer is 26 or 27
 # ("lite" variants, whose query has no LoRA: the tensors follow q_lora_rank > 0, so 0 keeps them as they are).
@@ -82,7 +84,7 @@ class ComputePeaks:
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v3"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v4"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -102,7 +104,7 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     out = _derived_path(src, layers, small_vocab, flags)
     if out.exists():
         return out
-    n_vocab = _SMALL_VOCAB if small_vocab else _vocab_size(src)
+    n_vocab, src_layers = _SMALL_VOCAB if small_vocab else _vocab_size(src), int(src.arch_get("block_count"))
     remap = {il: i for i, il in enumerate(layers)}
     specs = []
     for t in src.tensors:
@@ -112,8 +114,11 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
             if il not in remap:
                 continue
             name = f"blk.{remap[il]}." + name.split(".", 2)[2]
-        if small_vocab and name in ("token_embd.weight", "output.weight"):
+        if small_vocab and name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):
             shape = (shape[0], n_vocab)
+        if name in _PER_LAYER_DIM:  # one slice per layer along this dim: the kept layers' (Gemma 3n, Gemma 4 E)
+            d = _PER_LAYER_DIM[name]
+            shape = tuple(n * len(layers) // src_layers if i == d else n for i, n in enumerate(shape))
         specs.append((name, shape, t.type))
     write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, flags=flags)
     return out
@@ -380,3 +385,16 @@ def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
         down = n_embd * n_expert_used * n_ubatch * 4 * (2 if t.name.replace(".weight", ".bias") in names else 1)
         peak = max(peak, (n_embd + n_expert + 3 * n_ff * n_expert_used) * n_ubatch * 4 + down)
     return peak
+
+
+def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:
+    """Gemma 3n's split inputs beside the residual and the masks, as GGML_SCHED_DEBUG lists them (tiny Gemma 3n,
+    64k, 2 RPC devices): altup's stacked streams f32 [n_embd, n_ubatch, altup.num_inputs] and their permuted copy;
+    the graph start's outputs (the gathered per-layer rows, host_gathers, and the scaled embeddings); one layer's
+    per-layer input f32 [embedding_length_per_layer_input, n_ubatch]. Zeros for a model without altup."""
+    n_altup = src.arch_get("altup.num_inputs")
+    if not n_altup:
+        return 0, 0, 0
+    resid = int(src.arch_get("embedding_length")) * n_ubatch * 4
+    per_layer = int(src.arch_get("embedding_length_per_layer_input", 0)) * n_ubatch * 4
+    return 2 * int(n_altup) * resid, host_gathers(src, n_ubatch) + resid, per_layer

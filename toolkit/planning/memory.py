@@ -7,19 +7,15 @@
   cells, sliding-window layers pad256(n_swa + n_ubatch) cells (llama_kv_cache_iswa), row sizes by type.
 - recurrent state: per recurrent layer on that layer's device, f32, one row set per sequence
   (llama_memory_recurrent holds max(1, n_seq_max) cells). Its own term (`DevicePlan.state`, the RS buffer).
-- compute buffers: measured by llama.cpp itself on a derived one-layer model (`compute.py`), plus the
-  graph-input copies that each device holds when the graph is split.
-- host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the
-  logits buffer (n_vocab floats per sequence: llama_context::output_reserve(n_seq_max)).
-- parallel plans (PlanOptions.parallel): the unified KV cache keeps n_ctx cells for all sequences, the
-  state and logits scale with n_seq_max, and the reserved graph outputs n_outputs_max rows, not n_ubatch
-  (llama_context::sched_reserve: n_outputs_pp = min(n_tokens, n_outputs_max)).
-- CUDA's own memory (`cuda.py`), on devices whose backend is CUDA: the f16 K/V copies of flash
-  attention over a quantized cache and, on the first CUDA device, the copies of CPU-resident weights
-  and KV that the scheduler offloads for prompt processing (both in the compute buffer); the memory
-  pool's high-water; a reserve for what lives outside every buffer (context, cuBLAS, graphs).
-
-`planner` searches over layer assignments with these costs.
+- compute buffers: measured by llama.cpp itself on derived models (`compute.py`), plus the graph-input
+  copies that each device holds when the graph is split.
+- host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the logits
+  buffer (n_vocab floats per sequence: llama_context::output_reserve(n_seq_max)).
+- parallel plans (PlanOptions.parallel): the unified KV cache keeps n_ctx cells for all sequences, state and
+  logits scale with n_seq_max, the reserved graph outputs n_outputs_max rows (llama_context::sched_reserve).
+- CUDA's own memory (`cuda.py`) on CUDA devices: flash attention's f16 K/V copies over a quantized cache, the
+  first CUDA device's copies of CPU-resident weights and KV for prompt processing, the pool's high-water, and
+  a reserve outside every buffer. `planner` searches over layer assignments with these costs.
 """
 
 from __future__ import annotations
@@ -69,22 +65,21 @@ class Costs:
     host_gathers: int = 0  # rows the host gathers for a split graph's devices beside the embeddings (compute.host_gathers)
     host_experts: int = 0  # the host's peak for one layer's routed experts in CPU memory (compute.host_experts)
     cache_inputs: tuple[int, int] = (0, 0)  # iSWA: one copy of the full and the sliding cache's mask and KV indices
+    altup: tuple[int, int, int] = (0, 0, 0)  # Gemma 3n's split inputs (compute.altup_inputs)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
-        """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks thousands
-        of times)."""
+        """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks often)."""
         if not (isinstance(layers, range) and layers.step == 1) or len(self.layer_experts) != len(self.layer_kv):
             ls = list(layers)
-            return tuple(sum(col[i] for i in ls) for col in
-                         (self.layer_weights, self.layer_kv, self.layer_state, self.layer_experts))
+            return tuple(sum(col[i] for i in ls) for col in (self.layer_weights, self.layer_kv, self.layer_state,
+                                                               self.layer_experts))
         if not layers:  # also a range past the last layer (every slot on the CPU)
             return 0, 0, 0, 0
         return tuple(col[layers.stop] - col[layers.start] for col in self._prefix)
 
     @cached_property
     def totals(self) -> dict:
-        """Memo of device totals by (first slot, end slot, device index, device, CPU slots) for the
-        search, which asks the same device the same question at every fill fraction it tries."""
+        """Memo of device totals by (first slot, end slot, device index, device, CPU slots) for the search."""
         return {}
 
     @cached_property
@@ -150,12 +145,12 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
                  host_gathers=compute_mod.host_gathers(src, n_ubatch),
                  host_experts=compute_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
-                 cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0))
+                 cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
+                 altup=compute_mod.altup_inputs(src, n_ubatch))
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
-    """The peaks with `fewer` bytes of result_output at the head: the output peak drops by them where the head
-    is the peak, never below the layers' own peak."""
+    """The peaks with `fewer` bytes of result_output at the head, never below the layers' own peak."""
     if fewer <= 0:
         return peaks
     kinds = {k: fewer_outputs(p, fewer) for k, p in peaks.by_kind.items()}
@@ -192,8 +187,7 @@ def position_inputs(info: ModelInfo, n_ubatch: int) -> int:
 
 
 def reserve(c: Costs, dev: Device) -> int:
-    """Bytes a GPU keeps free outside every buffer: the caller's, else the device's (a profile), else
-    its backend's (cuda.cuda_reserve)."""
+    """Bytes a GPU keeps free outside every buffer: the caller's, the device's, else cuda.cuda_reserve."""
     for r in (c.reserve, dev.reserve):
         if r is not None:
             return r
@@ -215,7 +209,13 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     peaks = _peaks(c, run)
     if c.cpu_experts and n_used > 1:
         peaks = _moe_split_peaks(c, peaks, run)
-    dp.compute = _device_compute(c, peaks, _inputs(c, run), bool(run), has_output, n_used,
+    ins = _inputs(c, run)
+    if n_used > 1 and c.altup[0]:  # Gemma 3n (compute.altup_inputs): the stacked streams where it holds layers, the
+        # graph start's outputs on the first layer's device and on the output one (altup_proj runs there), else
+        # each layer's per-layer input
+        stack, start, per_layer = c.altup
+        ins += (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output else 0)
+    dp.compute = _device_compute(c, peaks, ins, bool(run), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
     if n_used > 1 or n_cpu_slots:
