@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # (rope.dimension_sections: always 4, get_key_or_arr(..., 4, true) in llama_model_qwen35::load_arch_hparams).
 _FIXED_ARRAYS = (".rope.dimension_sections",)
 _SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
+# tensors outside the blocks with one slice per layer along a dim (llama-arch.cpp: the per-layer inputs)
+_PER_LAYER_DIM = {"per_layer_token_embd.weight": 0, "per_layer_model_proj.weight": 1}
 # Keys a loader requires only for some layer counts, written into a derived model as the value the source's
 # layer count implies: llama_model_deepseek2::load_arch_hparams reads q_lora_rank unless n_layer is 26 or 27
 # ("lite" variants, whose query has no LoRA: the tensors follow q_lora_rank > 0, so 0 keeps them as they are).
@@ -82,7 +84,7 @@ class ComputePeaks:
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v3"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v4"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -102,7 +104,7 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     out = _derived_path(src, layers, small_vocab, flags)
     if out.exists():
         return out
-    n_vocab = _SMALL_VOCAB if small_vocab else _vocab_size(src)
+    n_vocab, src_layers = _SMALL_VOCAB if small_vocab else _vocab_size(src), int(src.arch_get("block_count"))
     remap = {il: i for i, il in enumerate(layers)}
     specs = []
     for t in src.tensors:
@@ -112,8 +114,11 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
             if il not in remap:
                 continue
             name = f"blk.{remap[il]}." + name.split(".", 2)[2]
-        if small_vocab and name in ("token_embd.weight", "output.weight"):
+        if small_vocab and name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):
             shape = (shape[0], n_vocab)
+        if name in _PER_LAYER_DIM:  # one slice per layer along this dim: the kept layers' (Gemma 3n, Gemma 4 E)
+            d = _PER_LAYER_DIM[name]
+            shape = tuple(n * len(layers) // src_layers if i == d else n for i, n in enumerate(shape))
         specs.append((name, shape, t.type))
     write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, flags=flags)
     return out
@@ -227,6 +232,11 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
     freed = _input_freed(src, info, flash_attn)
     mixed = replace(_peaks(src, info, list(groups.values()), args), input_freed=freed)
+    if len(by_kind.get("sliding", ())) >= 2 and not any(info.recurrent_layers):
+        # a device whose layers all slide (or chunk) has no full-attention KQ nor full mask: measured alone
+        # (SLIDING_ONLY in tests/test_arch_matrix.py; two sliding layers give its steady peak)
+        return replace(mixed, by_kind={"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False),
+                                                          input_freed=freed)})
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
@@ -242,11 +252,12 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds, input_freed=freed)
 
 
-def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple) -> ComputePeaks:
+def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple, mix: bool = True) -> ComputePeaks:
     """The peaks of derived models holding the first (and for the steady peak the first two) layers of
-    each group."""
+    each group (mix: sliding and full layers alternating, _alternating)."""
     one = tuple(sorted(ils[0] for ils in groups))
-    two = _alternating(info, tuple(sorted(il for ils in groups for il in ils[:2])))
+    two = tuple(sorted(il for ils in groups for il in ils[:2]))
+    two = _alternating(info, two) if mix else two
     try:
         if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
             raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers
@@ -351,3 +362,39 @@ def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
     n_ubatch]). Tiny Gemma 3n at 64k on 2 RPC devices: the host's compute 5.01 MiB above the plan without it,
     this tensor 5.0 MiB (GGML_SCHED_DEBUG's split inputs)."""
     return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
+
+
+def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
+    """The host's compute-buffer peak for the routed experts of one layer whose expert tensors sit in CPU memory,
+    the largest over the model's layers. The scheduler gives the host a split of its own for them
+    (ggml_backend_sched_split_graph: the mul_mat_id ops whose weights are in a CPU buffer and the weightless
+    activation between them; GGML_SCHED_DEBUG's splits); build_moe_ffn (llama-graph.cpp) shapes them, f32 but
+    the ids: the split's inputs, the FFN input [n_embd, n_ubatch] and the selected experts (a view spanning the
+    argsort, I32 [n_expert, n_ubatch]); three [n_ff_exp, n_expert_used, n_ubatch] tensors (gate, up and their
+    GLU; or up and the activation's steps, as Nemotron-H's relu and sqr; a fused gate_up is two); the down
+    projection's result [n_embd, n_expert_used, n_ubatch] (and its biased copy). Their sum bounds ggml-alloc's
+    peak over the split; at real widths it is the peak, as no later tensor fits the hole an earlier one leaves
+    (Qwen3-30B-A3B's widths, 2 RPC devices, n_cpu_moe=2, 16k and 64k: 72.25 MiB above the graph inputs, real
+    and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this)."""
+    names = {t.name for t in src.tensors}
+    peak = 0
+    for t in src.tensors:
+        if not t.name.endswith(".ffn_down_exps.weight"):
+            continue
+        n_ff, n_embd, n_expert = t.shape[:3]
+        down = n_embd * n_expert_used * n_ubatch * 4 * (2 if t.name.replace(".weight", ".bias") in names else 1)
+        peak = max(peak, (n_embd + n_expert + 3 * n_ff * n_expert_used) * n_ubatch * 4 + down)
+    return peak
+
+
+def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:
+    """Gemma 3n's split inputs beside the residual and the masks, as GGML_SCHED_DEBUG lists them (tiny Gemma 3n,
+    64k, 2 RPC devices): altup's stacked streams f32 [n_embd, n_ubatch, altup.num_inputs] and their permuted copy;
+    the graph start's outputs (the gathered per-layer rows, host_gathers, and the scaled embeddings); one layer's
+    per-layer input f32 [embedding_length_per_layer_input, n_ubatch]. Zeros for a model without altup."""
+    n_altup = src.arch_get("altup.num_inputs")
+    if not n_altup:
+        return 0, 0, 0
+    resid = int(src.arch_get("embedding_length")) * n_ubatch * 4
+    per_layer = int(src.arch_get("embedding_length_per_layer_input", 0)) * n_ubatch * 4
+    return 2 * int(n_altup) * resid, host_gathers(src, n_ubatch) + resid, per_layer

@@ -7,19 +7,15 @@
   cells, sliding-window layers pad256(n_swa + n_ubatch) cells (llama_kv_cache_iswa), row sizes by type.
 - recurrent state: per recurrent layer on that layer's device, f32, one row set per sequence
   (llama_memory_recurrent holds max(1, n_seq_max) cells). Its own term (`DevicePlan.state`, the RS buffer).
-- compute buffers: measured by llama.cpp itself on a derived one-layer model (`compute.py`), plus the
-  graph-input copies that each device holds when the graph is split.
-- host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the
-  logits buffer (n_vocab floats per sequence: llama_context::output_reserve(n_seq_max)).
-- parallel plans (PlanOptions.parallel): the unified KV cache keeps n_ctx cells for all sequences, the
-  state and logits scale with n_seq_max, and the reserved graph outputs n_outputs_max rows, not n_ubatch
-  (llama_context::sched_reserve: n_outputs_pp = min(n_tokens, n_outputs_max)).
-- CUDA's own memory (`cuda.py`), on devices whose backend is CUDA: the f16 K/V copies of flash
-  attention over a quantized cache and, on the first CUDA device, the copies of CPU-resident weights
-  and KV that the scheduler offloads for prompt processing (both in the compute buffer); the memory
-  pool's high-water; a reserve for what lives outside every buffer (context, cuBLAS, graphs).
-
-`planner` searches over layer assignments with these costs.
+- compute buffers: measured by llama.cpp itself on derived models (`compute.py`), plus the graph-input
+  copies that each device holds when the graph is split.
+- host: token embeddings, layers left on the CPU with their KV, the CPU's compute buffer and the logits
+  buffer (n_vocab floats per sequence: llama_context::output_reserve(n_seq_max)).
+- parallel plans (PlanOptions.parallel): the unified KV cache keeps n_ctx cells for all sequences, state and
+  logits scale with n_seq_max, the reserved graph outputs n_outputs_max rows (llama_context::sched_reserve).
+- CUDA's own memory (`cuda.py`) on CUDA devices: flash attention's f16 K/V copies over a quantized cache, the
+  first CUDA device's copies of CPU-resident weights and KV for prompt processing, the pool's high-water, and
+  a reserve outside every buffer. `planner` searches over layer assignments with these costs.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ from ..units import GiB, MiB, round_up
 
 RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
 HOST_MARGIN = 1 * GiB  # the Python process, llama.cpp's own heap and the OS page cache for mmap
-# llama.cpp keeps this many copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES).
-SCHED_COPIES = 4
+SCHED_COPIES = 4  # copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES)
 
 
 @dataclass
@@ -68,22 +63,23 @@ class Costs:
     recurrent_tails: list[tuple[int, int]] = field(default_factory=list)  # (layer, reader) pairs (recurrent_tails)
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
     host_gathers: int = 0  # rows the host gathers for a split graph's devices beside the embeddings (compute.host_gathers)
+    host_experts: int = 0  # the host's peak for one layer's routed experts in CPU memory (compute.host_experts)
+    cache_inputs: tuple[int, int] = (0, 0)  # iSWA: one copy of the full and the sliding cache's mask and KV indices
+    altup: tuple[int, int, int] = (0, 0, 0)  # Gemma 3n's split inputs (compute.altup_inputs)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
-        """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks thousands
-        of times)."""
+        """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks often)."""
         if not (isinstance(layers, range) and layers.step == 1) or len(self.layer_experts) != len(self.layer_kv):
             ls = list(layers)
-            return tuple(sum(col[i] for i in ls) for col in
-                         (self.layer_weights, self.layer_kv, self.layer_state, self.layer_experts))
+            return tuple(sum(col[i] for i in ls) for col in (self.layer_weights, self.layer_kv, self.layer_state,
+                                                               self.layer_experts))
         if not layers:  # also a range past the last layer (every slot on the CPU)
             return 0, 0, 0, 0
         return tuple(col[layers.stop] - col[layers.start] for col in self._prefix)
 
     @cached_property
     def totals(self) -> dict:
-        """Memo of device totals by (first slot, end slot, device index, device, CPU slots) for the
-        search, which asks the same device the same question at every fill fraction it tries."""
+        """Memo of device totals by (first slot, end slot, device index, device, CPU slots) for the search."""
         return {}
 
     @cached_property
@@ -127,15 +123,16 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     outputs = min(n_ubatch, opts.parallel) if opts.parallel else n_ubatch
     peaks = fewer_outputs(peaks, info.n_vocab * (n_ubatch - outputs) * 4)
     n_kv = round_up(n_ctx, KV_PAD)
-    # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices
-    # (docs/accuracy.md): the attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32;
-    # iSWA models carry a second one over the window's cells), the residual stream (f32 [n_embd, n_ubatch])
-    # and the KV cache's index inputs (index_inputs).
+    # Graph inputs that cross devices, read off llama.cpp's split graphs on RPC devices (docs/accuracy.md): the
+    # attention mask ([n_kv, n_ubatch], f16 with flash attention, else f32; iSWA models carry a second one over the
+    # window's cells, Costs.cache_inputs), the residual stream (f32 [n_embd, n_ubatch]) and index_inputs.
     mask_cells = n_kv + (kv_cells(info, n_ctx, n_ubatch, info.swa_layers.index(True)) if any(info.swa_layers) else 0)
     mask = mask_cells * n_ubatch * (2 if flash_attn else 4)
     resid = info.n_embd * n_ubatch * 4
+    idx = index_inputs(info, n_ubatch, flash_attn, type_k, type_v)
+    full, per_cache = n_kv * n_ubatch * (2 if flash_attn else 4), (idx - position_inputs(info, n_ubatch)) // 2
     return Costs(info, list(info.layer_bytes), layer_kv, [n_seq * la.state_bytes for la in info.layers], out_w, peaks,
-                 inputs=mask + resid + index_inputs(info, n_ubatch, flash_attn, type_k, type_v),
+                 inputs=mask + resid + idx,
                  resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch),
                  logits=n_seq * info.n_vocab * 4,
                  # result_output f32 [n_vocab, outputs] (by default the reserve outputs every token) and up to
@@ -146,12 +143,14 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                                            flash_attn=flash_attn) if cuda else None,
                  reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
-                 host_gathers=compute_mod.host_gathers(src, n_ubatch))
+                 host_gathers=compute_mod.host_gathers(src, n_ubatch),
+                 host_experts=compute_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
+                 cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
+                 altup=compute_mod.altup_inputs(src, n_ubatch))
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
-    """The peaks with `fewer` bytes of result_output at the head: the output peak drops by them where the head
-    is the peak, never below the layers' own peak."""
+    """The peaks with `fewer` bytes of result_output at the head, never below the layers' own peak."""
     if fewer <= 0:
         return peaks
     kinds = {k: fewer_outputs(p, fewer) for k, p in peaks.by_kind.items()}
@@ -188,8 +187,7 @@ def position_inputs(info: ModelInfo, n_ubatch: int) -> int:
 
 
 def reserve(c: Costs, dev: Device) -> int:
-    """Bytes a GPU keeps free outside every buffer: the caller's, else the device's (a profile), else
-    its backend's (cuda.cuda_reserve)."""
+    """Bytes a GPU keeps free outside every buffer: the caller's, the device's, else cuda.cuda_reserve."""
     for r in (c.reserve, dev.reserve):
         if r is not None:
             return r
@@ -211,7 +209,13 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     peaks = _peaks(c, run)
     if c.cpu_experts and n_used > 1:
         peaks = _moe_split_peaks(c, peaks, run)
-    dp.compute = _device_compute(c, peaks, _inputs(c, run), bool(run), has_output, n_used,
+    ins = _inputs(c, run)
+    if n_used > 1 and c.altup[0]:  # Gemma 3n (compute.altup_inputs): the stacked streams where it holds layers, the
+        # graph start's outputs on the first layer's device and on the output one (altup_proj runs there), else
+        # each layer's per-layer input
+        stack, start, per_layer = c.altup
+        ins += (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output else 0)
+    dp.compute = _device_compute(c, peaks, ins, bool(run), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
     if n_used > 1 or n_cpu_slots:
@@ -258,13 +262,14 @@ def _moe_split_peaks(c: Costs, peaks: compute_mod.ComputePeaks, layers) -> compu
 def _inputs(c: Costs, layers) -> int:
     """One copy of a device's split-graph inputs: a device holding layers but no attention receives no
     masks nor KV indices, only the residual and the position / output ids (hybrids' recurrent layers:
-    their state-copy indices are a few bytes). Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102."""
-    if not c.peaks.by_kind:  # every layer attends (only hybrids measure kinds apart)
+    their state-copy indices are a few bytes; Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102); an iSWA
+    model's device holding one kind of layer only that cache's mask and indices."""
+    if not c.peaks.by_kind:  # one set of peaks: every layer attends (hybrids and iSWA measure kinds apart)
         return c.inputs
-    layers = list(layers)
-    if layers and not any(c.info.layers[il].attention for il in layers):
+    kinds = {c.info.layers[il].kind for il in layers}
+    if kinds and not any(c.info.layers[il].attention for il in layers):
         return c.inputs_recurrent
-    return c.inputs
+    return c.inputs - (c.cache_inputs[0] if kinds == {"sliding"} else c.cache_inputs[1] if kinds == {"attention"} else 0)
 
 
 def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
@@ -361,10 +366,14 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.state = sum(c.layer_state[i] for i in layers)
     if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
         dp.compute = _device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
-    elif len(layers) or moved:  # it runs those layers (or their experts' matmuls): their peak and one copy
-        # of the inputs (no pipeline parallelism with CPU layers or tensor overrides)
-        dp.compute = _peaks(c, [*layers, *moved]).layer_full + _inputs(c, [*layers, *moved]) \
+    elif len(layers):  # it runs those layers (and experts' matmuls): their peak and one copy of the inputs
+        # (no pipeline parallelism with CPU layers or tensor overrides)
+        dp.compute = _peaks(c, [*layers, *moved]).layer_full + (c.inputs if any(c.info.swa_layers)  # both masks
+                                                                 else _inputs(c, [*layers, *moved])) \
             + (recurrent_split(c, layers, 1) if n_used else 0)
+    elif moved:  # every graph input, one copy alive until its last split (all masks), and the experts' matmuls
+        # (compute.host_experts); the residual: the embeddings sent, whose hole ggml-alloc does not fill
+        dp.compute = c.inputs + c.host_experts + c.host_gathers
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1
