@@ -50,7 +50,7 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
             # as in a split; _layout costs the final one exactly
-            key = (start, hi, d, id(devs[d]), lo_bound)
+            key = (start, hi, id(devs[d]), d == first, _slots_key(lo_bound, d == first))
             total = c.totals.get(key)
             if total is None:
                 total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
@@ -63,6 +63,13 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
     if hi > lo_bound:
         return None
     return counts
+
+
+def _slots_key(n_cpu_slots: int, first_cuda: bool):
+    """What of n_cpu_slots a device's cost depends on (memory.device_cost): pipeline parallelism (none on the
+    CPU: `Costs.pipeline`) and, on the first CUDA device only, the CPU layers' op-offload copies
+    (cuda.LayerTable.terms). The search costs a device once per range for every layer count it tries."""
+    return n_cpu_slots if first_cuda else n_cpu_slots == 0
 
 
 def _layout(c: Costs, devs: list[Device], counts: list[int]) -> list[DevicePlan]:
@@ -120,6 +127,8 @@ def _best_split(c: Costs, devs: list[Device], allow_reorder: bool):
                 hi = mid - 1
         if best is None or lo > best[0]:
             best = (lo, order)
+        if lo == n + 1:  # every slot placed: no later order can hold more (only a larger count replaces it)
+            break
     if best is None:
         return None
     slots, order = best
