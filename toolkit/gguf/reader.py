@@ -39,10 +39,7 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        try:
-            return GGMLQuantizationType(self.type).name
-        except ValueError:
-            return f"TYPE_{self.type}"
+        return _TYPE_NAMES.get(self.type) or f"TYPE_{self.type}"
 
     @property
     def n_elements(self) -> int:
@@ -86,11 +83,16 @@ class GGUFFile:
         return self.metadata.get(f"{self.arch}.{key}", default)
 
 
+# by type number: an enum lookup per tensor costs more than the rest of its parsing (planner, cuda.py)
+_TYPE_NAMES = {int(t): t.name for t in GGMLQuantizationType}
+_QUANT_SIZES = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
+
+
 def tensor_nbytes(type_: int, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor in ggml's layout (ggml_nbytes for a contiguous tensor)."""
     try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_)]
-    except (ValueError, KeyError):
+        block, type_size = _QUANT_SIZES[type_]
+    except (KeyError, TypeError):
         raise GGUFError(f"unknown ggml tensor type {type_}") from None
     if shape[0] % block:
         raise GGUFError(f"tensor row of {shape[0]} is not a multiple of the block size {block}")
@@ -145,6 +147,15 @@ class _Cursor:
         value = s.unpack_from(self.buf, self.pos)[0]
         self.pos += s.size
         return value
+
+    def unpack_struct(self, s: struct.Struct) -> tuple:
+        """Several values at once (a tensor info's shape, type and offset)."""
+        if self.pos + s.size > self.size:
+            raise self._truncated()
+        self._fill(self.pos + s.size)
+        values = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return values
 
     def peek_u32(self) -> int | None:
         """The next uint32 without moving (an array's element type); None at the end of the file."""
@@ -260,14 +271,16 @@ def parse_gguf(f, size: int, path: Path, *, skip_arrays: bool = False, limit: in
     return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
 
 
+_TENSOR_INFO = {n: struct.Struct(f"<{n}QIQ") for n in range(1, MAX_DIMS + 1)}  # ne[n], ggml_type, offset
+
+
 def _tensor_info(cur: _Cursor, alignment: int) -> TensorInfo:
     name = cur.string()
     n_dims = cur.unpack("I")
     if not 1 <= n_dims <= MAX_DIMS:
         raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
-    shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-    ttype = cur.unpack("I")
-    offset = cur.unpack("Q")
+    *dims, ttype, offset = cur.unpack_struct(_TENSOR_INFO[n_dims])
+    shape = tuple(dims)
     if any(d <= 0 for d in shape):
         raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} has shape {shape})")
     if offset % alignment:
