@@ -11,12 +11,14 @@ nothing before the clock starts:
 - cold: a fresh interpreter, those caches on disk (a user's second `ctxq plan`);
 - warm: the same plan again in that interpreter (`ctxq run --split auto` after its plan; median of 5).
 
+Each figure is the median of --repeat such runs.
+
 Each as the import of ctxq.planning.planner (CPU s) and the plan itself (wall and CPU s; CPU time is the
 steadier figure on a busy machine), against the target; then the Hub plan's time. `--patch FILE` adds
 this checkout's committed code with FILE applied (`git apply`), for a change proposed to files another
 branch owns.
 
-    .venv/bin/python scripts/bench_plan.py [--baseline main] [--patch FILE]
+    .venv/bin/python scripts/bench_plan.py [--baseline main] [--patch FILE] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -78,10 +80,16 @@ def _code(rev: str, tmp: Path, name: str, patch: Path | None = None) -> Path:
     return root
 
 
+def _median(runs: list[dict]) -> dict:
+    """Each figure's median over the runs (the flags and reason of the last)."""
+    return {k: statistics.median(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[-1].items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
     ap.add_argument("--patch", type=Path, help="also time this checkout's committed code with this patch applied")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each, their median shown (default: 3)")
     ap.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.measure:
@@ -99,10 +107,12 @@ def main() -> None:
         codes.append((f"after + {a.patch.name}", _code("HEAD", tmp, "patched", a.patch)))
     rows = []
     for i, (label, code) in enumerate(codes):
-        home = tmp / f"home-{i}"
-        first = _run(code, model, home)  # an empty home
-        again = _run(code, model, home)  # the caches the first plan left
-        rows.append((label, first, again))
+        firsts, agains = [], []
+        for k in range(a.repeat):
+            home = tmp / f"home-{i}-{k}"
+            firsts.append(_run(code, model, home))  # an empty home
+            agains.append(_run(code, model, home))  # the caches the first plan left
+        rows.append((label, _median(firsts), _median(agains)))
     print(f"plan: {rows[-1][2]['flags']}  ({rows[-1][2]['reason']})")
     print(f"{'':<40}{'import cpu':>11}{'plan wall':>10}{'plan cpu':>9}{'both cpu':>9}{'target':>8}{'cpu/target':>11}")
     for label, first, again in rows:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from ctxq.planning import planner
@@ -70,3 +73,10 @@ def test_memoised_search_plans_as_the_full_search(models, monkeypatch, name, ctx
     monkeypatch.setattr(planner, "_slots_key", lambda n_cpu_slots, first_cuda: n_cpu_slots)  # every count apart
     full = planner.plan(models[name], ctx, cpu_memory=256 * GiB, **kw)
     assert _summary(fast) == _summary(full)
+
+
+def test_the_cli_imports_neither_numpy_nor_gguf():
+    # gguf's __init__ imports numpy and all of gguf (0.16 CPU s); the header reader loads only its constants
+    code = "import sys, ctxq.cli; print(sorted(m for m in ('numpy', 'gguf', 'llama_cpp') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"

@@ -7,10 +7,8 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from gguf.constants import GGMLQuantizationType, LlamaFileType
-
 from ..errors import GGUFError
-from .reader import GGUFFile, read_gguf, tensor_nbytes
+from .reader import GGMLQuantizationType, GGUFFile, LlamaFileType, read_gguf, tensor_nbytes
 from ..units import round_up
 
 # Sliding-window rules per architecture, as each llama_model_<arch>::load_arch_hparams sets them

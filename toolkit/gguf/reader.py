@@ -9,16 +9,38 @@ which is why ctxq does not use it here.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from ..errors import GGUFError
 from ..units import round_up
+
+
+def _gguf_constants():
+    """The gguf package's `constants` module (ggml types, block sizes, file types) without running the
+    package's __init__, which imports numpy and all of gguf: 0.16 of the 0.2 CPU s that importing the
+    planner took (scripts/bench_plan.py). The same file the package loads, so the tables cannot drift."""
+    if (mod := sys.modules.get("gguf.constants")) is not None:
+        return mod
+    name = "ctxq.gguf._gguf_constants"
+    if (mod := sys.modules.get(name)) is not None:
+        return mod
+    spec = importlib.util.find_spec("gguf")
+    spec = importlib.util.spec_from_file_location(name, Path(spec.submodule_search_locations[0]) / "constants.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_constants = _gguf_constants()
+GGML_QUANT_SIZES, GGMLQuantizationType = _constants.GGML_QUANT_SIZES, _constants.GGMLQuantizationType
+LlamaFileType = _constants.LlamaFileType
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT in ggml/include/gguf.h

@@ -12,9 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer
@@ -25,6 +22,7 @@ from .plan import DevicePlan, ExpertPlacement, Plan
 from .referee import refereed
 from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
+from ..gguf.reader import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from ..units import GiB
 
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
@@ -387,6 +385,8 @@ def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opt
 def llama_layer_counts(split: list[float], n_gpu_layers: int, n_layer_all_plus_1: int) -> list[int]:
     """How many layer slots llama.cpp puts on each device for a tensor_split (llama_model::load_tensors):
     cumulative float32 fractions, then upper_bound of (il - i_gpu_start) / act_gpu_layers."""
+    import numpy as np  # here: a plan that gives no split needs none of numpy's import (0.1 s)
+
     splits = np.cumsum(np.asarray(split, dtype=np.float32), dtype=np.float32)
     splits = (splits / splits[-1]).astype(np.float32)
     act = min(n_gpu_layers, n_layer_all_plus_1)
