@@ -38,9 +38,12 @@ def _gguf_constants():
     return mod
 
 
+# Plain tables, so that no member of that module's enums (not gguf's own classes) leaves this one.
 _constants = _gguf_constants()
-GGML_QUANT_SIZES, GGMLQuantizationType = _constants.GGML_QUANT_SIZES, _constants.GGMLQuantizationType
-LlamaFileType = _constants.LlamaFileType
+GGML_TYPES = {t.name: int(t) for t in _constants.GGMLQuantizationType}  # "Q4_K" -> ggml_type number
+GGML_BLOCKS = {int(t): sizes for t, sizes in _constants.GGML_QUANT_SIZES.items()}  # number -> (block, bytes)
+FILE_TYPES = {int(t): t.name for t in _constants.LlamaFileType}  # general.file_type -> "MOSTLY_Q4_K_M"
+_TYPE_NAMES = {n: name for name, n in GGML_TYPES.items()}
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT in ggml/include/gguf.h
@@ -105,15 +108,10 @@ class GGUFFile:
         return self.metadata.get(f"{self.arch}.{key}", default)
 
 
-# by type number: an enum lookup per tensor costs more than the rest of its parsing (planner, cuda.py)
-_TYPE_NAMES = {int(t): t.name for t in GGMLQuantizationType}
-_QUANT_SIZES = {int(t): sizes for t, sizes in GGML_QUANT_SIZES.items()}
-
-
 def tensor_nbytes(type_: int, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor in ggml's layout (ggml_nbytes for a contiguous tensor)."""
     try:
-        block, type_size = _QUANT_SIZES[type_]
+        block, type_size = GGML_BLOCKS[type_]  # by number: an enum call per tensor cost more than its parsing
     except (KeyError, TypeError):
         raise GGUFError(f"unknown ggml tensor type {type_}") from None
     if shape[0] % block:

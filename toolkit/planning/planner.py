@@ -22,7 +22,7 @@ from .plan import DevicePlan, ExpertPlacement, Plan
 from .referee import refereed
 from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
-from ..gguf.reader import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from ..gguf.reader import GGML_BLOCKS, GGML_TYPES
 from ..units import GiB
 
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
@@ -239,7 +239,7 @@ def _settle(p: Plan, opts: PlanOptions) -> Plan:
 
 def _kv_types(info: ModelInfo) -> list[str]:
     """KV types whose blocks divide each K and V head, not only a row (llama_init_from_model: "does not divide")."""
-    return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_QUANT_SIZES[T[t.upper()]][0])
+    return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_BLOCKS[GGML_TYPES[t.upper()]][0])
                                                         or info.head_dim_v % b)]
 
 
