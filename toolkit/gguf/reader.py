@@ -23,7 +23,7 @@ from ..units import round_up
 
 def _gguf_constants():
     """The gguf package's `constants` module (ggml types, block sizes, file types) without running the
-    package's __init__, which imports numpy and all of gguf: 0.16 of the 0.2 CPU s that importing the
+    package's __init__, which imports numpy and all of gguf: 0.16 of the 0.25 CPU s that importing the
     planner took (scripts/bench_plan.py). The same file the package loads, so the tables cannot drift."""
     if (mod := sys.modules.get("gguf.constants")) is not None:
         return mod

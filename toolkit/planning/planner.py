@@ -64,9 +64,10 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
 
 
 def _slots_key(n_cpu_slots: int, first_cuda: bool):
-    """What of n_cpu_slots a device's cost depends on (memory.device_cost): pipeline parallelism (none on the
-    CPU: `Costs.pipeline`) and, on the first CUDA device only, the CPU layers' op-offload copies
-    (cuda.LayerTable.terms). The search costs a device once per range for every layer count it tries."""
+    """What of n_cpu_slots a device's cost depends on (memory.device_cost): pipeline parallelism (off while any
+    slot sits on the CPU: `Costs.pipeline`) and, on the first CUDA device only, the CPU layers' op-offload copies
+    (cuda.LayerTable.terms). So the search costs a device once per range, not once per layer count it tries;
+    tests/test_plan_speed.py checks this against device_cost at every count."""
     return n_cpu_slots if first_cuda else n_cpu_slots == 0
 
 
