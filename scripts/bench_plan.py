@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -95,9 +96,17 @@ def main() -> None:
     if a.measure:
         print(json.dumps(measure(Path(a.measure[0]), Path(a.measure[1]))))
         return
+    tmp = Path(tempfile.mkdtemp(prefix="ctxq-bench-plan-"))
+    try:
+        _bench(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _bench(a, tmp: Path) -> None:
+    """The table, each code's runs in their own folders under tmp."""
     from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
-    tmp = Path(tempfile.mkdtemp(prefix="ctxq-bench-plan-"))
     model = write_synthetic_gguf(tmp / "llama3-70b-Q4_K_M.gguf", GEOMETRIES["llama3-70b"])
     here = tmp / "code-here"
     here.mkdir()
