@@ -7,10 +7,8 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from gguf.constants import GGMLQuantizationType, LlamaFileType
-
 from ..errors import GGUFError
-from .reader import GGUFFile, read_gguf, tensor_nbytes
+from .reader import FILE_TYPES, GGML_TYPES, GGUFFile, read_gguf, tensor_nbytes
 from ..units import round_up
 
 # Sliding-window rules per architecture, as each llama_model_<arch>::load_arch_hparams sets them
@@ -74,7 +72,7 @@ def is_expert(name: str) -> bool:
 
 def kv_bytes(type_name: str, n_elements: int) -> int:
     """Bytes of one KV row of n_elements (ggml_row_size); GGUFError if the type's blocks do not divide it."""
-    return tensor_nbytes(int(GGMLQuantizationType[type_name.upper()]), (n_elements,))
+    return tensor_nbytes(GGML_TYPES[type_name.upper()], (n_elements,))
 
 
 KV_PAD = 256  # llama_context pads the KV cache to 256 cells (llama_kv_cache::get_padding)
@@ -285,10 +283,9 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         embd = g.tensor("token_embd.weight")
         n_vocab = embd.shape[1] if embd else 0
     ftype = g.get("general.file_type")
-    try:
-        file_type = LlamaFileType(ftype).name.removeprefix("MOSTLY_") if isinstance(ftype, int) else None
-    except ValueError:
-        file_type = f"FTYPE_{ftype}"
+    file_type = None
+    if isinstance(ftype, int):
+        file_type = FILE_TYPES[ftype].removeprefix("MOSTLY_") if ftype in FILE_TYPES else f"FTYPE_{ftype}"
 
     info = ModelInfo(
         path=str(g.path), arch=arch, name=g.get("general.name"), file_type=file_type,

@@ -9,16 +9,41 @@ which is why ctxq does not use it here.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import struct
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from ..errors import GGUFError
 from ..units import round_up
+
+
+def _gguf_constants():
+    """The gguf package's `constants` module (ggml types, block sizes, file types) without running the
+    package's __init__, which imports numpy and all of gguf: 0.16 of the 0.25 CPU s that importing the
+    planner took (scripts/bench_plan.py). The same file the package loads, so the tables cannot drift."""
+    if (mod := sys.modules.get("gguf.constants")) is not None:
+        return mod
+    name = "ctxq.gguf._gguf_constants"
+    if (mod := sys.modules.get(name)) is not None:
+        return mod
+    spec = importlib.util.find_spec("gguf")
+    spec = importlib.util.spec_from_file_location(name, Path(spec.submodule_search_locations[0]) / "constants.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# Plain tables, so that no member of that module's enums (not gguf's own classes) leaves this one.
+_constants = _gguf_constants()
+GGML_TYPES = {t.name: int(t) for t in _constants.GGMLQuantizationType}  # "Q4_K" -> ggml_type number
+GGML_BLOCKS = {int(t): sizes for t, sizes in _constants.GGML_QUANT_SIZES.items()}  # number -> (block, bytes)
+FILE_TYPES = {int(t): t.name for t in _constants.LlamaFileType}  # general.file_type -> "MOSTLY_Q4_K_M"
+_TYPE_NAMES = {n: name for name, n in GGML_TYPES.items()}
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT in ggml/include/gguf.h
@@ -39,10 +64,7 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        try:
-            return GGMLQuantizationType(self.type).name
-        except ValueError:
-            return f"TYPE_{self.type}"
+        return _TYPE_NAMES.get(self.type) or f"TYPE_{self.type}"
 
     @property
     def n_elements(self) -> int:
@@ -89,8 +111,8 @@ class GGUFFile:
 def tensor_nbytes(type_: int, shape: tuple[int, ...]) -> int:
     """Bytes of a tensor in ggml's layout (ggml_nbytes for a contiguous tensor)."""
     try:
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_)]
-    except (ValueError, KeyError):
+        block, type_size = GGML_BLOCKS[type_]  # by number: an enum call per tensor cost more than its parsing
+    except (KeyError, TypeError):
         raise GGUFError(f"unknown ggml tensor type {type_}") from None
     if shape[0] % block:
         raise GGUFError(f"tensor row of {shape[0]} is not a multiple of the block size {block}")
@@ -145,6 +167,15 @@ class _Cursor:
         value = s.unpack_from(self.buf, self.pos)[0]
         self.pos += s.size
         return value
+
+    def unpack_struct(self, s: struct.Struct) -> tuple:
+        """Several values at once (a tensor info's shape, type and offset)."""
+        if self.pos + s.size > self.size:
+            raise self._truncated()
+        self._fill(self.pos + s.size)
+        values = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return values
 
     def peek_u32(self) -> int | None:
         """The next uint32 without moving (an array's element type); None at the end of the file."""
@@ -260,14 +291,16 @@ def parse_gguf(f, size: int, path: Path, *, skip_arrays: bool = False, limit: in
     return GGUFFile(path, version, metadata, tensors, data_offset, size, alignment, value_types)
 
 
+_TENSOR_INFO = {n: struct.Struct(f"<{n}QIQ") for n in range(1, MAX_DIMS + 1)}  # ne[n], ggml_type, offset
+
+
 def _tensor_info(cur: _Cursor, alignment: int) -> TensorInfo:
     name = cur.string()
     n_dims = cur.unpack("I")
     if not 1 <= n_dims <= MAX_DIMS:
         raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} has {n_dims} dimensions)")
-    shape = tuple(cur.unpack("Q") for _ in range(n_dims))
-    ttype = cur.unpack("I")
-    offset = cur.unpack("Q")
+    *dims, ttype, offset = cur.unpack_struct(_TENSOR_INFO[n_dims])
+    shape = tuple(dims)
     if any(d <= 0 for d in shape):
         raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} has shape {shape})")
     if offset % alignment:

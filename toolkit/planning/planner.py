@@ -12,9 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer
@@ -25,6 +22,7 @@ from .plan import DevicePlan, ExpertPlacement, Plan
 from .referee import refereed
 from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
+from ..gguf.reader import GGML_BLOCKS, GGML_TYPES
 from ..units import GiB
 
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
@@ -50,7 +48,7 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
             # as in a split; _layout costs the final one exactly
-            key = (start, hi, d, id(devs[d]), lo_bound)
+            key = (start, hi, id(devs[d]), d == first, _slots_key(lo_bound, d == first))
             total = c.totals.get(key)
             if total is None:
                 total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
@@ -63,6 +61,14 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
     if hi > lo_bound:
         return None
     return counts
+
+
+def _slots_key(n_cpu_slots: int, first_cuda: bool):
+    """What of n_cpu_slots a device's cost depends on (memory.device_cost): pipeline parallelism (off while any
+    slot sits on the CPU: `Costs.pipeline`) and, on the first CUDA device only, the CPU layers' op-offload copies
+    (cuda.LayerTable.terms). So the search costs a device once per range, not once per layer count it tries;
+    tests/test_plan_speed.py checks this against device_cost at every count."""
+    return n_cpu_slots if first_cuda else n_cpu_slots == 0
 
 
 def _layout(c: Costs, devs: list[Device], counts: list[int]) -> list[DevicePlan]:
@@ -120,6 +126,8 @@ def _best_split(c: Costs, devs: list[Device], allow_reorder: bool):
                 hi = mid - 1
         if best is None or lo > best[0]:
             best = (lo, order)
+        if lo == n + 1:  # every slot placed: no later order can hold more (only a larger count replaces it)
+            break
     if best is None:
         return None
     slots, order = best
@@ -232,7 +240,7 @@ def _settle(p: Plan, opts: PlanOptions) -> Plan:
 
 def _kv_types(info: ModelInfo) -> list[str]:
     """KV types whose blocks divide each K and V head, not only a row (llama_init_from_model: "does not divide")."""
-    return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_QUANT_SIZES[T[t.upper()]][0])
+    return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_BLOCKS[GGML_TYPES[t.upper()]][0])
                                                         or info.head_dim_v % b)]
 
 
@@ -378,6 +386,8 @@ def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opt
 def llama_layer_counts(split: list[float], n_gpu_layers: int, n_layer_all_plus_1: int) -> list[int]:
     """How many layer slots llama.cpp puts on each device for a tensor_split (llama_model::load_tensors):
     cumulative float32 fractions, then upper_bound of (il - i_gpu_start) / act_gpu_layers."""
+    import numpy as np  # here: a plan that gives no split needs none of numpy's import (0.1 s)
+
     splits = np.cumsum(np.asarray(split, dtype=np.float32), dtype=np.float32)
     splits = (splits / splits[-1]).astype(np.float32)
     act = min(n_gpu_layers, n_layer_all_plus_1)
