@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,15 @@ def test_the_cli_imports_neither_numpy_nor_gguf():
     code = "import sys, ctxq.cli; print(sorted(m for m in ('numpy', 'gguf', 'llama_cpp') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "[]"
+
+
+def test_a_second_plan_in_a_new_process_needs_neither_llama_cpp_nor_numpy(models, tmp_path):
+    # a user's second `ctxq plan`: derived models, dry runs and the referee's accounting all read from CTXQ_HOME
+    code = ("import sys; from ctxq.planning.planner import plan; "
+            f"p = plan({str(models['llama3-70b'])!r}, 65536, gpus='16,16,16,8,8'); "
+            "print(p.llama_flags()); print(sorted(m for m in ('numpy', 'gguf', 'llama_cpp') if m in sys.modules))")
+    env = {**os.environ, "CTXQ_HOME": str(tmp_path / "home")}
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "llama_cpp" in first.stdout.splitlines()[-1]  # the first plan asked llama.cpp
+    assert again.stdout.splitlines() == [first.stdout.splitlines()[0], "[]"]

@@ -174,13 +174,22 @@ def parse(lines: list[str], **settings) -> Accounting:
                       state_bytes=state, state_printed=printed, output_bytes=output, **settings)
 
 
-def _file_key(path: str) -> str:
-    """The model file's identity: path, size, mtime and a hash of its first MiB (the header's start)."""
+def _file_key(path: str, read_header: bool = True) -> str:
+    """The model file's identity: path, size, mtime and a hash of its first MiB (the header's start; not
+    read for ctxq's own derived models, whose names already hash what they hold)."""
     st = os.stat(path)
     h = hashlib.sha256(f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(MiB))
+    if read_header:
+        with open(path, "rb") as f:
+            h.update(f.read(MiB))
     return h.hexdigest()[:24]
+
+
+def answer_key(path: str, *parts, read_header: bool = True) -> str:
+    """The cache key of one of llama.cpp's answers about the model file at `path`: the file's identity,
+    `parts` (the question: settings) and the llama-cpp-python version."""
+    return hashlib.sha256(json.dumps([_file_key(path, read_header), *parts, _VERSION, _llama_version()],
+                                     sort_keys=True).encode()).hexdigest()[:24]
 
 
 def accounting(path: str | os.PathLike, *, n_ctx: int, n_ubatch: int = 512, n_batch: int = 2048,
@@ -193,16 +202,21 @@ def accounting(path: str | os.PathLike, *, n_ctx: int, n_ubatch: int = 512, n_ba
     parallel = dict(n_seq_max=n_seq_max, kv_unified=kv_unified, n_outputs_max=n_outputs_max)
     if parallel != dict(n_seq_max=1, kv_unified=False, n_outputs_max=0):  # the single-sequence keys stay as they were
         settings.update(parallel)
-    key = hashlib.sha256(json.dumps([_file_key(path), n_batch, settings, _VERSION, _llama_version()],
-                                    sort_keys=True).encode()).hexdigest()[:24]
-    return _cached(key, path, n_batch, tuple(sorted(settings.items())))
+    return _cached(answer_key(path, n_batch, settings), path, n_batch, tuple(sorted(settings.items())))
 
 
 @lru_cache(maxsize=1)
 def _llama_version() -> str:
-    """The llama-cpp-python version: another libllama may account differently."""
+    """The llama-cpp-python version: another libllama may account differently. Read from the package's
+    `__version__` line without importing it (importlib.metadata's search of sys.path: 25 ms a plan)."""
     import importlib.metadata as md
+    import importlib.util
 
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec and spec.origin:
+        m = re.search(r'^__version__ = "([^"]+)"', Path(spec.origin).read_text(), re.M)
+        if m:
+            return m.group(1)
     try:
         return md.version("llama_cpp_python")
     except md.PackageNotFoundError:
@@ -232,3 +246,24 @@ def _cached(key: str, path: str, n_batch: int, settings: tuple) -> Accounting:
     tmp.write_text(json.dumps(asdict(acc)))
     os.replace(tmp, f)
     return acc
+
+
+def dry_run_compute(path: str, **settings) -> int:
+    """The compute buffers llama.cpp sizes for the model at `path` in a CPU dry run, cached on disk as the
+    accounting's answers are: a new interpreter's plan then needs neither llama.cpp's import nor a dry run
+    (0.10 of 0.16 CPU s of the 70B example's plan; scripts/bench_plan.py). ctxq's own derived models are
+    keyed without reading their header: their names hash what they hold."""
+    derived = Path(path).parent == ctxq_home() / "derived"
+    f = ctxq_home() / "compute" / f"{answer_key(path, 'compute', settings, read_header=not derived)}.json"
+    try:
+        return int(json.loads(f.read_text())["compute"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from .measure import measure
+
+    total = sum(measure(path, dry_run=True, **settings).allocations.compute.values())
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"compute": total}))
+    os.replace(tmp, f)
+    return total

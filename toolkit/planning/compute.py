@@ -12,7 +12,7 @@ gives the exact peak of one device's graph (`ComputePeaks`):
 - `output`: the device holding the output head (the real vocabulary).
 
 In a split graph devices also hold copies of the graph inputs; `memory.device_cost` adds those.
-Results are cached in memory per (model, parameters).
+Results are cached per (model, parameters), in memory and on disk under ctxq's cache (`_dry_run`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-import gguf
-
 from ..errors import CtxqError
 from ..gguf.info import RECURRENT_RULES, ModelInfo, block_of
 from ..gguf.reader import GGUFFile
-from ..gguf.writer import write_sparse_gguf
 from ..paths import ctxq_home
 
 log = logging.getLogger(__name__)
@@ -43,7 +40,7 @@ _PER_LAYER_DIM = {"per_layer_token_embd.weight": 0, "per_layer_model_proj.weight
 # Keys a loader requires only for some layer counts, written into a derived model as the value the source's
 # layer count implies: llama_model_deepseek2::load_arch_hparams reads q_lora_rank unless n_layer is 26 or 27
 # ("lite" variants, whose query has no LoRA: the tensors follow q_lora_rank > 0, so 0 keeps them as they are).
-_LAYER_COUNT_KEYS = {"deepseek2": {"attention.q_lora_rank": (0, gguf.GGUFValueType.UINT32)}}
+_LAYER_COUNT_KEYS = {"deepseek2": {"attention.q_lora_rank": (0, "UINT32")}}
 
 
 @dataclass(frozen=True)
@@ -154,6 +151,8 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                  flags: LayerFlags | None = None) -> Path:
     """src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a loadable
     header-only GGUF at `out`; `layers` keeps those layers' entries of per-layer arrays."""
+    import gguf  # here: a plan whose derived models exist needs neither gguf's nor numpy's import (0.16 s)
+    from ..gguf.writer import write_sparse_gguf
     arch = src.arch
     n_layer = int(src.arch_get("block_count"))
     n_vocab = n_vocab or _vocab_size(src)
@@ -191,7 +190,7 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
             w.add_vocab_size(n_vocab)
         for key, (value, vtype) in _LAYER_COUNT_KEYS.get(arch, {}).items():
             if f"{arch}.{key}" not in src.metadata:
-                w.add_key_value(f"{arch}.{key}", value, vtype)
+                w.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType[vtype])
         w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
 
     return write_sparse_gguf(out, arch, specs, metadata)
@@ -207,11 +206,11 @@ def _vocab_size(g: GGUFFile) -> int:
 
 @lru_cache(maxsize=256)
 def _dry_run(path: str, n_ctx: int, n_ubatch: int, n_batch: int, type_k: str, type_v: str, flash_attn: bool) -> int:
-    from ..llama.measure import measure
+    """llama.cpp's compute buffers for the model at `path` in a CPU dry run (accounting.dry_run_compute)."""
+    from ..llama.accounting import dry_run_compute
 
-    m = measure(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
-                flash_attn=flash_attn, dry_run=True)
-    return sum(m.allocations.compute.values())
+    return dry_run_compute(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
+                           flash_attn=flash_attn)
 
 
 def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, n_batch: int,
