@@ -22,7 +22,7 @@ layer's `norm` to its device. The table compares with the real load's figure (dr
 What the planner missed before it took these terms (llama.cpp: ggml-backend.cpp
 `ggml_backend_sched_split_graph`, passes 5 and 6; with pipeline parallelism every input of a split gets
 GGML_SCHED_MAX_COPIES = 4 copies flagged input+output, so ggml-alloc never frees them; the host, which
-builds the graph inputs, holds 4 too), now in `memory.index_inputs`, `memory._device_compute`, `host_cost`:
+builds the graph inputs, holds 4 too), now in `memory.index_inputs`, `split.device_compute`, `memory.host_cost`:
 
 1. Index inputs: `attn_inp_v_idxs` is I64 [n_ubatch * n_embd_v_gqa] with flash attention off (transposed
    V cache, llama_kv_cache::build_input_v_idxs), one per KV cache (iSWA: 2): Gemma-2-9B

@@ -23,7 +23,7 @@ FULL_ONLY = ("an iSWA model's device whose layers are all full attention is plan
              "graph asserts a sliding layer, so no derived model holds full layers alone): tiny OLMo 3's output device "
              "+9.8 MiB (3.6 %) at 16k without flash attention")
 HEAD_ONLY = ("a device holding the output head alone, at real widths: Llama-4-Scout-shaped at 64k +78 MiB (53 %) "
-             "over (memory._device_compute's head-only branch)")
+             "over (split.device_compute's head-only branch)")
 GEMMA3N = ("Gemma 3n on 2-3 RPC devices: the first layer's device under llama.cpp by 11-12 MiB of compute (its per-layer "
            "input slabs f32 [n_embd_per_layer * n_layer, n_ubatch] are the model's n_layer wide, the derived model's its own "
            "layers'), and the weights of per_layer_model_proj (first device, 0.62 MiB) and altup_proj / altup_unembd_proj "
@@ -39,8 +39,8 @@ def _xfail(reason: str):
 # (plans that failed on ctxq's derived probe), kimi-linear and nemotron-h-moe (recurrent layers at the attention
 # peak), the sliding-window and chunked families under llama.cpp on the CPU and 2 devices.
 # Fixed by h-compute: devices holding layers but not the head, one residual under with flash attention
-# (compute.held_input, with memory.py's patch), and DeepSeek-V2-Lite's derived model (compute._LAYER_COUNT_KEYS).
-# Fixed by h-host: the host's compute with experts in CPU memory (memory.host_cost, compute.host_experts), and
+# (split.held_input, with memory.py's patch), and DeepSeek-V2-Lite's derived model (compute._LAYER_COUNT_KEYS).
+# Fixed by h-host: the host's compute with experts in CPU memory (memory.host_cost, inputs.host_experts), and
 # devices whose layers all slide or chunk (compute_peaks' by-kind peaks for iSWA models, memory.Costs.cache_inputs).
 TINY = [
     pytest.param("smollm3", [2, 1, 1], 16384, "f16", False, None, id="smollm3-rpc3-16k-fa-off"),
@@ -103,7 +103,7 @@ def test_real_width_cell(name, devices, n_ctx, kv, fa, n_cpu_moe, request):
 
 
 def test_host_gathers_gemma3n_per_layer_rows():
-    """The host gathers Gemma 3n's per-layer embedding rows for the devices of a split graph (compute.host_gathers):
+    """The host gathers Gemma 3n's per-layer embedding rows for the devices of a split graph (inputs.host_gathers):
     its row is within the tiny target and not under, though the devices' rows are not yet (GEMMA3N)."""
     with start_workers(2) as w:
         r = check_cell(str(upstream_models.build("gemma3n")), 65536, "q8_0", [1, 1], workers=w, label="gemma3n host",

@@ -9,7 +9,7 @@ import pytest
 from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers
 from ctxq.testing.accuracy import CellResult, check_cell
-from ctxq.planning.memory import recurrent_tails
+from ctxq.planning.split import recurrent_tails
 from ctxq.testing.hybrid import MAKERS, REALISTIC, HybridGeometry
 
 from .conftest import run_ctxq
@@ -131,7 +131,7 @@ def test_hybrid_cells_on_rpc_workers(hybrids, arch, n_ctx, kv, fa, sizes):
 
 def test_recurrent_tails_are_read_by_the_next_recurrent_layer(hybrids, tmp_path):
     # Nemotron-H "M-M*M-M*": a Mamba-2 layer's output is pulled in by the next layer that is not an MLP;
-    # only a recurrent reader expands its state reads first (memory.recurrent_tails)
+    # only a recurrent reader expands its state reads first (split.recurrent_tails)
     assert recurrent_tails(model_info(hybrids["nemotron_h"])) == [(0, 2), (4, 6)]
     assert recurrent_tails(model_info(str(REALISTIC["nemotron-h-8b-5l"](tmp_path / "n.gguf")))) == [(0, 1), (1, 3)]
     # Granite hybrid: attention at 3 and 7, Mamba-2 elsewhere
@@ -142,7 +142,7 @@ def test_recurrent_tails_are_read_by_the_next_recurrent_layer(hybrids, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,sizes", [
-    # Mamba-2 layer 1 ends the first device and its reader, layer 3, starts the second (memory.recurrent_tails)
+    # Mamba-2 layer 1 ends the first device and its reader, layer 3, starts the second (split.recurrent_tails)
     ("nemotron-h-8b-5l", [1, 1]),
     # Qwen3.5-9B's one attention layer alone on a device: the peaks of all kinds together, not its own
     # (planned 16 MiB under at 16k, 44 at 64k before)

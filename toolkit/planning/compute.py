@@ -60,7 +60,7 @@ class ComputePeaks:
     layer_steady: int  # like layer_full, with two layers of each kind: the graph inputs stay alive across layers
     # hybrid models: the same peaks measured on layers of one kind alone, for a device holding only that kind
     by_kind: dict[str, ComputePeaks] = field(default_factory=dict, compare=False)
-    moe_split: bool = False  # a device's peaks in a split graph with experts in CPU memory (memory._moe_split_peaks)
+    moe_split: bool = False  # a device's peaks in a split graph with experts in CPU memory (split.moe_split_peaks)
     # the steady peak lies past the first layer's attention, where the one-device graph has freed the embeddings
     # that a device receives as its input (held_input, _input_freed)
     input_freed: bool = False
@@ -335,65 +335,3 @@ def load_source(model) -> GGUFFile:
     from ..models import model_header
 
     return model_header(model)
-
-
-
-def held_input(peaks: ComputePeaks, resid: int, copies: int) -> int:
-    """What a device holding layers but not the head keeps beyond `copies` of its split inputs and the
-    one-device steady peak: the residual it receives. With pipeline parallelism (copies > 1) the scheduler
-    flags every copy of a split's inputs as an output (ggml_backend_sched_split_graph, pass 5: "prevent
-    ggml-alloc from overwriting the tensor"), so the copy in use stays alive through all the device's layers,
-    where the one-device graph frees its layer input once the attention's residual add has read it: where the
-    steady peak lies past the attention (`ComputePeaks.input_freed`), the device holds one residual more.
-    Tiny SmolLM3, GLM-4.5, Llama 4 and Gemma 4 with flash attention at 16k and 64k on 2-3 RPC devices: 0.245 MiB
-    (one residual, f32 [128, 512]) above the other terms on each such device; without flash attention 0.0."""
-    return resid if peaks.input_freed and copies > 1 else 0
-
-
-# Input-layer tables besides token_embd whose rows the host gathers per token for every layer (LLM_TENSOR_LAYER_INPUT,
-# GGML_OP_GET_ROWS in llama-arch.cpp): Gemma 3n's per-layer embeddings (llama_model_gemma3n::build_inp_per_layer).
-_HOST_GATHERED = ("per_layer_token_embd.weight",)
-
-
-def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
-    """Bytes the host's compute buffer holds for the rows it gathers from such tables and hands to the devices of a
-    split graph: f32 [row width, n_ubatch] each (Gemma 3n's `inp_per_layer_selected`, [n_embd_altup * n_layer,
-    n_ubatch]). Tiny Gemma 3n at 64k on 2 RPC devices: the host's compute 5.01 MiB above the plan without it,
-    this tensor 5.0 MiB (GGML_SCHED_DEBUG's split inputs)."""
-    return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
-
-
-def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
-    """The host's compute-buffer peak for the routed experts of one layer whose expert tensors sit in CPU memory,
-    the largest over the model's layers. The scheduler gives the host a split of its own for them
-    (ggml_backend_sched_split_graph: the mul_mat_id ops whose weights are in a CPU buffer and the weightless
-    activation between them; GGML_SCHED_DEBUG's splits); build_moe_ffn (llama-graph.cpp) shapes them, f32 but
-    the ids: the split's inputs, the FFN input [n_embd, n_ubatch] and the selected experts (a view spanning the
-    argsort, I32 [n_expert, n_ubatch]); three [n_ff_exp, n_expert_used, n_ubatch] tensors (gate, up and their
-    GLU; or up and the activation's steps, as Nemotron-H's relu and sqr; a fused gate_up is two); the down
-    projection's result [n_embd, n_expert_used, n_ubatch] (and its biased copy). Their sum bounds ggml-alloc's
-    peak over the split; at real widths it is the peak, as no later tensor fits the hole an earlier one leaves
-    (Qwen3-30B-A3B's widths, 2 RPC devices, n_cpu_moe=2, 16k and 64k: 72.25 MiB above the graph inputs, real
-    and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this)."""
-    names = {t.name for t in src.tensors}
-    peak = 0
-    for t in src.tensors:
-        if not t.name.endswith(".ffn_down_exps.weight"):
-            continue
-        n_ff, n_embd, n_expert = t.shape[:3]
-        down = n_embd * n_expert_used * n_ubatch * 4 * (2 if t.name.replace(".weight", ".bias") in names else 1)
-        peak = max(peak, (n_embd + n_expert + 3 * n_ff * n_expert_used) * n_ubatch * 4 + down)
-    return peak
-
-
-def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:
-    """Gemma 3n's split inputs beside the residual and the masks, as GGML_SCHED_DEBUG lists them (tiny Gemma 3n,
-    64k, 2 RPC devices): altup's stacked streams f32 [n_embd, n_ubatch, altup.num_inputs] and their permuted copy;
-    the graph start's outputs (the gathered per-layer rows, host_gathers, and the scaled embeddings); one layer's
-    per-layer input f32 [embedding_length_per_layer_input, n_ubatch]. Zeros for a model without altup."""
-    n_altup = src.arch_get("altup.num_inputs")
-    if not n_altup:
-        return 0, 0, 0
-    resid = int(src.arch_get("embedding_length")) * n_ubatch * 4
-    per_layer = int(src.arch_get("embedding_length_per_layer_input", 0)) * n_ubatch * 4
-    return 2 * int(n_altup) * resid, host_gathers(src, n_ubatch) + resid, per_layer

@@ -1,0 +1,65 @@
+"""Graph inputs of a split graph that depend on the architecture: rows the host gathers from per-layer tables,
+the host's split for experts in CPU memory, Gemma 3n's altup streams. Read off llama.cpp's split graphs on RPC
+devices (GGML_SCHED_DEBUG's split inputs) and sized from the model's header.
+"""
+
+from __future__ import annotations
+
+from ..gguf.reader import GGUFFile
+
+
+# Input-layer tables besides token_embd whose rows the host gathers per token for every layer (LLM_TENSOR_LAYER_INPUT,
+# GGML_OP_GET_ROWS in llama-arch.cpp): Gemma 3n's per-layer embeddings (llama_model_gemma3n::build_inp_per_layer).
+_HOST_GATHERED = ("per_layer_token_embd.weight",)
+
+
+def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
+    """Bytes the host's compute buffer holds for the rows it gathers from such tables and hands to the devices of a
+    split graph: f32 [row width, n_ubatch] each (Gemma 3n's `inp_per_layer_selected`, [n_embd_altup * n_layer,
+    n_ubatch]). Tiny Gemma 3n at 64k on 2 RPC devices: the host's compute 5.01 MiB above the plan without it,
+    this tensor 5.0 MiB (GGML_SCHED_DEBUG's split inputs)."""
+    return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
+
+
+def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
+    """The host's compute-buffer peak for the routed experts of one layer whose expert tensors sit in CPU memory,
+    the largest over the model's layers. The scheduler gives the host a split of its own for them
+    (ggml_backend_sched_split_graph: the mul_mat_id ops whose weights are in a CPU buffer and the weightless
+    activation between them; GGML_SCHED_DEBUG's splits); build_moe_ffn (llama-graph.cpp) shapes them, f32 but
+    the ids: the split's inputs, the FFN input [n_embd, n_ubatch] and the selected experts (a view spanning the
+    argsort, I32 [n_expert, n_ubatch]); three [n_ff_exp, n_expert_used, n_ubatch] tensors (gate, up and their
+    GLU; or up and the activation's steps, as Nemotron-H's relu and sqr; a fused gate_up is two); the down
+    projection's result [n_embd, n_expert_used, n_ubatch] (and its biased copy). Their sum bounds ggml-alloc's
+    peak over the split; at real widths it is the peak, as no later tensor fits the hole an earlier one leaves
+    (Qwen3-30B-A3B's widths, 2 RPC devices, n_cpu_moe=2, 16k and 64k: 72.25 MiB above the graph inputs, real
+    and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this)."""
+    names = {t.name for t in src.tensors}
+    peak = 0
+    for t in src.tensors:
+        if not t.name.endswith(".ffn_down_exps.weight"):
+            continue
+        n_ff, n_embd, n_expert = t.shape[:3]
+        down = n_embd * n_expert_used * n_ubatch * 4 * (2 if t.name.replace(".weight", ".bias") in names else 1)
+        peak = max(peak, (n_embd + n_expert + 3 * n_ff * n_expert_used) * n_ubatch * 4 + down)
+    return peak
+
+
+def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:
+    """Gemma 3n's split inputs beside the residual and the masks, as GGML_SCHED_DEBUG lists them (tiny Gemma 3n,
+    64k, 2 RPC devices): altup's stacked streams f32 [n_embd, n_ubatch, altup.num_inputs] and their permuted copy;
+    the graph start's outputs (the gathered per-layer rows, host_gathers, and the scaled embeddings); one layer's
+    per-layer input f32 [embedding_length_per_layer_input, n_ubatch]. Zeros for a model without altup."""
+    n_altup = src.arch_get("altup.num_inputs")
+    if not n_altup:
+        return 0, 0, 0
+    resid = int(src.arch_get("embedding_length")) * n_ubatch * 4
+    per_layer = int(src.arch_get("embedding_length_per_layer_input", 0)) * n_ubatch * 4
+    return 2 * int(n_altup) * resid, host_gathers(src, n_ubatch) + resid, per_layer
+
+
+def altup_device(altup: tuple[int, int, int], run, has_output: bool) -> int:
+    """Gemma 3n's split inputs (altup_inputs) on a device of a split graph running the layers `run`: the stacked
+    streams where it holds layers, the graph start's outputs on the first layer's device and on the output one
+    (altup_proj runs there), else each layer's per-layer input."""
+    stack, start, per_layer = altup
+    return (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output else 0)

@@ -1,0 +1,138 @@
+"""What a split graph adds to a device's compute buffer, beside the one-device peaks that llama.cpp measures on
+derived models (`compute.py`): the copies of the split's inputs each device receives, the residual the scheduler
+keeps alive with pipeline parallelism, recurrent tails read across devices, and experts in CPU memory.
+Each term is read off llama.cpp's split graphs on RPC devices (GGML_SCHED_DEBUG) and checked by real loads
+(docs/accuracy-table.md); `memory.device_cost` adds them up.
+"""
+
+from __future__ import annotations
+
+from .compute import ComputePeaks
+from ..gguf.info import ModelInfo
+
+# `c: Costs` below is memory.Costs (not imported: memory imports this module)
+SCHED_COPIES = 4  # copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES)
+
+
+def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool, has_output: bool,
+                    n_used: int, pipeline: bool) -> int:
+    """A device's compute buffer (scripts/underestimates.py checks each branch against llama.cpp on 37 cells).
+
+    With several devices the graph is split and each device receives its split's inputs; with pipeline
+    parallelism (llama_context: only when every layer is offloaded) it keeps SCHED_COPIES of them alive,
+    else one. The steady peak already holds one copy."""
+    if n_used <= 1:  # one device, no split: the graph's own peak, at the head or in the layers' steady state
+        # (Phi-3-mini at 32k on the CPU: the layers' peak, 24 MiB above the one-layer model's)
+        return max(peaks.output, peaks.layer_steady) if has_output else peaks.layer_steady
+    copies = SCHED_COPIES if pipeline else 1
+    if has_output and not has_layers:  # the output head alone: no attention, so no mask copies
+        # the one-layer peak is its KQ matrix (flash attention off) or, where the head does not raise it
+        # (small vocabularies: gpt-oss- and LFM2-shaped tiny models, 6.5 MiB real, 41 planned before), its
+        # attention: neither is computed on this device
+        if not c.flash_attn or peaks.output <= peaks.layer_full:
+            return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
+        return peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
+    steady = peaks.layer_steady + (copies - 1) * inputs + held_input(peaks, c.resid, copies)
+    if not has_output:
+        return steady
+    if peaks.moe_split:  # experts in CPU memory (moe_split_peaks)
+        return max(steady, c.head, peaks.output)
+    head = c.head + copies * inputs
+    if peaks.output <= peaks.layer_full:  # the head does not raise the one-layer peak
+        return max(steady, head)
+    # e.g. Mistral-Nemo-12B at 4k; with an f16 cache the output device keeps 3 residual-sized tensors
+    # more (Mistral-Nemo-12B, 16k and 32k on 5 RPC devices: 18 MiB above the other terms in real loads)
+    return max(steady, head, peaks.output + copies * inputs + (3 * c.resid if c.f16_cache else 0))
+
+
+def held_input(peaks: ComputePeaks, resid: int, copies: int) -> int:
+    """What a device holding layers but not the head keeps beyond `copies` of its split inputs and the
+    one-device steady peak: the residual it receives. With pipeline parallelism (copies > 1) the scheduler
+    flags every copy of a split's inputs as an output (ggml_backend_sched_split_graph, pass 5: "prevent
+    ggml-alloc from overwriting the tensor"), so the copy in use stays alive through all the device's layers,
+    where the one-device graph frees its layer input once the attention's residual add has read it: where the
+    steady peak lies past the attention (`ComputePeaks.input_freed`), the device holds one residual more.
+    Tiny SmolLM3, GLM-4.5, Llama 4 and Gemma 4 with flash attention at 16k and 64k on 2-3 RPC devices: 0.245 MiB
+    (one residual, f32 [128, 512]) above the other terms on each such device; without flash attention 0.0."""
+    return resid if peaks.input_freed and copies > 1 else 0
+
+
+def split_inputs(c: Costs, layers) -> int:
+    """One copy of a device's split-graph inputs: a device holding layers but no attention receives no
+    masks nor KV indices, only the residual and the position / output ids (hybrids' recurrent layers:
+    their state-copy indices are a few bytes; Qwen3.5-shaped, 32k, f16: 6.0 MiB real, not 102); an iSWA
+    model's device holding one kind of layer only that cache's mask and indices."""
+    if not c.peaks.by_kind:  # one set of peaks: every layer attends (hybrids and iSWA measure kinds apart)
+        return c.inputs
+    kinds = {c.info.layers[il].kind for il in layers}
+    if kinds and not any(c.info.layers[il].attention for il in layers):
+        return c.inputs_recurrent
+    return c.inputs - (c.cache_inputs[0] if kinds == {"sliding"} else c.cache_inputs[1] if kinds == {"attention"} else 0)
+
+
+def moe_split_peaks(c: Costs, peaks: ComputePeaks, layers) -> ComputePeaks:
+    """A device's peaks in a split graph with experts in CPU memory (no pipeline parallelism): a measured
+    rule, not a derived one (RPC devices, Qwen3-30B-A3B-shaped layers, 16k and 64k; scripts/accuracy.py --moe).
+
+    - a device keeping the experts of at most one of its layers: the layers' steady peak, less the down
+      projection's f32 result [n_embd, n_expert_used, n_ubatch] of build_moe_ffn (llama-graph.cpp), which
+      the host computes for an overridden layer; never below the one-layer peak (plus two residuals when
+      it keeps one). Real 64.0 / 76.5 MiB at 16k (experts of no / one layer kept), planned 80.5 / 88.5;
+      112.0 / 112.0 at 64k, planned 120.0 (the steady peak alone: 104.0 and 152.0); keeping two or more,
+      the steady peak;
+    - the output device holds no second copy of its inputs: real 304.75 / 300.75 MiB, the one-device graph's
+      output peak 304.75, planned the larger of it and the head's (308.75)."""
+    down = c.info.n_embd * max(c.info.n_expert_used, 1) * c.n_ubatch * 4
+    kept = sum(1 for il in layers if il not in c.cpu_experts and c.layer_experts[il])
+    # two layers keeping their experts: the measured two-layer peak (16k: 100.0 real, 104.0 planned)
+    # one layer keeping them: its one-layer peak with the residual-sized copies in and out of the host's
+    # expert splits alive beside it (16k, q8_0: 84.1 real, one-layer peak 80.5, planned 88.5)
+    steady = peaks.layer_steady if kept >= 2 else max(peaks.layer_steady - down,
+                                                      peaks.layer_full + (2 * c.resid if kept else 0))
+    return ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True)
+
+
+def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
+    """The recurrent layers whose output tail another layer's state reads come before: (layer, reader) pairs.
+
+    A recurrent layer (build_mamba2_layer, build_delta_net, build_shortconv_block) expands its state copies
+    into the graph at once, but its output tail (Mamba-2: `ggml_cont(z)`, the gated norm, ssm_out) only
+    when a later layer uses it. The next layer that expands anything is the one that pulls it in: an
+    attention layer's Q/K/V depend on it, so the tail follows at once; a recurrent layer's
+    llm_graph_context::build_rs first expands its state reads (scale, get_rows, cpy on its own RS buffer),
+    which depend on nothing, so the tail comes after them. The scheduler's pass 2 ("expand gpu down",
+    ggml_backend_sched_split_graph) gives each weightless node the backend of the node before it."""
+    pairs = []
+    for il, la in enumerate(info.layers):
+        if not la.recurrent:
+            continue
+        reader = next((j for j in range(il + 1, info.n_layer) if info.layers[j].kind not in ("ffn", "mtp")), None)
+        if reader is not None and info.layers[reader].recurrent:
+            pairs.append((il, reader))
+    return pairs
+
+
+def recurrent_split(c: Costs, layers, copies: int) -> int:
+    """What recurrent tails (recurrent_tails) whose reader is on another device add, as real loads on RPC
+    workers show them (scripts/accuracy.py --hybrid) beside the other terms:
+
+    - the reader's device runs the reader's state reads in a split of their own before the tail's split
+      comes back to it: one residual-sized block more in its buffer (LFM2-2.6B's shapes: 4.0 MiB, one
+      residual; measured, not derived);
+    - Mamba-2: `ggml_cont(z)` is weightless, so it runs on the reader's device: that device receives the view
+      `z` of ssm_in's output (its span: (n_ubatch - 1) rows of ssm_in plus d_inner) and the layer's device
+      receives `ggml_cont(z)` back (f32 [d_inner, n_ubatch]), each in `copies` copies, plus one residual-sized
+      tensor in the split that finishes the layer (measured). Tiny Granite-4-hybrid and Nemotron-H-shaped
+      models, 16k: the reader's device 7.2-9.0 MiB above the other terms, the layer's 3.0-4.5; Nemotron-H-8B's
+      shapes: the reader's 120.0-128.0 MiB, the layer's 60.1 (planned 72.0)."""
+    if not c.recurrent_tails:  # the search calls this thousands of times
+        return 0
+    held, extra, mamba2 = set(layers), 0, bool(c.info.ssm_in_rows)
+    for il, reader in c.recurrent_tails:
+        if il in held and reader not in held and mamba2:
+            extra += copies * c.info.ssm_d_inner * c.n_ubatch * 4 + c.resid
+        elif reader in held and il not in held:
+            extra += c.resid
+            if mamba2:
+                extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4
+    return extra
