@@ -159,32 +159,11 @@ def _smollm2_tokenizer(dest: Path) -> int:
 
 
 def _gemma_tokenizer(dest: Path, vocab_size: int = 300) -> int:
-    """A Gemma-kind tokenizer.json (as tests/test_convert_gemma4.py writes): a BPE trained on this
-    script's docstring over text whose spaces are U+2581, byte fallback, Gemma's specials at ids 0-3,
-    which llama.cpp's converter reads as its `gemma4` tokenizer model. Its vocabulary size."""
-    import json
+    """A Gemma-kind tokenizer.json (ctxq.testing.gemma_tokenizer, as tests/test_convert_gemma4.py writes it)
+    trained on this script's docstring; its vocabulary size."""
+    from ctxq.testing.gemma_tokenizer import write_gemma_tokenizer
 
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials, space = ["<pad>", "<eos>", "<bos>", "<unk>"], normalizers.Replace(" ", "\u2581")
-    t = Tokenizer(models.BPE())
-    t.normalizer = space
-    t.train_from_iterator(__doc__.split("\n") * 4,
-                          trainers.BpeTrainer(vocab_size=vocab_size, max_token_length=6, show_progress=False))
-    learned = json.loads(t.to_str())["model"]
-    vocab = {s: i for i, s in enumerate(specials)}
-    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
-    for text in ["\n", *sorted(learned["vocab"], key=learned["vocab"].get)]:
-        vocab.setdefault(text, len(vocab))
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
-    tok.normalizer = space
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tok.add_special_tokens([*specials, "<|turn>"])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(dest)
-    return tok.get_vocab_size()
+    return write_gemma_tokenizer(dest, __doc__.split("\n"), vocab_size)
 
 
 _SWA, _FULL = "sliding_attention", "full_attention"

@@ -144,14 +144,15 @@ def reference_logits(folder: Path, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def llama_logits(gguf_path: Path, ids: list[int]) -> tuple[np.ndarray, list[int]]:
-    """llama.cpp's logits for every position, and its own tokenization of TEXT."""
+def llama_logits(gguf_path: Path, ids: list[int], **ctx) -> tuple[np.ndarray, list[int]]:
+    """llama.cpp's logits for every position, and its own tokenization of TEXT; ctx: context options
+    (the KV cache types)."""
     from llama_cpp import Llama
 
     from ctxq.llama.backend import llama_cpp
 
     llama_cpp()  # ctxq's log capture instead of llama.cpp's stderr
-    llm = Llama(str(gguf_path), n_ctx=256, n_batch=256, logits_all=True, n_threads=2, verbose=False)
+    llm = Llama(str(gguf_path), n_ctx=256, n_batch=256, logits_all=True, n_threads=2, verbose=False, **ctx)
     try:
         toks = llm.tokenize(TEXT.encode(), add_bos=False, special=False)
         llm.eval(ids)
@@ -167,6 +168,15 @@ def compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, int, int]:
     near_tie = (top2[:, 1] - top2[:, 0]) < 1e-3 * (ref.max(1) - ref.min(1))
     differ = ref.argmax(1) != got.argmax(1)
     return rel, int((differ & ~near_tie).sum()), int(near_tie.sum())
+
+
+def assert_4bit_close(label: str, ref: np.ndarray, got: np.ndarray) -> None:
+    """A 4-bit model's logits against the f32 reference: 4-bit weights of random models move logits a lot, a
+    wrong layout makes them unrelated (mean relative L2 near 1, top-1 agreement near chance: 1 in ~350)."""
+    rel = float(np.mean(np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)))
+    agree = float((ref.argmax(1) == got.argmax(1)).mean())
+    print(f"{label}: mean relative L2 {rel:.3f}, top-1 agreement {agree:.3f}")
+    assert rel < 0.5 and agree > 0.5, (rel, agree)
 
 
 def hf_ids(folder: Path) -> list[int]:
