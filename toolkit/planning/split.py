@@ -7,8 +7,12 @@ Each term is read off llama.cpp's split graphs on RPC devices (GGML_SCHED_DEBUG)
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .compute import ComputePeaks
-from ..gguf.info import ModelInfo
+from ..errors import CtxqError
+from ..gguf.info import ModelInfo, block_of
+from ..gguf.reader import read_gguf
 
 # `c: Costs` below is memory.Costs (not imported: memory imports this module)
 SCHED_COPIES = 4  # copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES)
@@ -112,6 +116,17 @@ def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
     return pairs
 
 
+@lru_cache(maxsize=64)
+def shared_expert_layers(path: str) -> frozenset[int]:
+    """Layers with a shared-expert FFN (blk.<il>.ffn_*_shexp tensors), read from the model's header; empty where the
+    header cannot be read here (a Hub model's: recurrent_split then keeps the shared experts' rule, the smaller)."""
+    try:
+        g = read_gguf(path, skip_arrays=True)
+    except (OSError, ValueError, CtxqError):
+        return frozenset()
+    return frozenset(il for t in g.tensors if "_shexp." in t.name and (il := block_of(t.name)) is not None)
+
+
 def recurrent_split(c: Costs, layers, copies: int) -> int:
     """What recurrent tails (recurrent_tails) whose reader is on another device add, as real loads on RPC
     workers show them (scripts/accuracy.py --hybrid) beside the other terms:
@@ -124,15 +139,25 @@ def recurrent_split(c: Costs, layers, copies: int) -> int:
       receives `ggml_cont(z)` back (f32 [d_inner, n_ubatch]), each in `copies` copies, plus one residual-sized
       tensor in the split that finishes the layer (measured). Tiny Granite-4-hybrid and Nemotron-H-shaped
       models, 16k: the reader's device 7.2-9.0 MiB above the other terms, the layer's 3.0-4.5; Nemotron-H-8B's
-      shapes: the reader's 120.0-128.0 MiB, the layer's 60.1 (planned 72.0)."""
+      shapes: the reader's 120.0-128.0 MiB, the layer's 60.1 (planned 72.0);
+    - a layer with routed experts: build_moe_ffn (llama-graph.cpp) expands its experts' result into the graph
+      (ggml_build_forward_expand), and with it the mixer's whole output, so no `z` crosses. Its tail is what
+      follows: with shared experts (ffn_*_shexp, weighted: Granite 4, Qwen3.5-MoE, Kimi-Linear) it comes back to
+      the layer's device, one residual as above (tiny Granite-4-MoE, [2,1,1] at 16k without flash attention and
+      at 64k: the reader's device 10.54 / 10.79 MiB planned before, 6.04 real, now 6.23 / 6.48); without
+      (LFM2-MoE: the add of moe_out and the residual, weightless) it runs on the reader's device, which receives
+      both operands, in `copies` copies (GGML_SCHED_DEBUG: `node_151` and `ffn_moe_out-3`; tiny LFM2-MoE, the
+      reader's device 0.75 MiB under before at [1,1] 64k q8_0 and [2,1,1] 16k f16, 0.00 now)."""
     if not c.recurrent_tails:  # the search calls this thousands of times
         return 0
     held, extra, mamba2 = set(layers), 0, bool(c.info.ssm_in_rows)
     for il, reader in c.recurrent_tails:
-        if il in held and reader not in held and mamba2:
+        moe = bool(c.layer_experts and c.layer_experts[il])
+        if il in held and reader not in held and mamba2 and not moe:
             extra += copies * c.info.ssm_d_inner * c.n_ubatch * 4 + c.resid
         elif reader in held and il not in held:
-            extra += c.resid
-            if mamba2:
+            weightless = moe and il not in shared_expert_layers(c.info.path)
+            extra += copies * c.resid if weightless else c.resid
+            if mamba2 and not moe:
                 extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4
     return extra
