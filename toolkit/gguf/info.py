@@ -30,8 +30,8 @@ SWA_RULES: dict[str, tuple[int | None, int]] = {
 #   neither is an MLP layer with no memory at all (nemotron_h, llama_model::create_memory's filters).
 RECURRENT_RULES: dict[str, str] = {
     "qwen35": "interval", "qwen35moe": "interval", "qwen3next": "interval",
-    "lfm2": "kv0", "granitehybrid": "kv0",
-    "nemotron_h": "kv0_ff0",
+    "lfm2": "kv0", "lfm2moe": "kv0", "granitehybrid": "kv0",
+    "nemotron_h": "kv0_ff0", "nemotron_h_moe": "kv0_ff0",
 }
 # Multi-section rope: inp_pos holds GGML_MROPE_SECTIONS (4) positions per token (llama_hparams::n_pos_per_embd;
 # the MROPE / IMROPE architectures of llama_model_rope_type).
