@@ -5,6 +5,10 @@ devices (GGML_SCHED_DEBUG's split inputs) and sized from the model's header.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from .compute import ComputePeaks, _alternating
+from ..gguf.info import ModelInfo
 from ..gguf.reader import GGUFFile
 
 
@@ -63,3 +67,39 @@ def altup_device(altup: tuple[int, int, int], run, has_output: bool) -> int:
     (altup_proj runs there), else each layer's per-layer input."""
     stack, start, per_layer = altup
     return (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output else 0)
+
+
+# f32 [n_embd_altup, n_layer, n_ubatch] tensors alive together where project_per_layer_inputs (gemma3n.cpp) runs:
+# CPU dry runs of tiny Gemma 3n's derived models (64k, q8_0, flash attention) of 2, 4, 6 and 10 layers peak at
+# 69.55, 73.52, 77.52 and 85.52 MiB, 2.0 MiB per layer = 4 slices f32 [256, 512].
+PER_LAYER_SLABS = 4
+
+
+def per_layer_slabs(src: GGUFFile, n_ubatch: int) -> int:
+    """Bytes per layer of the graph start's per-layer slabs on the device running layer 0 (PER_LAYER_SLABS).
+    build_inp_per_layer and project_per_layer_inputs (gemma3n.cpp) shape them over the model's n_layer, where a
+    derived model (compute.write_derived) cuts per_layer_token_embd and per_layer_model_proj to the layers it
+    keeps: the dry run's peak misses (n_layer - kept) of these. Zero for a model without per-layer inputs."""
+    t = next((t for t in src.tensors if t.name in _HOST_GATHERED), None)
+    return PER_LAYER_SLABS * t.shape[0] // int(src.arch_get("block_count")) * n_ubatch * 4 if t else 0
+
+
+def first_layer_peaks(peaks: ComputePeaks, info: ModelInfo, slab: int, mixed: bool) -> ComputePeaks:
+    """The layers' peaks of the device running layer 0 with the per-layer slabs its derived models miss
+    (per_layer_slabs, `slab` bytes per layer): compute.compute_peaks' one-layer model keeps one layer of each kind,
+    its steady model those of _alternating (mixed peaks) or two of one kind (a kind's own). The head's peak is
+    left: the slabs are freed by then. Tiny Gemma 3n on RPC devices, the first one's compute: 64k q8_0 (2 devices)
+    and 64k f16 (3) 303.10 MiB real, 291.33 planned before, 303.33 with this; 16k f16 without flash attention (3)
+    304.07 real, 292.81 before, 304.81 with this (its steady peak lies in the attention on the CPU, the graph start
+    on the device: a bound)."""
+    if mixed:
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for il, la in enumerate(info.layers):
+            if not la.mtp:
+                groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+        one = len(groups)
+        two = len(_alternating(info, tuple(sorted(il for ils in groups.values() for il in ils[:2]))))
+    else:
+        one, two = 1, 2
+    return replace(peaks, layer_full=peaks.layer_full + (info.n_layer - one) * slab,
+                   layer_steady=peaks.layer_steady + (info.n_layer - two) * slab)
