@@ -76,30 +76,52 @@ PER_LAYER_SLABS = 4
 
 
 def per_layer_slabs(src: GGUFFile, n_ubatch: int) -> int:
-    """Bytes per layer of the graph start's per-layer slabs on the device running layer 0 (PER_LAYER_SLABS).
-    build_inp_per_layer and project_per_layer_inputs (gemma3n.cpp) shape them over the model's n_layer, where a
-    derived model (compute.write_derived) cuts per_layer_token_embd and per_layer_model_proj to the layers it
-    keeps: the dry run's peak misses (n_layer - kept) of these. Zero for a model without per-layer inputs."""
+    """Bytes of one layer's slice of the graph start's per-layer slabs, f32 [n_embd_altup, n_ubatch]. build_inp_per_layer
+    and project_per_layer_inputs (gemma3n.cpp) shape the slabs over the model's n_layer, where a derived model
+    (compute.write_derived) cuts per_layer_token_embd and per_layer_model_proj to the layers it keeps: its dry run's
+    peak misses (n_layer - kept) slices of each. Zero for a model without per-layer inputs."""
     t = next((t for t in src.tensors if t.name in _HOST_GATHERED), None)
-    return PER_LAYER_SLABS * t.shape[0] // int(src.arch_get("block_count")) * n_ubatch * 4 if t else 0
+    return t.shape[0] // int(src.arch_get("block_count")) * n_ubatch * 4 if t else 0
+
+
+def derived_layers(info: ModelInfo, mixed: bool) -> tuple[int, int]:
+    """Layers in compute.compute_peaks' one-layer and steady derived models: one of each kind and those of
+    compute._alternating (mixed peaks), or one and two of one kind (a kind's own peaks)."""
+    if not mixed:
+        return 1, 2
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for il, la in enumerate(info.layers):
+        if not la.mtp:
+            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+    return len(groups), len(_alternating(info, tuple(sorted(il for ils in groups.values() for il in ils[:2]))))
 
 
 def first_layer_peaks(peaks: ComputePeaks, info: ModelInfo, slab: int, mixed: bool) -> ComputePeaks:
-    """The layers' peaks of the device running layer 0 with the per-layer slabs its derived models miss
-    (per_layer_slabs, `slab` bytes per layer): compute.compute_peaks' one-layer model keeps one layer of each kind,
-    its steady model those of _alternating (mixed peaks) or two of one kind (a kind's own). The head's peak is
-    left: the slabs are freed by then. Tiny Gemma 3n on RPC devices, the first one's compute: 64k q8_0 (2 devices)
-    and 64k f16 (3) 303.10 MiB real, 291.33 planned before, 303.33 with this; 16k f16 without flash attention (3)
-    304.07 real, 292.81 before, 304.81 with this (its steady peak lies in the attention on the CPU, the graph start
-    on the device: a bound)."""
-    if mixed:
-        groups: dict[tuple[str, bool], list[int]] = {}
-        for il, la in enumerate(info.layers):
-            if not la.mtp:
-                groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
-        one = len(groups)
-        two = len(_alternating(info, tuple(sorted(il for ils in groups.values() for il in ils[:2]))))
-    else:
-        one, two = 1, 2
-    return replace(peaks, layer_full=peaks.layer_full + (info.n_layer - one) * slab,
-                   layer_steady=peaks.layer_steady + (info.n_layer - two) * slab)
+    """The layers' peaks of the device running layer 0 with the PER_LAYER_SLABS slabs its derived models cut
+    (per_layer_slabs, `slab` bytes per layer and slab). The head's peak is left: the slabs are freed by then.
+    Tiny Gemma 3n on RPC devices, the first one's compute: 64k q8_0 (2 devices) and 64k f16 (3) 303.10 MiB real,
+    291.33 planned before, 303.33 with this (305.33 with altup_steady's held stack); 16k f16 without flash attention
+    (3) 304.07 real, 292.81 before, 304.81 (306.81): its steady peak lies in the attention on the CPU, at the graph
+    start on the device, so this is a bound there."""
+    one, two = derived_layers(info, mixed)
+    return replace(peaks, layer_full=peaks.layer_full + (info.n_layer - one) * PER_LAYER_SLABS * slab,
+                   layer_steady=peaks.layer_steady + (info.n_layer - two) * PER_LAYER_SLABS * slab)
+
+
+def altup_steady(c, peaks: ComputePeaks, run, has_output: bool, copies: int) -> int:
+    """What Gemma 3n's devices of a split graph hold beyond the steady peak and copies of their split inputs
+    (altup_device), at the steady peak of a device holding layers, as GGML_SCHED_DEBUG lists its split inputs:
+    - the layer input received: not the residual alone (split.held_input) but `l_out` [n_embd, n_ubatch, n_altup],
+      its permuted copy and the active stream's view; with pipeline parallelism every copy stays alive through the
+      device's layers (held_input's reason), where the one-device graph frees the stack at altup_predict;
+    - the output device, not running layer 0, receives the per-layer rows it scales (inp_per_layer_selected) the
+      model's n_layer wide, where its steady peak's derived model holds them at its kept layers' width.
+    Tiny Gemma 3n on 3 RPC devices: the middle device's compute at 64k f16 22.54 MiB real, 21.56 planned before,
+    23.56 with this; at 16k f16 without flash attention 34.05, 33.53 before, 35.53; the output device there 291.06,
+    287.54 before, 292.54. `c` is memory.Costs."""
+    if not c.altup[0] or not len(run):
+        return 0
+    held = c.altup[0] if peaks.input_freed and copies > 1 else 0
+    if has_output and 0 not in run:
+        held += (c.info.n_layer - derived_layers(c.info, peaks is c.peaks)[1]) * c.per_layer_slab
+    return held

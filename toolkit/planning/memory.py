@@ -215,6 +215,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     ins = split_inputs(c, run)
     if n_used > 1 and c.altup[0]:
         ins += inputs_mod.altup_device(c.altup, run, has_output)
+        held = inputs_mod.altup_steady(c, peaks, run, has_output, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
+        peaks = replace(peaks, layer_steady=peaks.layer_steady + held)
     dp.compute = device_compute(c, peaks, ins, bool(run), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)

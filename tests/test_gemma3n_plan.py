@@ -1,0 +1,38 @@
+"""Gemma 3n (issue 28): where llama.cpp puts its tensors outside the blocks, and its 3-device cells against
+llama.cpp's real allocations (the 2-device cell is in tests/test_arch_matrix.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ctxq.gguf.info import model_info
+from ctxq.gguf.reader import read_gguf
+from ctxq.rpc import start_workers
+from ctxq.testing import upstream_models
+from ctxq.testing.accuracy import check_cell
+
+pytestmark = pytest.mark.slow
+
+
+def test_weights_outside_blocks_go_where_llama_cpp_loads_them():
+    """per_layer_model_proj / per_layer_proj_norm in layer 0's buffer, altup_proj / altup_unembd_proj in the
+    output's (llama_model_gemma3n::load_arch_tensors, llama-arch.cpp): none of them on the host."""
+    g = read_gguf(str(upstream_models.build("gemma3n")), skip_arrays=True)
+    info = model_info(g)
+    size = {t.name: t.nbytes for t in g.tensors}
+    blk0 = sum(n for name, n in size.items() if name.startswith("blk.0."))
+    assert info.layers[0].dense_bytes == blk0 + size["per_layer_model_proj.weight"] + size["per_layer_proj_norm.weight"]
+    assert info.output_bytes == size["output_norm.weight"] + size["altup_proj.weight"] + size["altup_unembd_proj.weight"]
+    assert info.other_bytes == size["per_layer_token_embd.weight"]  # the host's input table
+
+
+@pytest.mark.parametrize("n_ctx,fa", [(16384, False), (65536, True)], ids=["16k-f16-fa-off", "64k-f16"])
+def test_three_devices(n_ctx, fa):
+    """First, middle and output devices: before h-g3n 11.9-12.4, 0.5-1.0 and 3.7 MiB under llama.cpp."""
+    with start_workers(3) as w:
+        r = check_cell(str(upstream_models.build("gemma3n")), n_ctx, "f16", [2, 1, 1], workers=w, flash_attn=fa,
+                       label=f"gemma3n-rpc3-{n_ctx}")
+    assert r.layers_match, r.layer_mismatch
+    for dev in r.devices:
+        detail = f"{dev.name}: planned {dev.planned}, llama.cpp {dev.real}"
+        assert not dev.under and dev.ok_tiny, detail
