@@ -36,3 +36,18 @@ def test_three_devices(n_ctx, fa):
     for dev in r.devices:
         detail = f"{dev.name}: planned {dev.planned}, llama.cpp {dev.real}"
         assert not dev.under and dev.ok_tiny, detail
+
+
+@pytest.mark.parametrize("split,n_ctx", [([1, 3], 16384), ([1, 1], 65536)], ids=["1-3-16k", "1-1-64k"])
+def test_output_device_with_many_layers_without_flash_attention(split, n_ctx):
+    """The output device holding several layers, without flash attention (its steady peak, not the head, decides):
+    before h-g3n 8.7 and 7.2 MiB under llama.cpp. A first device holding only sliding layers (split 1:3) is planned
+    up to 7.7 MiB over (inputs.first_layer_peaks is a bound there), never under."""
+    with start_workers(len(split)) as w:
+        r = check_cell(str(upstream_models.build("gemma3n")), n_ctx, "f16", split, workers=w, flash_attn=False,
+                       label=f"gemma3n-{split}-{n_ctx}")
+    assert r.layers_match, r.layer_mismatch
+    for dev in r.devices:
+        assert not dev.under, f"{dev.name}: planned {dev.planned}, llama.cpp {dev.real}"
+    out = next(d for d in r.devices if d.name == f"RPC{len(split) - 1}")
+    assert out.ok_tiny, f"{out.name}: planned {out.planned}, llama.cpp {out.real}"

@@ -115,13 +115,17 @@ def altup_steady(c, peaks: ComputePeaks, run, has_output: bool, copies: int) -> 
       its permuted copy and the active stream's view; with pipeline parallelism every copy stays alive through the
       device's layers (held_input's reason), where the one-device graph frees the stack at altup_predict;
     - the output device, not running layer 0, receives the per-layer rows it scales (inp_per_layer_selected) the
-      model's n_layer wide, where its steady peak's derived model holds them at its kept layers' width.
-    Tiny Gemma 3n on 3 RPC devices: the middle device's compute at 64k f16 22.54 MiB real, 21.56 planned before,
-    23.56 with this; at 16k f16 without flash attention 34.05, 33.53 before, 35.53; the output device there 291.06,
-    287.54 before, 292.54. `c` is memory.Costs."""
+      model's n_layer wide, where its steady peak's derived model holds them at its kept layers' width; and each
+      of its layers' per-layer input (a view of inp_per_layer), held as the stack is.
+    Tiny Gemma 3n on RPC devices, compute: the middle device of 3 at 64k f16 22.54 MiB real, 21.56 planned before,
+    23.56 with this; at 16k f16 without flash attention 34.05, 33.53 before, 35.53. The output device without
+    flash attention (the head does not dominate): holding layer 9 (3 devices, 16k) 291.06 real, 287.54 before,
+    293.04; layers 3-9 (split 1:3, 16k) 311.80, 303.31, 311.81; layers 6-9 (1:1, 64k) 1073.80, 1066.81, 1073.81.
+    `c` is memory.Costs."""
     if not c.altup[0] or not len(run):
         return 0
     held = c.altup[0] if peaks.input_freed and copies > 1 else 0
     if has_output and 0 not in run:
-        held += (c.info.n_layer - derived_layers(c.info, peaks is c.peaks)[1]) * c.per_layer_slab
+        held += (c.info.n_layer - derived_layers(c.info, peaks is c.peaks)[1]) * c.per_layer_slab \
+            + len(run) * c.altup[2]
     return held
