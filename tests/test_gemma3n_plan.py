@@ -51,3 +51,17 @@ def test_output_device_with_many_layers_without_flash_attention(split, n_ctx):
         assert not dev.under, f"{dev.name}: planned {dev.planned}, llama.cpp {dev.real}"
     out = next(d for d in r.devices if d.name == f"RPC{len(split) - 1}")
     assert out.ok_tiny, f"{out.name}: planned {out.planned}, llama.cpp {out.real}"
+
+
+def test_host_running_the_first_layers():
+    """Layers 0-3 on the CPU, the rest on one RPC device, 16k f16 without flash attention: the host runs layer 0 and
+    the graph start (inputs.host_first_layer). Its compute was 4.0 MiB under llama.cpp before h-g3n. The total is
+    held to the tiny target only: with mmap, CPU_Mapped reports the file's span from layer 0 to per_layer_model_proj
+    at its end (257.06 MiB, blocks 1-9 included), where a load without mmap gives the host's tensors, 253.07 MiB,
+    the plan's figure."""
+    with start_workers(1) as w:
+        r = check_cell(str(upstream_models.build("gemma3n")), 16384, "f16", [0.35], workers=w, search=True,
+                       flash_attn=False, label="gemma3n-host-layers")
+    assert r.layers_match, r.layer_mismatch
+    host = next(d for d in r.devices if d.name == "CPU")
+    assert host.planned["compute"] >= host.real["compute"] and host.ok_tiny, f"planned {host.planned}, llama.cpp {host.real}"

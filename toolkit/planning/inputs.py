@@ -129,3 +129,14 @@ def altup_steady(c, peaks: ComputePeaks, run, has_output: bool, copies: int) -> 
         held += (c.info.n_layer - derived_layers(c.info, peaks is c.peaks)[1]) * c.per_layer_slab \
             + len(run) * c.altup[2]
     return held
+
+
+def host_first_layer(c, compute: int, ins: int, mixed: bool) -> int:
+    """The host's compute when it runs layer 0 itself (layers left on the CPU), from `compute`, its one-layer peak
+    and one copy of the graph inputs `ins`: no split inputs held in copies here, so the larger of the layer's peak
+    with inp_per_layer (the slab every layer reads) at the model's width, and the graph start's PER_LAYER_SLABS
+    slabs at that width beside the inputs. Tiny Gemma 3n, 16k f16 without flash attention, layers 0-3 on the CPU
+    and the rest on one RPC device: the host's compute 53.46 MiB real, 49.46 planned before, 54.76 with this
+    (first_layer_peaks' bound: 67.46). `c` is memory.Costs."""
+    one = derived_layers(c.info, mixed)[0]
+    return max(compute + (c.info.n_layer - one) * c.per_layer_slab, ins + PER_LAYER_SLABS * c.info.n_layer * c.per_layer_slab)

@@ -232,11 +232,11 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     return dp
 
 
-def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
-    """The compute peaks for a device holding `layers`, by the kinds of layer it holds (with layer 0, the per-layer
-    slabs its derived models miss: inputs.first_layer_peaks)."""
+def _peaks(c: Costs, layers, slabs: bool = True) -> compute_mod.ComputePeaks:
+    """The compute peaks for a device holding `layers`, by the kinds of layer it holds (with layer 0 and `slabs`,
+    the per-layer slabs its derived models miss: inputs.first_layer_peaks)."""
     peaks = c.peaks.of({c.info.layers[il].kind for il in layers}) if c.peaks.by_kind else c.peaks
-    if c.per_layer_slab and 0 in layers:
+    if slabs and c.per_layer_slab and 0 in layers:
         return inputs_mod.first_layer_peaks(peaks, c.info, c.per_layer_slab, mixed=peaks is c.peaks)
     return peaks
 
@@ -261,9 +261,11 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
                                     has_out, 1, pipeline=False)
     elif len(layers):  # it runs those layers (and experts' matmuls): their peak and one copy of the inputs
         # (no pipeline parallelism with CPU layers or tensor overrides)
-        dp.compute = _peaks(c, [*layers, *moved]).layer_full + (c.inputs if any(c.info.swa_layers)  # both masks
-                                                                 else split_inputs(c, [*layers, *moved])) \
-            + (recurrent_split(c, layers, 1) if n_used else 0)
+        peaks = _peaks(c, [*layers, *moved], slabs=False)
+        ins = c.inputs if any(c.info.swa_layers) else split_inputs(c, [*layers, *moved])  # iSWA: both masks
+        dp.compute = peaks.layer_full + ins + (recurrent_split(c, layers, 1) if n_used else 0)
+        if c.per_layer_slab:  # it runs layer 0 and the graph start
+            dp.compute = inputs_mod.host_first_layer(c, dp.compute, ins, mixed=peaks is c.peaks)
     elif moved:  # every graph input, one copy alive until its last split (all masks), and the experts' matmuls
         # (inputs.host_experts); the residual: the embeddings sent, whose hole ggml-alloc does not fill
         dp.compute = c.inputs + c.host_experts + c.host_gathers
