@@ -63,5 +63,7 @@ def test_host_running_the_first_layers():
         r = check_cell(str(upstream_models.build("gemma3n")), 16384, "f16", [0.35], workers=w, search=True,
                        flash_attn=False, label="gemma3n-host-layers")
     assert r.layers_match, r.layer_mismatch
+    dev = next(d for d in r.devices if d.name == "RPC0")  # layers 1-9 and the head: 1.7 MiB under before h-g3n
+    assert not dev.under and dev.ok_tiny, f"planned {dev.planned}, llama.cpp {dev.real}"
     host = next(d for d in r.devices if d.name == "CPU")
     assert host.planned["compute"] >= host.real["compute"] and host.ok_tiny, f"planned {host.planned}, llama.cpp {host.real}"
