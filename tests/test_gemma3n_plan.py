@@ -22,7 +22,8 @@ def test_weights_outside_blocks_go_where_llama_cpp_loads_them():
     size = {t.name: t.nbytes for t in g.tensors}
     blk0 = sum(n for name, n in size.items() if name.startswith("blk.0."))
     assert info.layers[0].dense_bytes == blk0 + size["per_layer_model_proj.weight"] + size["per_layer_proj_norm.weight"]
-    assert info.output_bytes == size["output_norm.weight"] + size["altup_proj.weight"] + size["altup_unembd_proj.weight"]
+    assert info.output_bytes == sum(size[n] for n in ("output_norm.weight", "altup_proj.weight",
+                                                      "altup_unembd_proj.weight"))
     assert info.other_bytes == size["per_layer_token_embd.weight"]  # the host's input table
 
 
@@ -66,4 +67,5 @@ def test_host_running_the_first_layers():
     dev = next(d for d in r.devices if d.name == "RPC0")  # layers 1-9 and the head: 1.7 MiB under before h-g3n
     assert not dev.under and dev.ok_tiny, f"planned {dev.planned}, llama.cpp {dev.real}"
     host = next(d for d in r.devices if d.name == "CPU")
-    assert host.planned["compute"] >= host.real["compute"] and host.ok_tiny, f"planned {host.planned}, llama.cpp {host.real}"
+    detail = f"planned {host.planned}, llama.cpp {host.real}"
+    assert host.planned["compute"] >= host.real["compute"] and host.ok_tiny, detail
