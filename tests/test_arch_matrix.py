@@ -24,10 +24,6 @@ FULL_ONLY = ("an iSWA model's device whose layers are all full attention is plan
              "+9.8 MiB (3.6 %) at 16k without flash attention")
 HEAD_ONLY = ("a device holding the output head alone, at real widths: Llama-4-Scout-shaped at 64k +78 MiB (53 %) "
              "over (split.device_compute's head-only branch)")
-GEMMA3N = ("Gemma 3n on 2-3 RPC devices: the first layer's device under llama.cpp by 11-12 MiB of compute (its per-layer "
-           "input slabs f32 [n_embd_per_layer * n_layer, n_ubatch] are the model's n_layer wide, the derived model's its own "
-           "layers'), and the weights of per_layer_model_proj (first device, 0.62 MiB) and altup_proj / altup_unembd_proj "
-           "(output device, 0.19) planned on the host; the 16k output device 3.7 MiB under")
 
 
 def _xfail(reason: str):
@@ -42,6 +38,8 @@ def _xfail(reason: str):
 # (split.held_input, with memory.py's patch), and DeepSeek-V2-Lite's derived model (compute._LAYER_COUNT_KEYS).
 # Fixed by h-host: the host's compute with experts in CPU memory (memory.host_cost, inputs.host_experts), and
 # devices whose layers all slide or chunk (compute_peaks' by-kind peaks for iSWA models, memory.Costs.cache_inputs).
+# Fixed by h-g3n: Gemma 3n's first layer's device (the per-layer slabs its derived models cut, inputs.per_layer_slabs)
+# and the weights outside its blocks (gguf.info.LAYER_TENSORS / OUTPUT_TENSORS).
 TINY = [
     pytest.param("smollm3", [2, 1, 1], 16384, "f16", False, None, id="smollm3-rpc3-16k-fa-off"),
     pytest.param("smollm3", [2, 1, 1], 65536, "f16", True, None, id="smollm3-rpc3-64k"),
@@ -59,7 +57,7 @@ TINY = [
     pytest.param("deepseek-v2-lite", [1, 1], 65536, "q8_0", True, None, id="deepseek-v2-lite-rpc2-64k-q8"),
     pytest.param("olmo3", [2, 1, 1], 16384, "f16", False, None, marks=_xfail(FULL_ONLY), id="olmo3-rpc3-16k-fa-off"),
     pytest.param("cohere2", [2, 1, 1], 65536, "f16", True, None, id="cohere2-rpc3-64k"),
-    pytest.param("gemma3n", [1, 1], 65536, "q8_0", True, None, marks=_xfail(GEMMA3N), id="gemma3n-rpc2-64k-q8"),
+    pytest.param("gemma3n", [1, 1], 65536, "q8_0", True, None, id="gemma3n-rpc2-64k-q8"),
     pytest.param("kimi-linear", [2, 1, 1], 16384, "f16", False, None, id="kimi-linear-rpc3-16k-fa-off"),
     pytest.param("nemotron-h-moe", [2, 1, 1], 65536, "f16", True, None, id="nemotron-h-moe-rpc3-64k"),
     pytest.param("qwen35moe", [2, 1, 1], 65536, "q8_0", True, 2, id="qwen35moe-rpc3-64k-q8-ncmoe2"),
@@ -104,7 +102,7 @@ def test_real_width_cell(name, devices, n_ctx, kv, fa, n_cpu_moe, request):
 
 def test_host_gathers_gemma3n_per_layer_rows():
     """The host gathers Gemma 3n's per-layer embedding rows for the devices of a split graph (inputs.host_gathers):
-    its row is within the tiny target and not under, though the devices' rows are not yet (GEMMA3N)."""
+    its row is within the tiny target and not under."""
     with start_workers(2) as w:
         r = check_cell(str(upstream_models.build("gemma3n")), 65536, "q8_0", [1, 1], workers=w, label="gemma3n host",
                        flash_attn=True)

@@ -50,6 +50,11 @@ STATE_TYPE_BYTES = 4  # recurrent_type_r / _s are GGML_TYPE_F32 (llama_model::cr
 # Output norms under another name (LLM_TENSOR_OUTPUT_NORM_LFM2 is "token_embd_norm", llama-arch.cpp): they sit
 # with the output head, not with the token embeddings on the host.
 OUTPUT_NORM = {"lfm2": "token_embd_norm.weight", "lfm2moe": "token_embd_norm.weight"}
+# Tensors outside the blocks in layer 0's buffer (llama_model_gemma3n::load_arch_tensors: tn(..., "weight", 0), a
+# LLM_TENSOR_LAYER_REPEATING tensor) or the output's (LLM_TENSOR_LAYER_OUTPUT, llama-arch.cpp). Tiny Gemma 3n, 2 RPC
+# devices: model buffers 3.28 / 13.96 MiB, 2.66 / 13.77 planned with them on the host (0.62 / 0.19 MiB).
+LAYER_TENSORS, OUTPUT_TENSORS = {"per_layer_model_proj.weight": 0, "per_layer_proj_norm.weight": 0}, \
+    {"altup_proj.weight", "altup_unembd_proj.weight"}
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # the KV-cache types ctxq chooses between
 
@@ -167,21 +172,11 @@ class ModelInfo:
         """The share of a layer's expert bytes one token reads: expert_used_count / expert_count."""
         return self.n_expert_used / self.n_expert if self.n_expert else 1.0
 
-    @property
-    def n_head(self) -> list[int]:
-        return [la.n_head for la in self.layers]
-
-    @property
-    def n_head_kv(self) -> list[int]:
-        return [la.n_head_kv for la in self.layers]
-
-    @property
-    def swa_layers(self) -> list[bool]:
-        return [la.sliding for la in self.layers]
-
-    @property
-    def recurrent_layers(self) -> list[bool]:
-        return [la.recurrent for la in self.layers]
+    # per-layer columns of `layers`
+    n_head = property(lambda self: [la.n_head for la in self.layers])
+    n_head_kv = property(lambda self: [la.n_head_kv for la in self.layers])
+    swa_layers = property(lambda self: [la.sliding for la in self.layers])
+    recurrent_layers = property(lambda self: [la.recurrent for la in self.layers])
 
     @property
     def layer_bytes(self) -> list[int]:
@@ -254,7 +249,9 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
         types[t.type_name] += 1
         n_params += t.n_elements
         il = block_of(t.name)
-        if il is not None and il < n_layer:
+        if t.name in LAYER_TENSORS:
+            dense[LAYER_TENSORS[t.name]] += t.nbytes
+        elif il is not None and il < n_layer:
             if mtp[il]:
                 continue  # TENSOR_SKIP: not loaded
             (expert if is_expert(t.name) else dense)[il] += t.nbytes
@@ -263,7 +260,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
             routers[il] |= t.name.split(".")[2] == "ffn_gate_inp"
         elif t.name == "token_embd.weight":
             token_embd += t.nbytes
-        elif t.name.startswith("output") or t.name == OUTPUT_NORM.get(arch):
+        elif t.name.startswith("output") or t.name == OUTPUT_NORM.get(arch) or t.name in OUTPUT_TENSORS:
             output += t.nbytes
             if t.name == "output.weight":
                 output_type = t.type_name

@@ -5,6 +5,10 @@ devices (GGML_SCHED_DEBUG's split inputs) and sized from the model's header.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from .compute import ComputePeaks, _alternating
+from ..gguf.info import ModelInfo
 from ..gguf.reader import GGUFFile
 
 
@@ -63,3 +67,77 @@ def altup_device(altup: tuple[int, int, int], run, has_output: bool) -> int:
     (altup_proj runs there), else each layer's per-layer input."""
     stack, start, per_layer = altup
     return (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output else 0)
+
+
+# f32 [n_embd_altup, n_layer, n_ubatch] tensors alive together where project_per_layer_inputs (gemma3n.cpp) runs:
+# CPU dry runs of tiny Gemma 3n's derived models (64k, q8_0, flash attention) of 2, 4, 6 and 10 layers peak at
+# 69.55, 73.52, 77.52 and 85.52 MiB, 2.0 MiB per layer = 4 slices f32 [256, 512].
+PER_LAYER_SLABS = 4
+
+
+def per_layer_slabs(src: GGUFFile, n_ubatch: int) -> int:
+    """Bytes of one layer's slice of the graph start's per-layer slabs, f32 [n_embd_altup, n_ubatch].
+    build_inp_per_layer and project_per_layer_inputs (gemma3n.cpp) shape the slabs over the model's n_layer, where a
+    derived model (compute.write_derived) cuts per_layer_token_embd and per_layer_model_proj to the layers it keeps:
+    its dry run's peak misses (n_layer - kept) slices of each. Zero for a model without per-layer inputs."""
+    t = next((t for t in src.tensors if t.name in _HOST_GATHERED), None)
+    return t.shape[0] // int(src.arch_get("block_count")) * n_ubatch * 4 if t else 0
+
+
+def derived_layers(info: ModelInfo, mixed: bool) -> tuple[int, int]:
+    """Layers in compute.compute_peaks' one-layer and steady derived models: one of each kind and those of
+    compute._alternating (mixed peaks), or one and two of one kind (a kind's own peaks)."""
+    if not mixed:
+        return 1, 2
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for il, la in enumerate(info.layers):
+        if not la.mtp:
+            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+    return len(groups), len(_alternating(info, tuple(sorted(il for ils in groups.values() for il in ils[:2]))))
+
+
+def first_layer_peaks(peaks: ComputePeaks, info: ModelInfo, slab: int, mixed: bool) -> ComputePeaks:
+    """The layers' peaks of the device running layer 0 with the PER_LAYER_SLABS slabs its derived models cut
+    (per_layer_slabs, `slab` bytes per layer and slab). The head's peak is left: the slabs are freed by then.
+    Tiny Gemma 3n on RPC devices, the first one's compute: 64k q8_0 (2 devices) and 64k f16 (3) 303.10 MiB real,
+    291.33 planned before, 303.33 with this (305.33 with altup_steady's held stack); 16k f16 without flash attention
+    (3) 304.07 real, 292.81 before, 304.81 (306.81): its steady peak lies in the attention on the CPU, at the graph
+    start on the device, so this is a bound there."""
+    one, two = derived_layers(info, mixed)
+    return replace(peaks, layer_full=peaks.layer_full + (info.n_layer - one) * PER_LAYER_SLABS * slab,
+                   layer_steady=peaks.layer_steady + (info.n_layer - two) * PER_LAYER_SLABS * slab)
+
+
+def altup_steady(c, peaks: ComputePeaks, run, has_output: bool, copies: int) -> int:
+    """What Gemma 3n's devices of a split graph hold beyond the steady peak and copies of their split inputs
+    (altup_device), at the steady peak of a device holding layers, as GGML_SCHED_DEBUG lists its split inputs:
+    - the layer input received: not the residual alone (split.held_input) but `l_out` [n_embd, n_ubatch, n_altup],
+      its permuted copy and the active stream's view; with pipeline parallelism every copy stays alive through the
+      device's layers (held_input's reason), where the one-device graph frees the stack at altup_predict;
+    - the output device, not running layer 0, receives the per-layer rows it scales (inp_per_layer_selected) the
+      model's n_layer wide, where its steady peak's derived model holds them at its kept layers' width; and each
+      of its layers' per-layer input (a view of inp_per_layer), held as the stack is. With layers on the CPU (one
+      copy, nothing held) the rows alone: layers 1-9 and the head on one RPC device, 16k and 64k f16 without flash
+      attention, 168.26 / 648.26 MiB real, 166.52 / 646.52 before, 169.52 / 649.52 with this.
+    Tiny Gemma 3n on RPC devices, compute: the middle device of 3 at 64k f16 22.54 MiB real, 21.56 planned before,
+    23.56 with this; at 16k f16 without flash attention 34.05, 33.53 before, 35.53. The output device without
+    flash attention (the head does not dominate): holding layer 9 (3 devices, 16k) 291.06 real, 287.54 before,
+    293.04; layers 3-9 (split 1:3, 16k) 311.80, 303.31, 311.81; layers 6-9 (1:1, 64k) 1073.80, 1066.81, 1073.81.
+    `c` is memory.Costs."""
+    if not c.altup[0] or not len(run):
+        return 0
+    last = has_output and 0 not in run
+    held = c.altup[0] + (len(run) * c.altup[2] if last else 0) if peaks.input_freed and copies > 1 else 0
+    return held + ((c.info.n_layer - derived_layers(c.info, peaks is c.peaks)[1]) * c.per_layer_slab if last else 0)
+
+
+def host_first_layer(c, compute: int, ins: int, mixed: bool) -> int:
+    """The host's compute when it runs layer 0 itself (layers left on the CPU), from `compute`, its one-layer peak
+    and one copy of the graph inputs `ins`: no split inputs held in copies here, so the larger of the layer's peak
+    with inp_per_layer (the slab every layer reads) at the model's width, and the graph start's PER_LAYER_SLABS
+    slabs at that width beside the inputs. Tiny Gemma 3n, 16k f16 without flash attention, layers 0-3 on the CPU
+    and the rest on one RPC device: the host's compute 53.46 MiB real, 49.46 planned before, 54.76 with this
+    (first_layer_peaks' bound: 67.46). `c` is memory.Costs."""
+    one = derived_layers(c.info, mixed)[0]
+    n, slab = c.info.n_layer, c.per_layer_slab
+    return max(compute + (n - one) * slab, ins + PER_LAYER_SLABS * n * slab)

@@ -68,6 +68,7 @@ class Costs:
     host_experts: int = 0  # the host's peak for one layer's routed experts in CPU memory (inputs.host_experts)
     cache_inputs: tuple[int, int] = (0, 0)  # iSWA: one copy of the full and the sliding cache's mask and KV indices
     altup: tuple[int, int, int] = (0, 0, 0)  # Gemma 3n's split inputs (inputs.altup_inputs)
+    per_layer_slab: int = 0  # per layer, the slabs the derived models cut from layer 0's peak (inputs.per_layer_slabs)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks often)."""
@@ -148,7 +149,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  host_gathers=inputs_mod.host_gathers(src, n_ubatch),
                  host_experts=inputs_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
                  cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
-                 altup=inputs_mod.altup_inputs(src, n_ubatch))
+                 altup=inputs_mod.altup_inputs(src, n_ubatch), per_layer_slab=inputs_mod.per_layer_slabs(src, n_ubatch))
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
@@ -212,8 +213,10 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     if c.cpu_experts and n_used > 1:
         peaks = moe_split_peaks(c, peaks, run)
     ins = split_inputs(c, run)
-    if n_used > 1 and c.altup[0]:
+    if (n_used > 1 or n_cpu_slots) and c.altup[0]:  # a split graph
         ins += inputs_mod.altup_device(c.altup, run, has_output)
+        held = inputs_mod.altup_steady(c, peaks, run, has_output, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
+        peaks = replace(peaks, layer_steady=peaks.layer_steady + held)
     dp.compute = device_compute(c, peaks, ins, bool(run), has_output, n_used,
                                  pipeline=c.pipeline(n_cpu_slots))
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
@@ -229,11 +232,13 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     return dp
 
 
-def _peaks(c: Costs, layers) -> compute_mod.ComputePeaks:
-    """The compute peaks for a device holding `layers`, by the kinds of layer it holds."""
-    if not c.peaks.by_kind:  # not a hybrid: one set of peaks (the search calls this thousands of times)
-        return c.peaks
-    return c.peaks.of({c.info.layers[il].kind for il in layers})
+def _peaks(c: Costs, layers, slabs: bool = True) -> compute_mod.ComputePeaks:
+    """The compute peaks for a device holding `layers`, by the kinds of layer it holds (with layer 0 and `slabs`,
+    the per-layer slabs its derived models miss: inputs.first_layer_peaks)."""
+    peaks = c.peaks.of({c.info.layers[il].kind for il in layers}) if c.peaks.by_kind else c.peaks
+    if slabs and c.per_layer_slab and 0 in layers:
+        return inputs_mod.first_layer_peaks(peaks, c.info, c.per_layer_slab, mixed=peaks is c.peaks)
+    return peaks
 
 
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
@@ -252,12 +257,15 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
     if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
-        dp.compute = device_compute(c, c.peaks, c.inputs, bool(layers), has_out, 1, pipeline=False)
+        dp.compute = device_compute(c, _peaks(c, layers) if c.per_layer_slab else c.peaks, c.inputs, bool(layers),
+                                    has_out, 1, pipeline=False)
     elif len(layers):  # it runs those layers (and experts' matmuls): their peak and one copy of the inputs
         # (no pipeline parallelism with CPU layers or tensor overrides)
-        dp.compute = _peaks(c, [*layers, *moved]).layer_full + (c.inputs if any(c.info.swa_layers)  # both masks
-                                                                 else split_inputs(c, [*layers, *moved])) \
-            + (recurrent_split(c, layers, 1) if n_used else 0)
+        peaks = _peaks(c, [*layers, *moved], slabs=False)
+        ins = c.inputs if any(c.info.swa_layers) else split_inputs(c, [*layers, *moved])  # iSWA: both masks
+        dp.compute = peaks.layer_full + ins + (recurrent_split(c, layers, 1) if n_used else 0)
+        if c.per_layer_slab:  # it runs layer 0 and the graph start
+            dp.compute = inputs_mod.host_first_layer(c, dp.compute, ins, mixed=peaks is c.peaks)
     elif moved:  # every graph input, one copy alive until its last split (all masks), and the experts' matmuls
         # (inputs.host_experts); the residual: the embeddings sent, whose hole ggml-alloc does not fill
         dp.compute = c.inputs + c.host_experts + c.host_gathers
