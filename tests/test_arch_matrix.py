@@ -19,9 +19,6 @@ from ctxq.testing.accuracy import CellResult, check_cell
 pytestmark = pytest.mark.slow
 
 # causes, as measured on this branch with h-facts merged (docs/accuracy-table.md, sections arch and arch-realistic)
-FULL_ONLY = ("an iSWA model's device whose layers are all full attention is planned at the mixed peak (llama.cpp's iSWA "
-             "graph asserts a sliding layer, so no derived model holds full layers alone): tiny OLMo 3's output device "
-             "+9.8 MiB (3.6 %) at 16k without flash attention")
 HEAD_ONLY = ("a device holding the output head alone, at real widths: Llama-4-Scout-shaped at 64k +78 MiB (53 %) "
              "over (split.device_compute's head-only branch)")
 GEMMA3N = ("Gemma 3n on 2-3 RPC devices: the first layer's device under llama.cpp by 11-12 MiB of compute (its per-layer "
@@ -57,7 +54,7 @@ TINY = [
     pytest.param("glm4moe", [1, 1], 65536, "q8_0", True, None, id="glm4moe-rpc2-64k-q8"),
     pytest.param("llama4", [1, 1], 65536, "q8_0", True, None, id="llama4-rpc2-64k-q8"),
     pytest.param("deepseek-v2-lite", [1, 1], 65536, "q8_0", True, None, id="deepseek-v2-lite-rpc2-64k-q8"),
-    pytest.param("olmo3", [2, 1, 1], 16384, "f16", False, None, marks=_xfail(FULL_ONLY), id="olmo3-rpc3-16k-fa-off"),
+    pytest.param("olmo3", [2, 1, 1], 16384, "f16", False, None, id="olmo3-rpc3-16k-fa-off"),  # compute._full_only
     pytest.param("cohere2", [2, 1, 1], 65536, "f16", True, None, id="cohere2-rpc3-64k"),
     pytest.param("gemma3n", [1, 1], 65536, "q8_0", True, None, marks=_xfail(GEMMA3N), id="gemma3n-rpc2-64k-q8"),
     pytest.param("kimi-linear", [2, 1, 1], 16384, "f16", False, None, id="kimi-linear-rpc3-16k-fa-off"),

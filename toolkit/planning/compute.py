@@ -25,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import CtxqError
-from ..gguf.info import RECURRENT_RULES, ModelInfo, block_of
+from ..gguf.info import RECURRENT_RULES, ModelInfo, block_of, kv_cells
 from ..gguf.reader import GGUFFile
 from ..paths import ctxq_home
 
@@ -76,7 +76,7 @@ class ComputePeaks:
         # shaped MLP and Mamba-2 layers: 17.83 MiB real on an RPC device, 17.85 planned, 40.9 with all kinds)
         got = [self.by_kind[k] for k in kinds]
         return ComputePeaks(max(p.layer_full for p in got), max(p.output for p in got),
-                            max(p.layer_steady for p in got), input_freed=self.input_freed)
+                            max(p.layer_steady for p in got), input_freed=any(p.input_freed for p in got))
 
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
@@ -234,8 +234,10 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     if len(by_kind.get("sliding", ())) >= 2 and not any(info.recurrent_layers):
         # a device whose layers all slide (or chunk) has no full-attention KQ nor full mask: measured alone
         # (SLIDING_ONLY in tests/test_arch_matrix.py; two sliding layers give its steady peak)
-        return replace(mixed, by_kind={"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False),
-                                                          input_freed=freed)})
+        kinds = {"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False), input_freed=freed)}
+        if "attention" in by_kind and (full := _full_only(src, info, by_kind, args, mixed)) is not None:
+            kinds["attention"] = full
+        return replace(mixed, by_kind=kinds)
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
@@ -277,6 +279,44 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple,
             raise err from e2
         return ComputePeaks(layer_full=whole, output=whole, layer_steady=whole)
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
+
+
+def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], args: tuple,
+               mixed: ComputePeaks) -> ComputePeaks | None:
+    """The peaks of an iSWA model's device whose layers are all full attention (None: not measurable).
+
+    llama.cpp's iSWA graph needs a sliding layer (llama_model::create_memory asserts is_swa_any), so the
+    derived models hold the full layers first and one sliding layer last: the sliding cache's inputs (its
+    mask and KV indices, graph inputs that ggml-alloc places before any node and frees after their last
+    reader, ggml_gallocr_alloc_graph_impl) are then alive at every layer's peak, and are taken off (where
+    the sliding layer's peak is the larger, what is left still bounds the full layers'). A full-only device
+    receives neither (split.split_inputs). Tiny OLMo 3 / Cohere2 / Llama 4 at 16k, flash attention off,
+    3 RPC devices, the output device holding one full layer: planned 284.57 / 285.07 / 293.23 MiB at the
+    mixed peak, llama.cpp 274.81 / 274.80 / 275.30; with these peaks 275.06 / 275.56 / 275.73."""
+    fulls, sliding = by_kind["attention"], by_kind["sliding"][0]
+    one, two = (fulls[0], sliding), (*fulls[:2], sliding)
+    n_ctx, n_ubatch, flash_attn = args[0], args[1], args[5]
+    try:
+        if not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
+            return None  # EXAONE 4: the mixed peaks are the real header's (_peaks)
+        out, layer, steady = (_dry_run(str(write_derived(src, ls, small, _flags(info, ls))), *args)
+                              for ls, small in ((one, False), (one, True), (two, True)))
+    except CtxqError as e:  # a derived model llama.cpp refuses: the mixed peaks stand for it
+        log.info("full-only derived model refused (%s)", e)
+        return None
+    # one copy of the sliding cache's inputs: its mask [window cells, n_ubatch] (f16 with flash attention, else
+    # f32) and KV indices, I64 [n_ubatch] for K and for V, [n_ubatch * n_embd_v_gqa_max] when V is transposed
+    # (flash attention off; llama_kv_cache::build_input_v_idxs); a quantized cache's rotations, a few KiB
+    # (memory.index_inputs), are left in: kept, they can only raise the plan
+    v_rows = 1 if flash_attn else max(info.n_embd_v_gqa(il) for il in range(info.n_layer))
+    held = kv_cells(info, n_ctx, n_ubatch, sliding) * n_ubatch * (2 if flash_attn else 4) + n_ubatch * 8 * (1 + v_rows)
+    # at the head the sliding inputs are freed, so its peak is kept whole, unless the head does not raise the
+    # one-layer peak (split.device_compute then plans the head from its own terms)
+    raised = out > layer
+    layer, steady = min(layer - held, mixed.layer_full), min(steady - held, mixed.layer_steady)
+    out = out if raised else layer
+    # without flash attention the steady peak is the full layer's KQ matrix, in the device's first layer
+    return ComputePeaks(layer, out, steady, input_freed=flash_attn and mixed.input_freed)
 
 
 def _input_freed(src: GGUFFile, info: ModelInfo, flash_attn: bool) -> bool:
