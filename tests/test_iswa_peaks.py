@@ -39,3 +39,15 @@ def test_full_only_output_device_within_target(name):
     assert r.layers_match, r.layer_mismatch
     out = r.devices[2]
     assert not out.under and 0 <= out.error <= 2 * MiB, f"{out.name}: planned {out.planned}, llama.cpp {out.real}"
+
+
+def test_refused_derived_model_devices_without_head():
+    """EXAONE 4 (its window only at 64 layers, so no derived model keeps it): the devices without the head are
+    planned from a small-vocabulary copy of the whole model (compute._headless), not from the real header's peak
+    at result_output. Before: 468.76 / 385.33 MiB planned, 442.51 / 359.09 real; after 442.53 / 359.10."""
+    with start_workers(3) as w:
+        r = check_cell(str(upstream_models.build("exaone4")), 65536, "f16", [2, 1, 1], workers=w, label="exaone4",
+                       flash_attn=True)
+    assert r.layers_match, r.layer_mismatch
+    for dev in r.devices:
+        assert not dev.under and dev.error <= 1 * MiB, f"{dev.name}: planned {dev.planned}, llama.cpp {dev.real}"
