@@ -310,10 +310,10 @@ def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], ar
     3 RPC devices, the output device holding one full layer: planned 284.57 / 285.07 / 293.23 MiB at the
     mixed peak, llama.cpp 274.81 / 274.80 / 275.30; with these peaks 275.06 / 275.56 / 275.73."""
     fulls, sliding = by_kind["attention"], by_kind["sliding"][0]
-    if len(fulls) < 2:
-        # one full layer in the model: no two-layer steady peak, and its one-layer graph frees the graph inputs
-        # that a device holding it keeps (compute_peaks' hybrids): Llama-4-Scout's shapes with 4 layers, 64k,
-        # the device holding the full layer alone 28 MiB under llama.cpp with the one-layer peaks
+    if len(fulls) < 2 or any(src.tensor(n) is not None for n in _PER_LAYER_DIM):
+        # one full layer: no two-layer steady peak, and a one-layer graph frees the inputs a device keeps (Llama-4-
+        # Scout's shapes, 4 layers, 64k: its device 28 MiB under); Gemma 3n's derived models hold only their own
+        # layers' per-layer input slabs (GEMMA3N in tests/test_arch_matrix.py: that device is under already)
         return None
     one, two = (fulls[0], sliding), (*fulls[:2], sliding)
     n_ctx, n_ubatch, flash_attn = args[0], args[1], args[5]
