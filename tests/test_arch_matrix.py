@@ -4,8 +4,8 @@ llama.cpp's own converter, over the CPU and loopback RPC workers.
 
 A cell fails when a device row is under llama.cpp beyond the rounding of its printed sizes, outside 3 % / 2 MiB
 (tiny checkpoints) or 1 % / 32 MiB (real widths), when the layers land elsewhere than planned, or when the plan
-itself fails. Cells the planner of this branch gets wrong are strict xfails naming the cause, so that a fix
-shows as XPASS and its marker must go.
+itself fails. A cell the planner gets wrong is a strict xfail (pytest.mark.xfail(strict=True, raises=AssertionError))
+naming the cause, so that a fix shows as XPASS and its marker must go; none is left.
 """
 
 from __future__ import annotations
@@ -18,28 +18,18 @@ from ctxq.testing.accuracy import CellResult, check_cell
 
 pytestmark = pytest.mark.slow
 
-# causes, as measured on this branch with h-facts merged (docs/accuracy-table.md, sections arch and arch-realistic)
-FULL_ONLY = ("an iSWA model's device whose layers are all full attention is planned at the mixed peak (llama.cpp's iSWA "
-             "graph asserts a sliding layer, so no derived model holds full layers alone): tiny OLMo 3's output device "
-             "+9.8 MiB (3.6 %) at 16k without flash attention")
-HEAD_ONLY = ("a device holding the output head alone, at real widths: Llama-4-Scout-shaped at 64k +78 MiB (53 %) "
-             "over (split.device_compute's head-only branch)")
-
-
-def _xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason, raises=AssertionError)
-
-
 # (checkpoint, devices: None = CPU or RPC split ratios, n_ctx, KV type, flash attention, n_cpu_moe), marks.
 # Fixed by h-facts (their xfails removed): deepseek-v3 (MLA's V cache), gemma3n / gemma4 / deepseek-v2-lite
 # (plans that failed on ctxq's derived probe), kimi-linear and nemotron-h-moe (recurrent layers at the attention
 # peak), the sliding-window and chunked families under llama.cpp on the CPU and 2 devices.
 # Fixed by h-compute: devices holding layers but not the head, one residual under with flash attention
-# (split.held_input, with memory.py's patch), and DeepSeek-V2-Lite's derived model (compute._LAYER_COUNT_KEYS).
+# (split.held_input, with memory.py's patch), and DeepSeek-V2-Lite's derived model (derived._LAYER_COUNT_KEYS).
 # Fixed by h-host: the host's compute with experts in CPU memory (memory.host_cost, inputs.host_experts), and
 # devices whose layers all slide or chunk (compute_peaks' by-kind peaks for iSWA models, memory.Costs.cache_inputs).
 # Fixed by h-g3n: Gemma 3n's first layer's device (the per-layer slabs its derived models cut, inputs.per_layer_slabs)
 # and the weights outside its blocks (gguf.info.LAYER_TENSORS / OUTPUT_TENSORS).
+# Fixed by h-iswa: an iSWA model's device holding only full-attention layers (compute._full_only), the device holding
+# the head alone (split.device_compute), EXAONE 4's devices without the head (compute._headless).
 TINY = [
     pytest.param("smollm3", [2, 1, 1], 16384, "f16", False, None, id="smollm3-rpc3-16k-fa-off"),
     pytest.param("smollm3", [2, 1, 1], 65536, "f16", True, None, id="smollm3-rpc3-64k"),
@@ -55,7 +45,7 @@ TINY = [
     pytest.param("glm4moe", [1, 1], 65536, "q8_0", True, None, id="glm4moe-rpc2-64k-q8"),
     pytest.param("llama4", [1, 1], 65536, "q8_0", True, None, id="llama4-rpc2-64k-q8"),
     pytest.param("deepseek-v2-lite", [1, 1], 65536, "q8_0", True, None, id="deepseek-v2-lite-rpc2-64k-q8"),
-    pytest.param("olmo3", [2, 1, 1], 16384, "f16", False, None, marks=_xfail(FULL_ONLY), id="olmo3-rpc3-16k-fa-off"),
+    pytest.param("olmo3", [2, 1, 1], 16384, "f16", False, None, id="olmo3-rpc3-16k-fa-off"),  # compute._full_only
     pytest.param("cohere2", [2, 1, 1], 65536, "f16", True, None, id="cohere2-rpc3-64k"),
     pytest.param("gemma3n", [1, 1], 65536, "q8_0", True, None, id="gemma3n-rpc2-64k-q8"),
     pytest.param("kimi-linear", [2, 1, 1], 16384, "f16", False, None, id="kimi-linear-rpc3-16k-fa-off"),
@@ -65,7 +55,7 @@ TINY = [
 ]
 REAL = [
     pytest.param("deepseek-v3-2l", [1, 1], 16384, "f16", True, None, id="deepseek-v3-2l-rpc2-16k"),
-    pytest.param("llama4-scout-4l", [2, 1, 1], 65536, "f16", True, None, marks=_xfail(HEAD_ONLY),
+    pytest.param("llama4-scout-4l", [2, 1, 1], 65536, "f16", True, None,
                  id="llama4-scout-4l-rpc3-64k"),
     pytest.param("olmo3-7b-4l", [2, 1, 1], 16384, "f16", False, None, id="olmo3-7b-4l-rpc3-16k-fa-off"),
     pytest.param("gemma4-6l", [1, 1], 16384, "f16", True, None, id="gemma4-6l-rpc2-16k"),

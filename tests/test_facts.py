@@ -57,7 +57,7 @@ def test_a_missing_sliding_window_rule_is_filled_from_llama_cpp(hybrids, monkeyp
 def test_a_model_llama_cpp_cannot_load_is_one_line(tmp_path):
     """A header without a tensor llama.cpp requires: ctxq's own derived model fails, then the real header
     does, and the user gets llama.cpp's reason with the architecture, not a traceback."""
-    from ctxq.planning.compute import write_sparse
+    from ctxq.planning.derived import write_sparse
 
     good = info_mod.read_gguf(write_synthetic_gguf(tmp_path / "good.gguf", GEOMETRIES["tiny"]))
     bad = write_sparse(good, tmp_path / "bad.gguf",

@@ -17,38 +17,17 @@ Results are cached per (model, parameters), in memory and on disk under ctxq's c
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
 from ..errors import CtxqError
-from ..gguf.info import RECURRENT_RULES, ModelInfo, block_of
+from ..gguf.info import RECURRENT_RULES, ModelInfo, kv_cells
 from ..gguf.reader import GGUFFile
-from ..paths import ctxq_home
+from .derived import _PER_LAYER_DIM, LayerFlags, load_error, model_path, write_derived
 
 log = logging.getLogger(__name__)
-
-# Arrays of a fixed length that a model with that many layers must not have cut to the kept layers
-# (rope.dimension_sections: always 4, get_key_or_arr(..., 4, true) in llama_model_qwen35::load_arch_hparams).
-_FIXED_ARRAYS = (".rope.dimension_sections",)
-_SMALL_VOCAB = 256  # small enough that the output head is never a device's peak
-# tensors outside the blocks with one slice per layer along a dim (llama-arch.cpp: the per-layer inputs)
-_PER_LAYER_DIM = {"per_layer_token_embd.weight": 0, "per_layer_model_proj.weight": 1}
-# Keys a loader requires only for some layer counts, written into a derived model as the value the source's
-# layer count implies: llama_model_deepseek2::load_arch_hparams reads q_lora_rank unless n_layer is 26 or 27
-# ("lite" variants, whose query has no LoRA: the tensors follow q_lora_rank > 0, so 0 keeps them as they are).
-_LAYER_COUNT_KEYS = {"deepseek2": {"attention.q_lora_rank": (0, "UINT32")}}
-
-
-@dataclass(frozen=True)
-class LayerFlags:
-    """Per kept layer: sliding window, recurrent (None: leave the source's keys)."""
-
-    swa: tuple[bool, ...] | None = None
-    recurrent: tuple[bool, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,132 +55,7 @@ class ComputePeaks:
         # shaped MLP and Mamba-2 layers: 17.83 MiB real on an RPC device, 17.85 planned, 40.9 with all kinds)
         got = [self.by_kind[k] for k in kinds]
         return ComputePeaks(max(p.layer_full for p in got), max(p.output for p in got),
-                            max(p.layer_steady for p in got), input_freed=self.input_freed)
-
-
-def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
-    st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v4"
-                         .encode()).hexdigest()[:20]
-    d = ctxq_home() / "derived"
-    d.mkdir(parents=True, exist_ok=True)
-    return d / f"{key}.gguf"
-
-
-def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
-                  flags: LayerFlags | None = None) -> Path:
-    """A GGUF with src's architecture keys and only the given layers (renumbered 0..), weights a hole.
-
-    `flags` gives the kept layers' sliding-window flags, written as the explicit per-layer pattern
-    array that llama_model_base::load_swa_pattern reads before any per-architecture default, and their
-    recurrent flags as `attention.recurrent_layers`, read before full_attention_interval
-    (llama_model_qwen35::load_arch_hparams).
-    """
-    flags = flags or LayerFlags()
-    out = _derived_path(src, layers, small_vocab, flags)
-    if out.exists():
-        return out
-    n_vocab, src_layers = _SMALL_VOCAB if small_vocab else _vocab_size(src), int(src.arch_get("block_count"))
-    remap = {il: i for i, il in enumerate(layers)}
-    specs = []
-    for t in src.tensors:
-        name, shape = t.name, t.shape
-        il = block_of(name)
-        if il is not None:
-            if il not in remap:
-                continue
-            name = f"blk.{remap[il]}." + name.split(".", 2)[2]
-        if small_vocab and name in ("token_embd.weight", "output.weight", "per_layer_token_embd.weight"):
-            shape = (shape[0], n_vocab)
-        if name in _PER_LAYER_DIM:  # one slice per layer along this dim: the kept layers' (Gemma 3n, Gemma 4 E)
-            d = _PER_LAYER_DIM[name]
-            shape = tuple(n * len(layers) // src_layers if i == d else n for i, n in enumerate(shape))
-        specs.append((name, shape, t.type))
-    write_sparse(src, out, specs, layers=layers, n_vocab=n_vocab, flags=flags)
-    return out
-
-
-def model_path(src: GGUFFile) -> str:
-    """A local file llama.cpp can load the header of: the model itself, or for a Hub model whose header
-    alone was fetched, a header-only copy with its data region a sparse hole (compute.write_sparse)."""
-    need = src.data_offset + sum(t.nbytes for t in src.tensors)
-    if src.path.stat().st_size >= need:
-        return str(src.path)
-    return str(sparse_copy(src))
-
-
-def load_error(src: GGUFFile, e: CtxqError) -> CtxqError:
-    """A failed llama.cpp load as one line naming the architecture and llama.cpp's reason (`e` itself when
-    the model loaded and the context's settings were refused)."""
-    if not hasattr(e, "reason"):
-        return e
-    return CtxqError(f"llama.cpp cannot load this {src.arch} model ({src.path.name}): {e.reason}")
-
-
-def sparse_copy(src: GGUFFile) -> Path:
-    """A header-only copy of src with every tensor (a Hub model's header, to ask llama.cpp about)."""
-    out = _derived_path(src, ("all",), False, None)
-    if not out.exists():
-        write_sparse(src, out, [(t.name, t.shape, t.type) for t in src.tensors])
-    return out
-
-
-def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], *,
-                 layers: tuple[int, ...] | None = None, n_vocab: int | None = None,
-                 flags: LayerFlags | None = None) -> Path:
-    """src's architecture keys and the tensors `specs` (name, ggml shape, ggml type) as a loadable
-    header-only GGUF at `out`; `layers` keeps those layers' entries of per-layer arrays."""
-    import gguf  # here: a plan whose derived models exist needs neither gguf's nor numpy's import (0.16 s)
-    from ..gguf.writer import write_sparse_gguf
-    arch = src.arch
-    n_layer = int(src.arch_get("block_count"))
-    n_vocab = n_vocab or _vocab_size(src)
-    swa, recr = (flags.swa, flags.recurrent) if flags else (None, None)
-
-    def metadata(w: gguf.GGUFWriter) -> None:
-        for key, value in src.metadata.items():
-            if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
-                continue
-            if swa is not None and key == f"{arch}.attention.sliding_window_pattern":
-                continue
-            if recr is not None and key == f"{arch}.attention.recurrent_layers":
-                continue
-            vtype, etype = src.value_types[key]
-            if layers is not None and isinstance(value, list) and len(value) == n_layer \
-                    and not key.endswith(_FIXED_ARRAYS):
-                value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
-            if key == f"{arch}.block_count" and layers is not None:
-                value = len(layers)
-            if key == f"{arch}.leading_dense_block_count" and layers is not None and isinstance(value, int):
-                value = sum(1 for i in layers if i < value)  # the kept dense layers stay the leading ones
-            if key == f"{arch}.nextn_predict_layers" and layers is not None:
-                value = 0  # derived models keep no NextN block (compute_peaks leaves them out)
-            if key == f"{arch}.vocab_size":
-                value = n_vocab
-            w.add_key_value(key, value, gguf.GGUFValueType(vtype),
-                            sub_type=gguf.GGUFValueType(etype) if etype is not None else None)
-        if swa is not None:
-            w.add_key_value(f"{arch}.attention.sliding_window_pattern", list(swa), gguf.GGUFValueType.ARRAY,
-                            sub_type=gguf.GGUFValueType.BOOL)
-        if recr is not None:
-            w.add_key_value(f"{arch}.attention.recurrent_layers", list(recr), gguf.GGUFValueType.ARRAY,
-                            sub_type=gguf.GGUFValueType.BOOL)
-        if f"{arch}.vocab_size" not in src.metadata:
-            w.add_vocab_size(n_vocab)
-        for key, (value, vtype) in _LAYER_COUNT_KEYS.get(arch, {}).items():
-            if f"{arch}.{key}" not in src.metadata:
-                w.add_key_value(f"{arch}.{key}", value, gguf.GGUFValueType[vtype])
-        w.add_tokenizer_model("none")  # llama.cpp then adds vocab_size dummy tokens (llama_vocab::load)
-
-    return write_sparse_gguf(out, arch, specs, metadata)
-
-
-def _vocab_size(g: GGUFFile) -> int:
-    toks = g.get("tokenizer.ggml.tokens")
-    if toks is not None:
-        return int(toks) if isinstance(toks, int) else len(toks)
-    t = g.tensor("token_embd.weight")
-    return t.shape[1]
+                            max(p.layer_steady for p in got), input_freed=any(p.input_freed for p in got))
 
 
 @lru_cache(maxsize=256)
@@ -234,8 +88,10 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     if len(by_kind.get("sliding", ())) >= 2 and not any(info.recurrent_layers):
         # a device whose layers all slide (or chunk) has no full-attention KQ nor full mask: measured alone
         # (SLIDING_ONLY in tests/test_arch_matrix.py; two sliding layers give its steady peak)
-        return replace(mixed, by_kind={"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False),
-                                                          input_freed=freed)})
+        kinds = {"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False), input_freed=freed)}
+        if "attention" in by_kind and (full := _full_only(src, info, by_kind, args, mixed)) is not None:
+            kinds["attention"] = full
+        return replace(mixed, by_kind=kinds)
     if not any(info.recurrent_layers) or len(by_kind) == 1:
         return mixed
     # Hybrids: a device holding only recurrent layers has no attention (and no KQ matrix without flash
@@ -276,7 +132,7 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple,
             if (err := load_error(src, e2)) is e2:
                 raise
             raise err from e2
-        return ComputePeaks(layer_full=whole, output=whole, layer_steady=whole)
+        return ComputePeaks(layer_full=whole, output=whole, layer_steady=min(whole, _headless(src, info, args)))
     return ComputePeaks(layer_full=layer, output=full, layer_steady=steady)
 
 
@@ -292,6 +148,65 @@ def _ends_like_model(groups: list[list[int]], one: tuple[int, ...]) -> tuple[int
     if len(groups) < 2 or tail[0] == max(one):
         return one
     return tuple(sorted(last if ils is tail else ils[0] for ils in groups))
+
+
+def _headless(src: GGUFFile, info: ModelInfo, args: tuple) -> int:
+    """The steady peak of a device holding layers but not the head, for a model whose derived models llama.cpp
+    refuses: a copy of the whole model with the vocabulary cut to _SMALL_VOCAB, so that its peak lies in the
+    layers, not at result_output (f32 [n_vocab, n_ubatch]); the real header's peak when that is refused too.
+    Tiny EXAONE 4 (64 layers: exaone4.cpp's window only at n_layer == 64) at 64k with flash attention, its
+    49k vocabulary's head 96 MiB: the devices without the head 26.2 MiB over llama.cpp from the real header's
+    peak (rpc2 q8_0 RPC0 395.57 MiB planned, 369.33 real; rpc3 f16 RPC0 468.76 / 442.51, RPC1 385.33 / 359.09),
+    0.01-0.02 over with this one (the output device unchanged, 0.49 over)."""
+    layers = tuple(il for il, la in enumerate(info.layers) if not la.mtp)
+    try:
+        return _dry_run(str(write_derived(src, layers, True)), *args)
+    except CtxqError as e:
+        log.info("small-vocabulary copy refused (%s)", e)
+        return _dry_run(model_path(src), *args)
+
+
+def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], args: tuple,
+               mixed: ComputePeaks) -> ComputePeaks | None:
+    """The peaks of an iSWA model's device whose layers are all full attention (None: not measurable).
+
+    llama.cpp's iSWA graph needs a sliding layer (llama_model::create_memory asserts is_swa_any), so the
+    derived models hold the full layers first and one sliding layer last: the sliding cache's inputs (its
+    mask and KV indices, graph inputs that ggml-alloc places before any node and frees after their last
+    reader, ggml_gallocr_alloc_graph_impl) are then alive at every layer's peak, and are taken off (where
+    the sliding layer's peak is the larger, what is left still bounds the full layers'). A full-only device
+    receives neither (split.split_inputs). Tiny OLMo 3 / Cohere2 / Llama 4 at 16k, flash attention off,
+    3 RPC devices, the output device holding one full layer: planned 284.57 / 285.07 / 293.23 MiB at the
+    mixed peak, llama.cpp 274.81 / 274.80 / 275.30; with these peaks 275.06 / 275.56 / 275.73."""
+    fulls, sliding = by_kind["attention"], by_kind["sliding"][0]
+    if len(fulls) < 2 or any(src.tensor(n) is not None for n in _PER_LAYER_DIM):
+        # one full layer: no two-layer steady peak, and a one-layer graph frees the inputs a device keeps (Llama-4-
+        # Scout's shapes, 4 layers, 64k: its device 28 MiB under); Gemma 3n's derived models hold only their own
+        # layers' per-layer input slabs (GEMMA3N in tests/test_arch_matrix.py: that device is under already)
+        return None
+    one, two = (fulls[0], sliding), (*fulls[:2], sliding)
+    n_ctx, n_ubatch, flash_attn = args[0], args[1], args[5]
+    try:
+        if not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
+            return None  # EXAONE 4: the mixed peaks are the real header's (_peaks)
+        out, layer, steady = (_dry_run(str(write_derived(src, ls, small, _flags(info, ls))), *args)
+                              for ls, small in ((one, False), (one, True), (two, True)))
+    except CtxqError as e:  # a derived model llama.cpp refuses: the mixed peaks stand for it
+        log.info("full-only derived model refused (%s)", e)
+        return None
+    # one copy of the sliding cache's inputs: its mask [window cells, n_ubatch] (f16 with flash attention, else
+    # f32) and KV indices, I64 [n_ubatch] for K and for V, [n_ubatch * n_embd_v_gqa_max] when V is transposed
+    # (flash attention off; llama_kv_cache::build_input_v_idxs); a quantized cache's rotations, a few KiB
+    # (memory.index_inputs), are left in: kept, they can only raise the plan
+    v_rows = 1 if flash_attn else max(info.n_embd_v_gqa(il) for il in range(info.n_layer))
+    held = kv_cells(info, n_ctx, n_ubatch, sliding) * n_ubatch * (2 if flash_attn else 4) + n_ubatch * 8 * (1 + v_rows)
+    # at the head the sliding inputs are freed, so its peak is kept whole, unless the head does not raise the
+    # one-layer peak (split.device_compute then plans the head from its own terms)
+    raised = out > layer
+    layer, steady = min(layer - held, mixed.layer_full), min(steady - held, mixed.layer_steady)
+    out = out if raised else layer
+    # without flash attention the steady peak is the full layer's KQ matrix, in the device's first layer
+    return ComputePeaks(layer, out, steady, input_freed=flash_attn and mixed.input_freed)
 
 
 def _input_freed(src: GGUFFile, info: ModelInfo, flash_attn: bool) -> bool:

@@ -16,7 +16,7 @@ from ..errors import CtxqError
 from ..gguf.info import RECURRENT_RULES, ModelInfo, kv_per_token
 from ..gguf.reader import GGUFFile
 from ..llama.accounting import Accounting, accounting
-from .compute import load_error, model_path
+from .derived import load_error, model_path
 
 log = logging.getLogger(__name__)
 

@@ -157,7 +157,7 @@ def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:
     """A header-only GGUF with the predicted types (for the planner), its predicted real file size,
     and whether the type needs an imatrix."""
     from ..gguf.reader import read_gguf
-    from .compute import write_sparse
+    from .derived import write_sparse
 
     tensors, needs = predict(src, qtype)
     g = read_gguf(src)

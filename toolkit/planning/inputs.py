@@ -78,7 +78,7 @@ PER_LAYER_SLABS = 4
 def per_layer_slabs(src: GGUFFile, n_ubatch: int) -> int:
     """Bytes of one layer's slice of the graph start's per-layer slabs, f32 [n_embd_altup, n_ubatch].
     build_inp_per_layer and project_per_layer_inputs (gemma3n.cpp) shape the slabs over the model's n_layer, where a
-    derived model (compute.write_derived) cuts per_layer_token_embd and per_layer_model_proj to the layers it keeps:
+    derived model (derived.write_derived) cuts per_layer_token_embd and per_layer_model_proj to the layers it keeps:
     its dry run's peak misses (n_layer - kept) slices of each. Zero for a model without per-layer inputs."""
     t = next((t for t in src.tensors if t.name in _HOST_GATHERED), None)
     return t.shape[0] // int(src.arch_get("block_count")) * n_ubatch * 4 if t else 0

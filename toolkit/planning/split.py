@@ -33,9 +33,14 @@ def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool,
         # the one-layer peak is its KQ matrix (flash attention off) or, where the head does not raise it
         # (small vocabularies: gpt-oss- and LFM2-shaped tiny models, 6.5 MiB real, 41 planned before), its
         # attention: neither is computed on this device
+        # Its split holds the residual received (`copies` copies), the output norm's result and result_output f32
+        # [n_vocab, n_outputs] (llama4.cpp: build_norm, then build_lora_mm(model.output)): c.head with its
+        # 3 residual-sized tensors bounds that (Llama-4-Scout's shapes, 4 layers, 64k, flash attention: 146.0
+        # MiB real, 166.0 planned; the one-device graph's head peak, which also holds what its layer left
+        # behind, gave 224.0)
         if not c.flash_attn or peaks.output <= peaks.layer_full:
             return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
-        return peaks.output + 3 * c.resid  # measured on RPC devices (docs/accuracy-table.md)
+        return min(peaks.output + 3 * c.resid, c.head + copies * c.resid)  # measured on RPC devices
     steady = peaks.layer_steady + (copies - 1) * inputs + held_input(peaks, c.resid, copies)
     if not has_output:
         return steady
