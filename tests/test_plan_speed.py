@@ -10,6 +10,7 @@ import pytest
 
 from ctxq.planning import planner
 from ctxq.planning.devices import resolve_devices
+from ctxq.planning import memory
 from ctxq.planning.memory import costs, device_cost
 from ctxq.planning.options import PlanOptions
 from ctxq.gguf.info import model_info
@@ -40,7 +41,7 @@ def _summary(p) -> tuple:
 @pytest.mark.parametrize("name,gpus", [("llama3-70b", "16,16,16,8,8"), ("llama3-70b", "12,8,8"),
                                        ("gemma2-9b", "6,4"), ("qwen35", "0.5,0.5,0.25"), ("gpt-oss", "0.1,0.05")])
 def test_device_cost_is_the_same_for_every_cpu_slot_count_of_one_memo_key(models, name, gpus):
-    # the search memoises a device's total by planner._slots_key(n_cpu_slots): every count sharing a key must
+    # the search memoises a device's total by memory.slots_key(n_cpu_slots): every count sharing a key must
     # cost the same, on the first CUDA device (op-offload copies) and the others (pipeline parallelism only)
     path = models[name]
     src = read_model(path)
@@ -58,7 +59,7 @@ def test_device_cost_is_the_same_for_every_cpu_slot_count_of_one_memo_key(models
                         first = d == 0
                         total = device_cost(c, range(start, min(hi, n)), hi == n + 1, 2, dev, first_cuda=first,
                                             n_cpu_slots=lo).total
-                        key = (start, hi, d, first, planner._slots_key(lo, first))
+                        key = (start, hi, d, first, memory.slots_key(lo, first))
                         assert seen.setdefault(key, total) == total, (name, key, lo)
             assert len(seen) > len(devices)  # the keys told some counts apart
 
@@ -71,7 +72,7 @@ def test_device_cost_is_the_same_for_every_cpu_slot_count_of_one_memo_key(models
     ("moe", 65536, dict(simulate="0.02,0.02"))])
 def test_memoised_search_plans_as_the_full_search(models, monkeypatch, name, ctx, kw):
     fast = planner.plan(models[name], ctx, cpu_memory=256 * GiB, **kw)
-    monkeypatch.setattr(planner, "_slots_key", lambda n_cpu_slots, first_cuda: n_cpu_slots)  # every count apart
+    monkeypatch.setattr(planner, "slots_key", lambda n_cpu_slots, first_cuda: n_cpu_slots)  # every count apart
     full = planner.plan(models[name], ctx, cpu_memory=256 * GiB, **kw)
     assert _summary(fast) == _summary(full)
 

@@ -82,7 +82,8 @@ class Costs:
 
     @cached_property
     def totals(self) -> dict:
-        """Memo of device totals by (first slot, end slot, device index, device, CPU slots) for the search."""
+        """Memo of device totals for the planner's search, by (first slot, end slot, device, first CUDA device,
+        slots_key)."""
         return {}
 
     @cached_property
@@ -230,6 +231,14 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts)
         dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
+
+
+def slots_key(n_cpu_slots: int, first_cuda: bool):
+    """What of n_cpu_slots a device's cost depends on (device_cost): pipeline parallelism (off while any
+    slot sits on the CPU: `Costs.pipeline`) and, on the first CUDA device only, the CPU layers' op-offload copies
+    (cuda.LayerTable.terms). So the search costs a device once per range, not once per layer count it tries;
+    tests/test_plan_speed.py checks this against device_cost at every count."""
+    return n_cpu_slots if first_cuda else n_cpu_slots == 0
 
 
 def _peaks(c: Costs, layers, slabs: bool = True) -> compute_mod.ComputePeaks:

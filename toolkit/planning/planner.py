@@ -14,7 +14,7 @@ import os
 
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
-from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer
+from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer, slots_key
 from .options import KV_TYPES, PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts
@@ -48,7 +48,7 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
             # as in a split; _layout costs the final one exactly
-            key = (start, hi, id(devs[d]), d == first, _slots_key(lo_bound, d == first))
+            key = (start, hi, id(devs[d]), d == first, slots_key(lo_bound, d == first))
             total = c.totals.get(key)
             if total is None:
                 total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
@@ -61,14 +61,6 @@ def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float)
     if hi > lo_bound:
         return None
     return counts
-
-
-def _slots_key(n_cpu_slots: int, first_cuda: bool):
-    """What of n_cpu_slots a device's cost depends on (memory.device_cost): pipeline parallelism (off while any
-    slot sits on the CPU: `Costs.pipeline`) and, on the first CUDA device only, the CPU layers' op-offload copies
-    (cuda.LayerTable.terms). So the search costs a device once per range, not once per layer count it tries;
-    tests/test_plan_speed.py checks this against device_cost at every count."""
-    return n_cpu_slots if first_cuda else n_cpu_slots == 0
 
 
 def _layout(c: Costs, devs: list[Device], counts: list[int]) -> list[DevicePlan]:
