@@ -242,7 +242,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         held = inputs_mod.altup_steady(c, peaks, run, has_output, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
         peaks = replace(peaks, layer_steady=peaks.layer_steady + held)
     dp.compute = device_compute(c, peaks, ins, bool(run), has_output, n_used,
-                                 pipeline=c.pipeline(n_cpu_slots))
+                                 pipeline=c.pipeline(n_cpu_slots), layers=run)
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
     if n_used > 1 or n_cpu_slots:
         dp.compute += recurrent_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
