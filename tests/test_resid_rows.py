@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("name", ["falcon-h1", "gemma4", "gemma3n"])
 def test_cpu_alone_is_the_whole_graph(name):
-    """Falcon-H1 and Gemma 4 were 0.25 MiB under, Gemma 3n 0.25 over (its per-layer slabs added to the derived peaks)."""
+    """Falcon-H1 and Gemma 4 were 0.25 MiB under; Gemma 3n 0.25 over (per-layer slabs added to the derived peaks)."""
     r = check_cell(str(upstream_models.build(name)), 16384, "f16", None, label=f"{name} cpu", flash_attn=True)
     assert r.layers_match, r.layer_mismatch
     (cpu,) = r.devices
