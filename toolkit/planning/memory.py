@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
+from typing import Callable
 
 from . import compute as compute_mod
 from . import cuda as cuda_mod
@@ -32,6 +33,7 @@ from .options import PlanOptions
 from .plan import DevicePlan
 from .split import (SCHED_COPIES, device_compute, moe_split_peaks, recurrent_split, recurrent_tails,
                     split_inputs)
+from ..errors import CtxqError
 from ..gguf.info import KV_PAD, ModelInfo, kv_cells
 from ..gguf.info import layer_kv_bytes
 from ..units import GiB, MiB, round_up
@@ -69,6 +71,7 @@ class Costs:
     cache_inputs: tuple[int, int] = (0, 0)  # iSWA: one copy of the full and the sliding cache's mask and KV indices
     altup: tuple[int, int, int] = (0, 0, 0)  # Gemma 3n's split inputs (inputs.altup_inputs)
     per_layer_slab: int = 0  # per layer, the slabs the derived models cut from layer 0's peak (inputs.per_layer_slabs)
+    one_device: Callable[[], int] | None = None  # the whole graph's peak on one device (one_device_peak), asked lazily
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks often)."""
@@ -150,7 +153,28 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  host_gathers=inputs_mod.host_gathers(src, n_ubatch),
                  host_experts=inputs_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
                  cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
-                 altup=inputs_mod.altup_inputs(src, n_ubatch), per_layer_slab=inputs_mod.per_layer_slabs(src, n_ubatch))
+                 altup=inputs_mod.altup_inputs(src, n_ubatch), per_layer_slab=inputs_mod.per_layer_slabs(src, n_ubatch),
+                 one_device=partial(one_device_peak, src, (n_ctx, n_ubatch, opts.n_batch, type_k, type_v, flash_attn),
+                                    info.n_vocab * (n_ubatch - outputs) * 4, peaks.layer_steady))
+
+
+def one_device_peak(src, args: tuple, fewer: int, floor: int) -> int | None:
+    """The compute buffer of the whole model's graph on the CPU alone: llama.cpp's dry run of the real header
+    (compute.model_path) at the plan's settings, less `fewer` bytes of result_output but never below the layers'
+    peak `floor` (fewer_outputs); None where llama.cpp refuses it. No derived model stands for it: ggml-alloc's
+    placement at the head depends on every layer before it (tiny Falcon-H1 at 16k: the one-layer model with the
+    head 96.50 MiB, the two-layer one 96.75, the three-layer one 96.50, the whole model 96.75; tiny Falcon-H1 and
+    Gemma 4 were one residual under, 0.25 MiB). One dry run more, for CPU-alone plans only (after llama.cpp's
+    import: 15 ms for a Llama-3-8B-shaped header, 33 ms a 70B-shaped one; cached on disk)."""
+    from ..llama.accounting import dry_run_compute  # here: as compute._dry_run, no llama.cpp import when cached
+
+    n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn = args
+    try:
+        whole = dry_run_compute(compute_mod.model_path(src), n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch,
+                                type_k=type_k, type_v=type_v, flash_attn=flash_attn)
+    except CtxqError:
+        return None
+    return max(whole - fewer, floor) if fewer > 0 else whole
 
 
 def fewer_outputs(peaks: compute_mod.ComputePeaks, fewer: int) -> compute_mod.ComputePeaks:
@@ -219,7 +243,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
         held = inputs_mod.altup_steady(c, peaks, run, has_output, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
         peaks = replace(peaks, layer_steady=peaks.layer_steady + held)
     dp.compute = device_compute(c, peaks, ins, bool(run), has_output, n_used,
-                                 pipeline=c.pipeline(n_cpu_slots))
+                                 pipeline=c.pipeline(n_cpu_slots), layers=run)
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
     if n_used > 1 or n_cpu_slots:
         dp.compute += recurrent_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
@@ -265,9 +289,11 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
-    if n_used == 0:  # everything on the CPU: as one device holding every layer and the head
-        dp.compute = device_compute(c, _peaks(c, layers) if c.per_layer_slab else c.peaks, c.inputs, bool(layers),
-                                    has_out, 1, pipeline=False)
+    if n_used == 0:  # everything on the CPU: the whole graph on one device (one_device_peak), else as one device
+        # holding every layer and the head by the derived models' peaks
+        whole = c.one_device() if c.one_device and has_out and len(layers) == n else None
+        dp.compute = whole or device_compute(c, _peaks(c, layers) if c.per_layer_slab else c.peaks, c.inputs,
+                                             bool(layers), has_out, 1, pipeline=False)
     elif len(layers):  # it runs those layers (and experts' matmuls): their peak and one copy of the inputs
         # (no pipeline parallelism with CPU layers or tensor overrides)
         peaks = _peaks(c, [*layers, *moved], slabs=False)

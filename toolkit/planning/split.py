@@ -19,7 +19,7 @@ SCHED_COPIES = 4  # copies of graph inputs with pipeline parallelism (GGML_SCHED
 
 
 def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool, has_output: bool,
-                    n_used: int, pipeline: bool) -> int:
+                    n_used: int, pipeline: bool, layers=()) -> int:
     """A device's compute buffer (scripts/underestimates.py checks each branch against llama.cpp on 37 cells).
 
     With several devices the graph is split and each device receives its split's inputs; with pipeline
@@ -51,7 +51,8 @@ def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool,
         return max(steady, head)
     # e.g. Mistral-Nemo-12B at 4k; with an f16 cache the output device keeps 3 residual-sized tensors
     # more (Mistral-Nemo-12B, 16k and 32k on 5 RPC devices: 18 MiB above the other terms in real loads)
-    return max(steady, head, peaks.output + copies * inputs + (3 * c.resid if c.f16_cache else 0))
+    return max(steady, head, peaks.output + copies * inputs + (3 * c.resid if c.f16_cache else 0)
+               + held_at_head(c, peaks, layers, copies))
 
 
 def held_input(peaks: ComputePeaks, resid: int, copies: int) -> int:
@@ -64,6 +65,20 @@ def held_input(peaks: ComputePeaks, resid: int, copies: int) -> int:
     Tiny SmolLM3, GLM-4.5, Llama 4 and Gemma 4 with flash attention at 16k and 64k on 2-3 RPC devices: 0.245 MiB
     (one residual, f32 [128, 512]) above the other terms on each such device; without flash attention 0.0."""
     return resid if peaks.input_freed and copies > 1 else 0
+
+
+def held_at_head(c: Costs, peaks: ComputePeaks, layers, copies: int) -> int:
+    """What the output device keeps at the head beyond the one-device output peak and its input copies: the
+    residual it receives (held_input), where its first layer is an FFN-only layer and it holds attention (its
+    inputs carry the mask). Such a layer reads its input at its very end (Nemotron-H's
+    `nemotron_h_block_out = l_out + inpL`, GGML_SCHED_DEBUG: node #232 reads the split input), after its whole
+    MoE working set; a device starting with an attention layer reads it at the attention's residual add. Measured
+    on tiny Nemotron-H with experts, q8_0, flash attention, RPC devices, the output device's layers: 5-7 at 16k
+    and 64k on [1,1] and [1,1,2] 0.25 MiB under without the term, exact with it; 3-7, 6-7 ([1,3], [1,2], [2,1],
+    [1,1,1]) exact without it; 7 alone (no attention: [2,1,1], [1,2,1]) over already (+1.25, +0.50)."""
+    if not layers or c.info.layers[layers[0]].kind != "ffn" or not any(c.info.layers[il].attention for il in layers):
+        return 0
+    return held_input(peaks, c.resid, copies)
 
 
 def split_inputs(c: Costs, layers) -> int:
