@@ -25,7 +25,7 @@ from pathlib import Path
 from ..errors import CtxqError
 from ..gguf.info import RECURRENT_RULES, ModelInfo, kv_cells
 from ..gguf.reader import GGUFFile
-from .derived import _PER_LAYER_DIM, LayerFlags, load_error, model_path, write_derived
+from .derived import _PER_LAYER_DIM, MIN_LAYERS, LayerFlags, load_error, model_path, write_derived
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,12 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple,
     one = tuple(sorted(ils[0] for ils in groups))
     two = tuple(sorted(il for ils in groups for il in ils[:2]))
     two = _alternating(info, two) if mix else two
+    head = _ends_like_model(groups, one)
+    if len(one) < MIN_LAYERS.get(info.arch, 1):  # the two-layer model's peak bounds the one layer's
+        one, head = two, two if len(head) < 2 else head
     try:
         if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
             raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers
-        head = _ends_like_model(groups, one)
         full = _dry_run(str(write_derived(src, head, False, _flags(info, head))), *args)
         layer = _dry_run(str(write_derived(src, one, True, _flags(info, one))), *args)
         # A one-layer graph frees its inputs after its only layer; a device holding many layers keeps them

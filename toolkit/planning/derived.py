@@ -25,6 +25,13 @@ _PER_LAYER_DIM = {"per_layer_token_embd.weight": 0, "per_layer_model_proj.weight
 # layer count implies: llama_model_deepseek2::load_arch_hparams reads q_lora_rank unless n_layer is 26 or 27
 # ("lite" variants, whose query has no LoRA: the tensors follow q_lora_rank > 0, so 0 keeps them as they are).
 _LAYER_COUNT_KEYS = {"deepseek2": {"attention.q_lora_rank": (0, "UINT32")}}
+# Tensors outside the blocks that llama.cpp creates only while loading a full-attention layer, so that a derived
+# model whose kept layers all slide must not have them (it refuses one: "wrong number of tensors"):
+# llama_model_gemma4::load_arch_tensors creates rope_freqs for !is_swa(i) layers only.
+_FULL_LAYER_TENSORS = {"gemma4": ("rope_freqs.weight",)}
+# Architectures whose derived models need two layers: llama_model::create_memory's KV-reuse callback for Gemma 3n
+# and Gemma 4 asserts n_layer_kv_from_start >= 2 (an abort, not an error: one layer must never be written for them).
+MIN_LAYERS = {"gemma3n": 2, "gemma4": 2}
 
 
 
@@ -38,7 +45,7 @@ class LayerFlags:
 
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v4"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v5"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -61,8 +68,11 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     n_vocab, src_layers = _SMALL_VOCAB if small_vocab else _vocab_size(src), int(src.arch_get("block_count"))
     remap = {il: i for i, il in enumerate(layers)}
     specs = []
+    unused = _FULL_LAYER_TENSORS.get(src.arch, ()) if flags.swa is not None and all(flags.swa) else ()
     for t in src.tensors:
         name, shape = t.name, t.shape
+        if name in unused:
+            continue
         il = block_of(name)
         if il is not None:
             if il not in remap:
