@@ -29,3 +29,19 @@ def test_sliding_only_peaks_from_derived_model():
     # the mixed peaks hold the full layer's KQ matrix; the sliding ones only the window's (1024 cells: 16 MiB)
     assert peaks.layer_steady > 256 * MiB
     assert sliding.layer_steady < 128 * MiB and sliding.layer_full < 128 * MiB, sliding
+
+
+def test_real_width_cell_per_layer_inputs():
+    """3 RPC devices [2,1,1] at 16k without flash attention: each device within 1 % / 32 MiB and none under. The
+    first device (layers 0-3, all sliding) receives inp_per_layer whole, the second (4-5) its layers' views of it
+    (inputs.altup_inputs for Gemma 4). Before: RPC0 planned 1024.48 MiB, 777.95 real (+246.5); RPC1 963.65 / 965.63
+    (1.98 under)."""
+    from ctxq.rpc import start_workers
+    from ctxq.testing.accuracy import check_cell
+
+    with start_workers(3) as w:
+        r = check_cell(str(upstream_widths.build_realistic("gemma4-6l")), 16384, "f16", [2, 1, 1], workers=w,
+                       label="gemma4-6l rpc3 16k fa-off", flash_attn=False)
+    assert r.layers_match, r.layer_mismatch
+    for dev in r.devices:
+        assert not dev.under and dev.ok, f"{dev.name}: planned {dev.planned}, llama.cpp {dev.real}"

@@ -54,10 +54,14 @@ def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:
     the graph start's outputs (the gathered per-layer rows, host_gathers, and the scaled embeddings); one layer's
     per-layer input f32 [embedding_length_per_layer_input, n_ubatch]. Zeros for a model without altup."""
     n_altup = src.arch_get("altup.num_inputs")
+    per_layer = int(src.arch_get("embedding_length_per_layer_input", 0) or 0) * n_ubatch * 4
     if not n_altup:
-        return 0, 0, 0
+        # Gemma 4's E models: per-layer inputs without altup. GGML_SCHED_DEBUG (gemma4-6l at real widths, 3 RPC
+        # devices): the first layer's device receives inp_per_layer whole (`(reshaped)`, the host's gathered rows,
+        # which project_per_layer_inputs reads there), each other device its layers' views of it; the output
+        # device only the norm and out_ids (no altup_proj)
+        return (0, host_gathers(src, n_ubatch), per_layer) if per_layer else (0, 0, 0)
     resid = int(src.arch_get("embedding_length")) * n_ubatch * 4
-    per_layer = int(src.arch_get("embedding_length_per_layer_input", 0)) * n_ubatch * 4
     return 2 * int(n_altup) * resid, host_gathers(src, n_ubatch) + resid, per_layer
 
 
@@ -66,7 +70,7 @@ def altup_device(altup: tuple[int, int, int], run, has_output: bool) -> int:
     streams where it holds layers, the graph start's outputs on the first layer's device and on the output one
     (altup_proj runs there), else each layer's per-layer input."""
     stack, start, per_layer = altup
-    return (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output else 0)
+    return (stack + (start if 0 in run else per_layer * len(run)) if len(run) else 0) + (start if has_output and stack else 0)
 
 
 # f32 [n_embd_altup, n_layer, n_ubatch] tensors alive together where project_per_layer_inputs (gemma3n.cpp) runs:

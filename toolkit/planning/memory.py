@@ -238,7 +238,7 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     if c.cpu_experts and n_used > 1:
         peaks = moe_split_peaks(c, peaks, run)
     ins = split_inputs(c, run)
-    if (n_used > 1 or n_cpu_slots) and c.altup[0]:  # a split graph
+    if (n_used > 1 or n_cpu_slots) and any(c.altup):  # a split graph
         ins += inputs_mod.altup_device(c.altup, run, has_output)
         held = inputs_mod.altup_steady(c, peaks, run, has_output, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
         peaks = replace(peaks, layer_steady=peaks.layer_steady + held)
