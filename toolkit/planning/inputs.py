@@ -43,8 +43,10 @@ def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int, hole: int = 0
     buffer's end (ggml_dyn_tallocr_alloc), so the split's tensors go into the hole in turn while one fits
     (_above_hole). Qwen3-30B-A3B's widths on one RPC device, its mask freed, the host's compute above the graph
     inputs: 16k f16 (hole 16 MiB) 68.0 real, 72.25 before, 68.0 with this; 32k q8_0 44.0, 72.25, 44.0; 64k q8_0
-    32.0, 72.25, 32.0; 131072 q4_0 (the down projection fits the hole) 4.0, 72.25, 4.0. DeepSeek-V3's widths (65536 q8_0, 3 RPC devices, layer 1's experts on the host): 158.0 real,
-    222.0 before, 176.0 with this: llama.cpp fits the up projection in the hole too, which this does not count.
+    32.0, 72.25, 32.0; 131072 q4_0 (the down projection fits the hole) 4.0, 72.25, 4.0. DeepSeek-V3's widths
+    (65536 q8_0, 3 RPC devices, layer 1's experts on the host, with the planner passing the devices' slots):
+    158.0 real (gate and up in the 64 MiB hole, the FFN input's copy above), 222.0 before, 176.0 with this (the
+    input and gate in the hole, up above): 18 MiB over, not under.
     Separate gate and up without a down bias only (the cases measured); otherwise as without a hole."""
     names = {t.name for t in src.tensors}
     peak = 0
