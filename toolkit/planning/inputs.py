@@ -25,7 +25,7 @@ def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
     return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
 
 
-def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
+def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int, hole: int = 0) -> int:
     """The host's compute-buffer peak for the routed experts of one layer whose expert tensors sit in CPU memory,
     the largest over the model's layers. The scheduler gives the host a split of its own for them
     (ggml_backend_sched_split_graph: the mul_mat_id ops whose weights are in a CPU buffer and the weightless
@@ -36,16 +36,59 @@ def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int) -> int:
     projection's result [n_embd, n_expert_used, n_ubatch] (and its biased copy). Their sum bounds ggml-alloc's
     peak over the split; at real widths it is the peak, as no later tensor fits the hole an earlier one leaves
     (Qwen3-30B-A3B's widths, 2 RPC devices, n_cpu_moe=2, 16k and 64k: 72.25 MiB above the graph inputs, real
-    and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this)."""
+    and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this).
+
+    `hole`: bytes of a graph input freed before these splits run (the attention mask, once the last device split
+    that receives it has started: memory.mask_freed). ggml-alloc's best fit prefers any free block that fits to the
+    buffer's end (ggml_dyn_tallocr_alloc), so the split's tensors go into the hole in turn while one fits
+    (_above_hole). Qwen3-30B-A3B's widths on one RPC device, its mask freed, the host's compute above the graph
+    inputs: 16k f16 (hole 16 MiB) 68.0 real, 72.25 before, 68.0 with this; 32k q8_0 44.0, 72.25, 44.0; 64k q8_0
+    32.0, 72.25, 32.0; 131072 q4_0 (the down projection fits the hole) 4.0, 72.25, 4.0. DeepSeek-V3's widths
+    (65536 q8_0, 3 RPC devices, layer 1's experts on the host, with the planner passing the devices' slots):
+    158.0 real (gate and up in the 64 MiB hole, the FFN input's copy above), 222.0 before, 176.0 with this (the
+    input and gate in the hole, up above): 18 MiB over, not under.
+    Separate gate and up without a down bias only (the cases measured); otherwise as without a hole."""
     names = {t.name for t in src.tensors}
     peak = 0
     for t in src.tensors:
         if not t.name.endswith(".ffn_down_exps.weight"):
             continue
         n_ff, n_embd, n_expert = t.shape[:3]
-        down = n_embd * n_expert_used * n_ubatch * 4 * (2 if t.name.replace(".weight", ".bias") in names else 1)
-        peak = max(peak, (n_embd + n_expert + 3 * n_ff * n_expert_used) * n_ubatch * 4 + down)
+        biased = t.name.replace(".weight", ".bias") in names
+        down = n_embd * n_expert_used * n_ubatch * 4 * (2 if biased else 1)
+        glu = n_ff * n_expert_used * n_ubatch * 4  # gate, up and their GLU, each
+        if hole and not biased and t.name.replace("down", "gate") in names:
+            peak = max(peak, _above_hole(hole, [n_embd * n_ubatch * 4, n_expert * n_ubatch * 4, glu, glu, glu], down))
+        else:
+            peak = max(peak, (n_embd + n_expert) * n_ubatch * 4 + 3 * glu + down)
     return peak
+
+
+def _above_hole(hole: int, sizes: list[int], down: int) -> int:
+    """The bytes host_experts' split puts above the graph inputs where a free block of `hole` bytes lies among them:
+    its inputs, gate, up and their GLU (`sizes`, in the order llama.cpp allocates them) each go into the hole's
+    rest while it fits, else above; gate and up are freed before the down projection (`down` bytes), which goes into
+    the hole's largest free run if it fits, else above what is still held there."""
+    at, placed, top, held_above = 0, [], 0, []
+    for i, size in enumerate(sizes):
+        if size <= hole - at:
+            placed.append((at, size, i in (2, 3)))
+            at += size
+        else:
+            held_above.append((top, size, i in (2, 3)))
+            top += size
+    runs, run, end = [], 0, 0  # free runs of the hole once gate and up are freed
+    for off, size, freed in placed + [(hole, 0, False)]:
+        run = run + (off - end) + (size if freed else 0) if freed or off > end else run
+        if not freed:
+            runs.append(run)
+            run = 0
+        end = off + size
+    if down <= max(runs, default=0):  # all of it in the hole but for the FFN input's copy, measured above the
+        return max(top, sizes[0])  # inputs there (Qwen3-30B-A3B's widths at 131072 q4_0: 4.0 MiB real)
+    # what stays above: up to the last tensor held there (a freed one at the top merges with the buffer's end)
+    kept = max((off + size for off, size, freed in held_above if not freed), default=0)
+    return max(top, kept + down)
 
 
 def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:

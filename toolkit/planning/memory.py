@@ -68,6 +68,7 @@ class Costs:
     mtp_layers: frozenset[int] = frozenset()  # NextN blocks llama.cpp leaves unloaded: slots outside the graph
     host_gathers: int = 0  # rows the host gathers for a split graph's devices beside the embeddings (inputs.host_gathers)
     host_experts: int = 0  # the host's peak for one layer's routed experts in CPU memory (inputs.host_experts)
+    host_experts_freed: int | None = None  # the same with the attention mask freed among them (inputs.host_experts' hole)
     cache_inputs: tuple[int, int] = (0, 0)  # iSWA: one copy of the full and the sliding cache's mask and KV indices
     altup: tuple[int, int, int] = (0, 0, 0)  # Gemma 3n's split inputs (inputs.altup_inputs)
     per_layer_slab: int = 0  # per layer, the slabs the derived models cut from layer 0's peak (inputs.per_layer_slabs)
@@ -152,6 +153,8 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
                  host_gathers=inputs_mod.host_gathers(src, n_ubatch),
                  host_experts=inputs_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
+                 host_experts_freed=inputs_mod.host_experts(src, info.n_expert_used, n_ubatch, hole=mask)
+                 if info.n_expert and not any(info.swa_layers) else None,
                  cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
                  altup=inputs_mod.altup_inputs(src, n_ubatch), per_layer_slab=inputs_mod.per_layer_slabs(src, n_ubatch),
                  one_device=partial(one_device_peak, src, (n_ctx, n_ubatch, opts.n_batch, type_k, type_v, flash_attn),
@@ -274,9 +277,10 @@ def _peaks(c: Costs, layers, slabs: bool = True) -> compute_mod.ComputePeaks:
     return peaks
 
 
-def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePlan:
+def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) -> DevicePlan:
     """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU) and
-    the experts of c.cpu_experts (tensor overrides to the CPU buffer type) of the layers on devices."""
+    the experts of c.cpu_experts (tensor overrides to the CPU buffer type) of the layers on devices; counts: the
+    devices' layer slots in order, where the caller knows them (mask_freed)."""
     n = c.info.n_layer
     layers = range(0, min(n_cpu_layers, n))
     has_out = n_cpu_layers == n + 1
@@ -303,7 +307,8 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
             dp.compute = inputs_mod.host_first_layer(c, dp.compute, ins, mixed=peaks is c.peaks)
     elif moved:  # every graph input, one copy alive until its last split (all masks), and the experts' matmuls
         # (inputs.host_experts); the residual: the embeddings sent, whose hole ggml-alloc does not fill
-        dp.compute = c.inputs + c.host_experts + c.host_gathers
+        freed = c.host_experts_freed is not None and mask_freed(c, counts, moved, n_used)
+        dp.compute = c.inputs + (c.host_experts_freed if freed else c.host_experts) + c.host_gathers
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1
@@ -311,6 +316,27 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device) -> DevicePl
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
+
+
+def mask_freed(c: Costs, counts, moved, n_used: int) -> bool:
+    """Whether the host's attention mask is freed before the split of every expert layer in CPU memory (`moved`),
+    every layer on a device: each device's split that receives the mask holds a dependency on it (ggml-backend's
+    input_dep) until it starts, and the last such split is the first of the device holding the last attention layer.
+    It starts before the host's expert split of any layer on or after that device's first layer: always with one
+    device; with several, where the caller gives their layer slots (`counts`), else not assumed."""
+    last = max((il for il, la in enumerate(c.info.layers) if la.attention), default=None)
+    if last is None:
+        return False
+    if n_used == 1:
+        return True
+    if not counts:
+        return False
+    start = 0
+    for k in counts:
+        if start <= last < start + k:
+            return start <= min(moved)
+        start += k
+    return False
 
 
 def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int, expert_fraction: float = 1.0) -> float | None:
