@@ -241,7 +241,7 @@ def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanO
     n = c.info.n_layer
     slots, order, counts = _best_split(c, devices, opts.reorder) if devices else (0, [], [])
     gplans = _layout(c, [devices[i] for i in order], counts) if devices else []
-    host = host_cost(c, n + 1 - slots, sum(1 for k in counts if k), cpu)
+    host = host_cost(c, n + 1 - slots, sum(1 for k in counts if k), cpu, counts)
     if host.total > host.device.usable:
         return None, host
     return _make_plan(c, path, opts, tk, tv, slots, counts, gplans, host, order, len(devices)), host
@@ -285,7 +285,7 @@ def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opt
         return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
     ce, cand = best
     gplans = _layout(ce, ds, cand)
-    host = host_cost(ce, n + 1 - slots, sum(1 for k in cand if k), cpu)
+    host = host_cost(ce, n + 1 - slots, sum(1 for k in cand if k), cpu, cand)
     if host.total > host.device.usable:
         return None, host
     return _make_plan(ce, path, opts, tk, tv, slots, cand, gplans, host, order, len(devices)), host
@@ -362,7 +362,7 @@ def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opt
     n = c.info.n_layer
     counts = llama_layer_counts(vals, n + 1, n + 1)
     gplans = _layout(c, devices, counts)
-    host = host_cost(c, 0, sum(1 for k in counts if k), cpu)
+    host = host_cost(c, 0, sum(1 for k in counts if k), cpu, counts)
     p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
              flash_attn=opts.flash_attn, n_gpu_layers=n + 1, tensor_split=counts, gpus=gplans, host=host, n_layer=n,
              reason="the split you gave")

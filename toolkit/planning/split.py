@@ -38,6 +38,11 @@ def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool,
         # 3 residual-sized tensors bounds that (Llama-4-Scout's shapes, 4 layers, 64k, flash attention: 146.0
         # MiB real, 166.0 planned; the one-device graph's head peak, which also holds what its layer left
         # behind, gave 224.0)
+        if copies == 1:  # no pipeline (experts in CPU memory, CPU layers): the received input is freed once
+            # result_norm (MUL, in place) has read it, so result_output [n_vocab, n_outputs] and one residual-sized
+            # tensor (GGML_SCHED_DEBUG, n_cpu_moe=2, 65536 q8_0: DeepSeek-V3's widths 110.00 MiB real, 152.00
+            # planned before; Llama-4-Scout's 106.00 real, 136.00 before)
+            return c.head - 2 * c.resid
         if not c.flash_attn or peaks.output <= peaks.layer_full:
             return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
         return min(peaks.output + 3 * c.resid, c.head + copies * c.resid)  # measured on RPC devices
