@@ -211,22 +211,30 @@ def restore_session(llm, path, plan, tokens: list[int] | None = None) -> int:
     settings that shape the cache, and (when `tokens` is given) its tokens are a prefix of `tokens`;
     returns the number of tokens restored (llm then holds them, so llama-cpp-python's own prefix reuse
     continues from there), 0 when the file does not match (the reason logged as a warning; nothing raised)."""
+    def load(path: Path, saved: list[int]) -> int:
+        if len(saved) > llm.n_ctx():
+            raise SessionMismatch(f"it holds {len(saved):,} tokens, more than the context's {llm.n_ctx():,}")
+        _load(llm, path, saved)
+        return len(saved)
+
+    return _restore(path, plan, tokens, load)
+
+
+def _restore(path, plan, tokens: list[int] | None, load) -> int:
+    """Check the saved state at `path` against the plan and `tokens` (_check) and `load(path, saved tokens)` it:
+    the number of tokens restored, 0 when the file is missing or does not match (the reason logged)."""
     path = Path(path).expanduser()
     if not path.is_file():
         return 0
     t0 = time.perf_counter()
     try:
-        meta = read_metadata(path)
-        saved = _check(path, meta, plan, tokens)
-        if len(saved) > llm.n_ctx():
-            raise SessionMismatch(f"it holds {len(saved):,} tokens, more than the context's {llm.n_ctx():,}")
-        _load(llm, path, saved)
+        n = load(path, _check(path, read_metadata(path), plan, tokens))
     except SessionMismatch as e:
         log.warning("session %s not used: %s; processing the input from the start", path, e)
         return 0
     os.utime(path)  # the `auto` cache evicts the least recently used first
-    log.info("session: restored %d tokens from %s in %.2f s", len(saved), path, time.perf_counter() - t0)
-    return len(saved)
+    log.info("session: restored %d tokens from %s in %.2f s", n, path, time.perf_counter() - t0)
+    return n
 
 
 # --- the engine's shared prefix (ctxq run with several questions) ---------------------------------
@@ -235,14 +243,8 @@ def restore_into_engine(engine, path, plan, tokens: list[int]) -> int:
     """Load a saved document into a sequence of `engine` that its requests then share (forked with
     llama_memory_seq_cp): the number of tokens restored, 0 when the file does not match (logged)."""
     lc = backend.llama_cpp()
-    path = Path(path).expanduser()
-    if not path.is_file():
-        return 0
-    t0 = time.perf_counter()
-    try:
-        meta = read_metadata(path)
-        saved = _check(path, meta, plan, tokens)
 
+    def load(path: Path, saved: list[int]) -> int:
         def read(ctx, seq_id: int) -> list[int]:
             out = (lc.llama_token * max(1, len(saved)))()
             n_out = ctypes.c_size_t(0)
@@ -254,13 +256,9 @@ def restore_into_engine(engine, path, plan, tokens: list[int]) -> int:
                 raise SessionMismatch(f"llama.cpp could not restore it{': ' + tail[0] if tail else ''}")
             return saved
 
-        n = engine.load_prefix(read)
-    except SessionMismatch as e:
-        log.warning("session %s not used: %s; processing the input from the start", path, e)
-        return 0
-    os.utime(path)
-    log.info("session: restored %d tokens from %s in %.2f s", n, path, time.perf_counter() - t0)
-    return n
+        return engine.load_prefix(read)
+
+    return _restore(path, plan, tokens, load)
 
 
 def save_from_engine(engine, session, tokens: list[int], plan) -> bool:
