@@ -41,8 +41,10 @@ def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool,
         if copies == 1:  # no pipeline (experts in CPU memory, CPU layers): the received input is freed once
             # result_norm (MUL, in place) has read it, so result_output [n_vocab, n_outputs] and one residual-sized
             # tensor (GGML_SCHED_DEBUG, n_cpu_moe=2, 65536 q8_0: DeepSeek-V3's widths 110.00 MiB real, 152.00
-            # planned before; Llama-4-Scout's 106.00 real, 136.00 before)
-            return c.head - 2 * c.resid
+            # planned before; Llama-4-Scout's 106.00 real, 136.00 before), and where the graph picks the output
+            # rows after the norm (gemma4.cpp: get_rows(result_norm, inp_out_ids) on this device) a second one:
+            # tiny Gemma 4 MoE, 3 devices, 64k q8_0, n_cpu_moe=2, 1.29 MiB real, 1.04 with one residual
+            return c.head - c.resid
         if not c.flash_attn or peaks.output <= peaks.layer_full:
             return c.head + copies * c.resid  # Llama-3-8B 32k: 258.0 MiB real, 258.5 planned
         return min(peaks.output + 3 * c.resid, c.head + copies * c.resid)  # measured on RPC devices
