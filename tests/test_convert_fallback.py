@@ -78,9 +78,16 @@ def test_olmo3_through_llama_cpp_converter_matches_transformers(olmo3, tmp_path)
 
 
 @pytest.mark.slow
-def test_olmo3_quantizes_to_q4_k_m_with_the_quality_gate(olmo3, tmp_path):
+def test_olmo3_quantizes_to_q4_k_m_with_the_quality_gate(olmo3, tmp_path, tmp_path_factory):
+    from ctxq.paths import ctxq_home
+
+    # a CTXQ_HOME of its own (a rerun would otherwise take ctxq's cached quantization, without the quality gate),
+    # sharing llama.cpp's converter already fetched into the usual one
+    home = tmp_path_factory.mktemp("home")  # beside tmp_path, which must hold only the output
+    if (ctxq_home() / "upstream").is_dir():
+        (home / "upstream").symlink_to(ctxq_home() / "upstream")
     out = tmp_path / "q.gguf"
-    rc = run_ctxq("convert", str(olmo3), "Q4_K_M", "-o", str(out))
+    rc = run_ctxq("convert", str(olmo3), "Q4_K_M", "-o", str(out), env={"CTXQ_HOME": str(home)})
     print(rc.stdout, rc.stderr[-2000:])
     assert rc.returncode == 0, rc.stderr[-2000:]
     assert "Q4_K_M" in rc.stdout and "olmo2" in rc.stdout
