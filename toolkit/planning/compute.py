@@ -77,11 +77,10 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     Architectures with sliding windows build an iSWA graph that needs both kinds present
     (llama_model::build_graph asserts is_swa_any), and hybrids a graph over both memories."""
     by_kind: dict[str, list[int]] = {}
-    groups: dict[tuple[str, bool], list[int]] = {}  # dense and expert layers of a kind measured apart
     for il, la in enumerate(info.layers):
         if not la.mtp:  # unloaded NextN blocks are not in the graph
             by_kind.setdefault(la.kind, []).append(il)
-            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+    groups = layer_groups(info)
     args = (n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn)
     freed = _input_freed(src, info, flash_attn)
     mixed = replace(_peaks(src, info, list(groups.values()), args), input_freed=freed)
@@ -105,6 +104,16 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
              if len(ils) >= 2 or k in ("recurrent", "ffn")}  # their only split input is the residual
     kinds = {k: replace(p, input_freed=freed) for k, p in kinds.items()}
     return ComputePeaks(mixed.layer_full, mixed.output, mixed.layer_steady, by_kind=kinds, input_freed=freed)
+
+
+def layer_groups(info: ModelInfo) -> dict[tuple[str, bool], list[int]]:
+    """The layers in the graph (unloaded NextN blocks left out) by kind, dense and expert layers of a kind apart:
+    the mixed peaks' derived models hold the first (and first two) of each group."""
+    groups: dict[tuple[str, bool], list[int]] = {}
+    for il, la in enumerate(info.layers):
+        if not la.mtp:
+            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+    return groups
 
 
 def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple, mix: bool = True) -> ComputePeaks:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .compute import ComputePeaks, _alternating
+from .compute import ComputePeaks, _alternating, layer_groups
 from ..gguf.info import ModelInfo
 from ..gguf.reader import GGUFFile
 
@@ -136,10 +136,7 @@ def derived_layers(info: ModelInfo, mixed: bool) -> tuple[int, int]:
     compute._alternating (mixed peaks), or one and two of one kind (a kind's own peaks)."""
     if not mixed:
         return 1, 2
-    groups: dict[tuple[str, bool], list[int]] = {}
-    for il, la in enumerate(info.layers):
-        if not la.mtp:
-            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+    groups = layer_groups(info)
     return len(groups), len(_alternating(info, tuple(sorted(il for ils in groups.values() for il in ils[:2]))))
 
 
