@@ -179,6 +179,22 @@ def assert_4bit_close(label: str, ref: np.ndarray, got: np.ndarray) -> None:
     assert rel < 0.5 and agree > 0.5, (rel, agree)
 
 
+def quantize_checked(folder: Path, out: Path, label: str, monkeypatch, **ctx):
+    """FOLDER to Q4_K_M through llama.cpp's quantizer with the quality gate, its logits within 4-bit reach of
+    transformers' (ctx: llama.cpp's context options). A CTXQ_HOME of its own: a rerun would otherwise find
+    ctxq's cached quantization of the same random checkpoint (cache_lookup), without a quality gate."""
+    from ctxq.gguf.info import model_info
+
+    monkeypatch.setenv("CTXQ_HOME", str(out.parent / "home"))
+    ids = hf_ids(folder)
+    ref = reference_logits(folder, ids)
+    r = convert(folder, "Q4_K_M", out)
+    assert model_info(r.path).file_type == "Q4_K_M" and r.quality is not None
+    got, _ = llama_logits(r.path, ids, **ctx)
+    assert_4bit_close(f"{label} Q4_K_M, quality gate {r.quality}", ref, got)
+    return r
+
+
 def hf_ids(folder: Path) -> list[int]:
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     return tok(TEXT, add_special_tokens=False)["input_ids"]

@@ -28,8 +28,8 @@ from ctxq import convert  # noqa: E402
 from ctxq.gguf.reader import read_gguf  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
-from .test_convert import (assert_4bit_close, compare, hf_ids, llama_logits, randomize, reference_logits,  # noqa: E402
-                           write_bpe_tokenizer)
+from .test_convert import (compare, hf_ids, llama_logits, quantize_checked, randomize,  # noqa: E402
+                           reference_logits, write_bpe_tokenizer)
 
 # Each family: transformers config class, its arguments, the pre-tokenizer of the test vocabulary.
 # Widths as tests/test_convert.py (60 wide, not a power of two) where the family allows.
@@ -256,19 +256,9 @@ def test_what_llama_cpp_computes_differently_is_refused_in_one_line(family, over
 @pytest.mark.parametrize("family", ["lfm2", "granite_hybrid", "nemotron_h_moe"])
 def test_hybrids_quantize_to_q4_k_m_with_llama_cpp(family, tmp_path, monkeypatch):
     """Through llama.cpp's quantizer (its recurrent tensors kept as it keeps them) with the quality gate."""
-    from ctxq.gguf.info import model_info
-
-    # a CTXQ_HOME of its own: a rerun would otherwise find ctxq's cached quantization (no quality gate)
-    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
-    folder = make(tmp_path / family, family)
-    ids = hf_ids(folder)
-    ref = reference_logits(folder, ids)
-    r = convert(folder, "Q4_K_M", tmp_path / f"{family}-Q4_K_M.gguf")
-    assert model_info(r.path).file_type == "Q4_K_M" and r.quality is not None
+    r = quantize_checked(make(tmp_path / family, family), tmp_path / f"{family}-Q4_K_M.gguf", family, monkeypatch)
     types = {t.name: t.type_name for t in read_gguf(r.path, skip_arrays=True).tensors}
     assert all(v == "F32" for k, v in types.items() if k.endswith((".ssm_a", ".ssm_d", "conv1d.weight", "conv.weight")))
-    got, _ = llama_logits(r.path, ids)
-    assert_4bit_close(f"{family} Q4_K_M, quality gate {r.quality}", ref, got)
 
 
 def test_plan_headers_of_hybrids_carry_their_layer_kinds(tmp_path):

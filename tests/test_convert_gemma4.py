@@ -21,8 +21,8 @@ from ctxq import convert  # noqa: E402
 from ctxq.testing.gemma_tokenizer import write_gemma_tokenizer  # noqa: E402
 
 from .conftest import run_ctxq  # noqa: E402
-from .test_convert import (CORPUS, assert_4bit_close, compare, hf_ids, llama_logits, randomize,  # noqa: E402
-                           reference_logits)
+from .test_convert import (CORPUS, compare, hf_ids, llama_logits, quantize_checked,  # noqa: E402
+                           randomize, reference_logits)
 from .test_convert_2026 import _reference, _same_meta, table  # noqa: E402
 
 _SWA, _FULL = "sliding_attention", "full_attention"
@@ -167,15 +167,5 @@ def test_rope_freqs_freeze_what_proportional_rope_leaves_unrotated(tmp_path):
 @pytest.mark.parametrize("variant", ["e2b", "moe"])
 def test_gemma4_quantizes_to_q4_k_m_with_llama_cpp(variant, tmp_path, monkeypatch):
     """Through llama.cpp's quantizer with the quality gate, as the other 2026 families."""
-    from ctxq.gguf.info import model_info
-
-    # a cache of its own: the same random checkpoint would otherwise come from ctxq's quantized cache
-    # after a first run (cache_lookup, before --force is looked at), without a quality gate
-    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
-    folder = make(tmp_path / variant, variant)
-    ids = hf_ids(folder)
-    ref = reference_logits(folder, ids)
-    r = convert(folder, "Q4_K_M", tmp_path / f"{variant}-Q4_K_M.gguf")
-    assert model_info(r.path).file_type == "Q4_K_M" and r.quality is not None
-    got, _ = llama_logits(r.path, ids, type_k=0, type_v=0)
-    assert_4bit_close(f"gemma4 {variant} Q4_K_M, quality gate {r.quality}", ref, got)
+    quantize_checked(make(tmp_path / variant, variant), tmp_path / f"{variant}-Q4_K_M.gguf", f"gemma4 {variant}",
+                     monkeypatch, type_k=0, type_v=0)
