@@ -43,10 +43,10 @@ class ComputePeaks:
     # the steady peak lies past the first layer's attention, where the one-device graph has freed the embeddings
     # that a device receives as its input (held_input, _input_freed)
     input_freed: bool = False
-    # peaks measured on the model's only layer of a kind (compute._full_only): its one-layer graph frees the split
-    # inputs after that layer, as a device's split does without pipeline parallelism; with it (the inputs kept
-    # alive) or with the head, where they were not measured to hold, these peaks stand instead (split.device_compute)
-    kept_inputs: ComputePeaks | None = field(default=None, compare=False)
+    # measured on the model's only layer of its kind (_full_only): a one-layer graph frees the split inputs after
+    # that layer, as a device's split does without pipeline parallelism; with it (the inputs kept alive) or with the
+    # head, where they were not measured to hold, split.device_compute takes the mixed peaks instead
+    one_layer: bool = False
 
     def of(self, kinds: set[str]) -> ComputePeaks:
         """The peaks of a device holding layers of these kinds: its kind's own, or the largest of its
@@ -229,7 +229,7 @@ def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], ar
         # the model's only full layer, on a device whose split frees its inputs after it (experts in CPU memory, n_cpu_moe=2,
         # GGML_SCHED_DEBUG: Llama-4-Scout's shapes, 64k q8_0, 2:1:1, the device holding layer 3 alone: 104.09 MiB real,
         # 190.68 planned from the mixed peaks, whose derived model runs a chunked layer first; 134.17 from these)
-        return ComputePeaks(layer, mixed.output, layer, input_freed=flash_attn and mixed.input_freed, kept_inputs=mixed)
+        return ComputePeaks(layer, mixed.output, layer, input_freed=flash_attn and mixed.input_freed, one_layer=True)
     return ComputePeaks(layer, out, steady, input_freed=flash_attn and mixed.input_freed)
 
 

@@ -25,8 +25,8 @@ def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool,
     With several devices the graph is split and each device receives its split's inputs; with pipeline
     parallelism (llama_context: only when every layer is offloaded) it keeps SCHED_COPIES of them alive,
     else one. The steady peak already holds one copy."""
-    if peaks.kept_inputs is not None and (has_output or pipeline):  # one-layer peaks hold only without either
-        peaks = peaks.kept_inputs
+    if peaks.one_layer and (has_output or pipeline):  # one-layer peaks hold only without either: the mixed ones
+        peaks = moe_split_peaks(c, c.peaks, layers) if peaks.moe_split else c.peaks
     if n_used <= 1:  # one device, no split: the graph's own peak, at the head or in the layers' steady state
         # (Phi-3-mini at 32k on the CPU: the layers' peak, 24 MiB above the one-layer model's)
         return max(peaks.output, peaks.layer_steady) if has_output else peaks.layer_steady
@@ -126,8 +126,7 @@ def moe_split_peaks(c: Costs, peaks: ComputePeaks, layers) -> ComputePeaks:
     alone = kept and not any(il in c.cpu_experts for il in layers)
     steady = peaks.layer_steady if kept >= 2 or alone else max(peaks.layer_steady - down,
                                                                peaks.layer_full + (2 * c.resid if kept else 0))
-    held = moe_split_peaks(c, peaks.kept_inputs, layers) if peaks.kept_inputs is not None else None
-    return ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True, kept_inputs=held)
+    return ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True, one_layer=peaks.one_layer)
 
 
 def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
