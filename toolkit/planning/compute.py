@@ -202,7 +202,7 @@ def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], ar
         return None
     # one full layer: no two-layer steady peak, and a one-layer graph frees the inputs that a device keeps with
     # pipeline parallelism (Llama-4-Scout's shapes, 4 layers, 64k: its device 28 MiB under); without it the split
-    # frees them too (kept_inputs)
+    # frees them too (ComputePeaks.one_layer)
     one, two = (fulls[0], sliding), (*fulls[:2], sliding) if len(fulls) >= 2 else (fulls[0], sliding)
     n_ctx, n_ubatch, flash_attn = args[0], args[1], args[5]
     try:
