@@ -43,6 +43,10 @@ class ComputePeaks:
     # the steady peak lies past the first layer's attention, where the one-device graph has freed the embeddings
     # that a device receives as its input (held_input, _input_freed)
     input_freed: bool = False
+    # measured on the model's only layer of its kind (_full_only): a one-layer graph frees the split inputs after
+    # that layer, as a device's split does without pipeline parallelism; with it (the inputs kept alive) or with the
+    # head, where they were not measured to hold, split.device_compute takes the mixed peaks instead
+    one_layer: bool = False
 
     def of(self, kinds: set[str]) -> ComputePeaks:
         """The peaks of a device holding layers of these kinds: its kind's own, or the largest of its
@@ -54,6 +58,8 @@ class ComputePeaks:
         # layers without attention run one after another: the peak is the largest of their kinds' (Nemotron-H-
         # shaped MLP and Mamba-2 layers: 17.83 MiB real on an RPC device, 17.85 planned, 40.9 with all kinds)
         got = [self.by_kind[k] for k in kinds]
+        if len(got) == 1:
+            return got[0]
         return ComputePeaks(max(p.layer_full for p in got), max(p.output for p in got),
                             max(p.layer_steady for p in got), input_freed=any(p.input_freed for p in got))
 
@@ -190,12 +196,14 @@ def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], ar
     3 RPC devices, the output device holding one full layer: planned 284.57 / 285.07 / 293.23 MiB at the
     mixed peak, llama.cpp 274.81 / 274.80 / 275.30; with these peaks 275.06 / 275.56 / 275.73."""
     fulls, sliding = by_kind["attention"], by_kind["sliding"][0]
-    if len(fulls) < 2 or any(src.tensor(n) is not None for n in _PER_LAYER_DIM):
-        # one full layer: no two-layer steady peak, and a one-layer graph frees the inputs a device keeps (Llama-4-
-        # Scout's shapes, 4 layers, 64k: its device 28 MiB under); Gemma 3n's derived models hold only their own
-        # layers' per-layer input slabs (GEMMA3N in tests/test_arch_matrix.py: that device is under already)
+    if any(src.tensor(n) is not None for n in _PER_LAYER_DIM):
+        # Gemma 3n's derived models hold only their own layers' per-layer input slabs (GEMMA3N in
+        # tests/test_arch_matrix.py: that device is under already)
         return None
-    one, two = (fulls[0], sliding), (*fulls[:2], sliding)
+    # one full layer: no two-layer steady peak, and a one-layer graph frees the inputs that a device keeps with
+    # pipeline parallelism (Llama-4-Scout's shapes, 4 layers, 64k: its device 28 MiB under); without it the split
+    # frees them too (ComputePeaks.one_layer)
+    one, two = (fulls[0], sliding), (*fulls[:2], sliding) if len(fulls) >= 2 else (fulls[0], sliding)
     n_ctx, n_ubatch, flash_attn = args[0], args[1], args[5]
     try:
         if not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
@@ -217,6 +225,11 @@ def _full_only(src: GGUFFile, info: ModelInfo, by_kind: dict[str, list[int]], ar
     layer, steady = min(layer - held, mixed.layer_full), min(steady - held, mixed.layer_steady)
     out = out if raised else layer
     # without flash attention the steady peak is the full layer's KQ matrix, in the device's first layer
+    if len(fulls) < 2:
+        # the model's only full layer, on a device whose split frees its inputs after it (experts in CPU memory, n_cpu_moe=2,
+        # GGML_SCHED_DEBUG: Llama-4-Scout's shapes, 64k q8_0, 2:1:1, the device holding layer 3 alone: 104.09 MiB real,
+        # 190.68 planned from the mixed peaks, whose derived model runs a chunked layer first; 134.17 from these)
+        return ComputePeaks(layer, mixed.output, layer, input_freed=flash_attn and mixed.input_freed, one_layer=True)
     return ComputePeaks(layer, out, steady, input_freed=flash_attn and mixed.input_freed)
 
 

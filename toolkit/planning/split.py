@@ -25,6 +25,8 @@ def device_compute(c: Costs, peaks: ComputePeaks, inputs: int, has_layers: bool,
     With several devices the graph is split and each device receives its split's inputs; with pipeline
     parallelism (llama_context: only when every layer is offloaded) it keeps SCHED_COPIES of them alive,
     else one. The steady peak already holds one copy."""
+    if peaks.one_layer and (has_output or pipeline):  # one-layer peaks hold only without either: the mixed ones
+        peaks = moe_split_peaks(c, c.peaks, layers) if peaks.moe_split else c.peaks
     if n_used <= 1:  # one device, no split: the graph's own peak, at the head or in the layers' steady state
         # (Phi-3-mini at 32k on the CPU: the layers' peak, 24 MiB above the one-layer model's)
         return max(peaks.output, peaks.layer_steady) if has_output else peaks.layer_steady
@@ -118,9 +120,13 @@ def moe_split_peaks(c: Costs, peaks: ComputePeaks, layers) -> ComputePeaks:
     # two layers keeping their experts: the measured two-layer peak (16k: 100.0 real, 104.0 planned)
     # one layer keeping them: its one-layer peak with the residual-sized copies in and out of the host's
     # expert splits alive beside it (16k, q8_0: 84.1 real, one-layer peak 80.5, planned 88.5)
-    steady = peaks.layer_steady if kept >= 2 else max(peaks.layer_steady - down,
-                                                      peaks.layer_full + (2 * c.resid if kept else 0))
-    return ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True)
+    # no layer with its experts in CPU memory: no host expert split interleaves with the device's own, whose steady
+    # peak stands (GGML_SCHED_DEBUG, Llama-4-Scout's shapes, 64k q8_0, n_cpu_moe=2, 2:1:1: the device holding layer 3
+    # alone runs one split; 104.09 MiB real, 114.17 its one-layer peak, 134.17 with two residuals)
+    alone = kept and not any(il in c.cpu_experts for il in layers)
+    steady = peaks.layer_steady if kept >= 2 or alone else max(peaks.layer_steady - down,
+                                                               peaks.layer_full + (2 * c.resid if kept else 0))
+    return ComputePeaks(peaks.layer_full, peaks.output, steady, moe_split=True, one_layer=peaks.one_layer)
 
 
 def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
