@@ -91,6 +91,36 @@ def _above_hole(hole: int, sizes: list[int], down: int) -> int:
     return max(top, kept + down)
 
 
+def moe_split_layer_full(c, peaks: ComputePeaks, layers) -> ComputePeaks:
+    """The one-layer peak of a device in a split graph with experts in CPU memory (the floor of
+    split.moe_split_peaks), from the one-device derived model's (`peaks.layer_full`), as ggml-alloc places them
+    (traced through an eval callback: each node's offset in the device's compute buffer):
+
+    - less the embeddings input llm_graph_context::build_inp_embd makes beside the token ids: inp_embd f32
+      [n_embd_inp, n_ubatch], a graph leaf no node reads (ggml_build_forward_select), which ggml-alloc allocates
+      first and never frees (ggml_gallocr_alloc_graph_impl) and the scheduler assigns to the CPU with the other graph
+      inputs: the one-device graph holds it under all its tensors, a device never. DeepSeek-V3's widths, layers 0-1
+      on one RPC device with layer 1's experts on the host, 1k-64k q8_0: the CPU graph's tensors sit 14.0 MiB
+      (one residual) above the device's from the first layer on; the device 383.01 / 431.01 MiB real at 16k / 64k,
+      424.01 / 472.01 planned before, 410.01 / 458.01 with this (the other 27 MiB: the device receives the
+      embeddings at its buffer's start, so its first layer's residual goes back there, under its second layer's
+      attention, where the CPU graph's lands mid-buffer);
+    - plus the down projection's copy where the device's first layer with experts on the host comes before its
+      first attention layer: its split then ends at that layer's router, and the mask arrives only with the next
+      split, whose first input is the down projection's result (a split's input copies are nodes allocated at its
+      start, ggml_backend_sched_split_graph, without pipeline parallelism): the mask lands above it and the first
+      split's live tensors, where the one-device graph allocates the mask before any node. Tiny Nemotron-H with
+      experts, 3 RPC devices, the first holding layers 0-4 (Mamba-2, MoE on the host, Mamba-2, attention,
+      Mamba-2): 6.2522 / 66.2522 MiB real at 4k / 64k q8_0, 6.16 / 66.16 planned before, 6.41 / 66.41 with this.
+    `c` is memory.Costs."""
+    full = peaks.layer_full - c.resid
+    host = next((il for il in layers if il in c.cpu_experts and c.layer_experts[il]), None)
+    attn = next((il for il in layers if c.info.layers[il].attention), None)
+    if host is not None and attn is not None and host < attn:
+        full += c.info.n_embd * max(c.info.n_expert_used, 1) * c.n_ubatch * 4  # f32 [n_embd, n_expert_used, n_ubatch]
+    return replace(peaks, layer_full=full)
+
+
 def altup_inputs(src: GGUFFile, n_ubatch: int) -> tuple[int, int, int]:
     """Gemma 3n's split inputs beside the residual and the masks, as GGML_SCHED_DEBUG lists them (tiny Gemma 3n,
     64k, 2 RPC devices): altup's stacked streams f32 [n_embd, n_ubatch, altup.num_inputs] and their permuted copy;

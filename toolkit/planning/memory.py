@@ -238,8 +238,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
     run = [il for il in layers if il not in c.mtp_layers] if c.mtp_layers else layers  # layers in the graph
     peaks = _peaks(c, run)
-    if c.cpu_experts and n_used > 1:
-        peaks = moe_split_peaks(c, peaks, run)
+    if c.cpu_experts and n_used > 1:  # its one-layer peak in that split graph first (inputs.moe_split_layer_full)
+        peaks = moe_split_peaks(c, inputs_mod.moe_split_layer_full(c, peaks, run), run)
     ins = split_inputs(c, run)
     if (n_used > 1 or n_cpu_slots) and any(c.altup):  # a split graph
         ins += inputs_mod.altup_device(c.altup, run, has_output)
