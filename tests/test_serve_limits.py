@@ -35,10 +35,11 @@ def server(tiny, tmp_path, request):
         yield running
 
 
-# --parallel 1: one sequence, so the second request waits in the queue as it does one at a time
+# --parallel 1: one sequence, so the second request waits in the queue as it does one at a time. A 64k context
+# (32 MiB of KV for the tiny model) for a request the time limit must end: 4000 tokens took under 4 s in CI.
 @pytest.fixture(params=[MODES[0], pytest.param(("--parallel", "1"), id="parallel")])
 def limited(tiny, tmp_path, request):
-    with serving(tiny, tmp_path / "serve.log", "-c", "4096", "--api-key", KEY, "--timeout", str(TIMEOUT),
+    with serving(tiny, tmp_path / "serve.log", "-c", "65536", "--api-key", KEY, "--timeout", str(TIMEOUT),
                  *request.param) as running:
         yield running
 
@@ -79,7 +80,8 @@ def test_time_limit_ends_the_generation_and_health_shows_the_queue(limited):
         answers[name] = httpx.post(base + "/v1/completions", json=body, headers=AUTH, timeout=60)
 
     t0 = time.monotonic()
-    watcher, long = threading.Thread(target=watch), threading.Thread(target=ask, args=("long", ENDLESS))
+    endless = {**ENDLESS, "max_tokens": 60000}  # more than any CPU makes in TIMEOUT seconds
+    watcher, long = threading.Thread(target=watch), threading.Thread(target=ask, args=("long", endless))
     watcher.start()
     long.start()
     time.sleep(1)
@@ -90,7 +92,7 @@ def test_time_limit_ends_the_generation_and_health_shows_the_queue(limited):
     watcher.join()
     body = answers["long"].json()
     assert answers["long"].status_code == 200 and body["choices"][0]["finish_reason"] == "length"
-    assert 0 < body["usage"]["completion_tokens"] < ENDLESS["max_tokens"]
+    assert 0 < body["usage"]["completion_tokens"] < endless["max_tokens"]
     assert TIMEOUT - 0.5 < elapsed < TIMEOUT + 10
     assert answers["queued"].status_code == 200
     assert any(h["status"] == "busy" and h["queue"] == 1 and h["processing"] == 1 for h in healths), healths
