@@ -99,6 +99,10 @@ def test_a_request_that_can_never_fit_is_refused_with_both_numbers(llm, prompts)
         with pytest.raises(InvalidOption, match="outside the vocabulary"):
             e.submit([1, e.n_vocab + 5], SamplingParams(max_tokens=2))
         assert e.submit(tokens[:10], SamplingParams(max_tokens=2)).result().finish_reason in ("stop", "length")
+        # several together: checked before any is queued, so one that cannot fit queues none
+        with pytest.raises(DoesNotFit):
+            e.submit_all([tokens[:10], tokens], SamplingParams(max_tokens=100))
+        assert e.stats().queued == 0 and e.stats().sequences_active == 0
 
 
 def test_cancel_frees_the_sequence_and_its_private_cells(llm, prompts):

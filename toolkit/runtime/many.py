@@ -101,7 +101,7 @@ def answer_all(engine, questions: list[str], tokens: list[list[int]], keep: int,
         if path is not None and plan is not None:
             sessions.save_from_engine(engine, session, doc, plan)
     t1 = time.perf_counter()
-    reqs = [engine.submit(t, params, share_limit=keep) for t in tokens]
+    reqs = engine.submit_all(tokens, params, share_limit=keep)  # together: the document evaluated once
     answers = []
     for i, (q, r) in enumerate(zip(questions, reqs)):
         res = r.result()

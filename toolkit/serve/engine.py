@@ -106,26 +106,43 @@ class Engine:
         `share_limit`: share at most that many first tokens with other sequences (`ctxq run` gives
         the document's end, so the document and each question are evaluated in the batches a single
         run evaluates them in)."""
+        return self.submit_all([tokens], params, share_limit=share_limit)[0]
+
+    def submit_all(self, prompts: list[list[int]], params: SamplingParams | None = None, *,
+                   share_limit: int | None = None) -> list[Request]:
+        """`submit` for prompts queued together, admitted in one step: those sharing a document evaluate it once even
+        on a recurrent model, whose state is shared only whole, where the document ends (one by one, the first can
+        be past that point when the next arrives). Every prompt is checked before any is queued."""
         params = params or SamplingParams()
-        tokens = self._checked(tokens)
         params.check(self.n_vocab)
-        need = len(tokens) + params.max_tokens
-        if need > self.n_ctx:
-            raise DoesNotFit(f"the request needs {need:,} KV cells ({len(tokens):,} prompt tokens + max_tokens "
-                             f"{params.max_tokens:,}) but the engine holds {self.n_ctx:,}",
-                             "use a shorter prompt, fewer max_tokens or a larger n_ctx", value=need, limit=self.n_ctx)
-        req = Request(self, len(tokens))
-        if params.max_tokens == 0:
-            req._finish("length")
-            return req
-        chain = Chain(self._vocab, self.n_vocab, params)  # bad grammar raises here, in the caller's thread
-        with self._lock:
-            if self._closed:
-                chain.close()
-                raise CtxqError("the engine is closed")
-            self._queue.append(Seq(req, tokens, params, chain, share_limit=share_limit))
-            self._lock.notify_all()
-        return req
+        prepared = []
+        try:
+            for tokens in prompts:
+                tokens = self._checked(tokens)
+                need = len(tokens) + params.max_tokens
+                if need > self.n_ctx:
+                    raise DoesNotFit(f"the request needs {need:,} KV cells ({len(tokens):,} prompt tokens + max_tokens "
+                                     f"{params.max_tokens:,}) but the engine holds {self.n_ctx:,}",
+                                     "use a shorter prompt, fewer max_tokens or a larger n_ctx", value=need,
+                                     limit=self.n_ctx)
+                req = Request(self, len(tokens))
+                if params.max_tokens == 0:
+                    req._finish("length")
+                    prepared.append((req, None))
+                    continue
+                chain = Chain(self._vocab, self.n_vocab, params)  # bad grammar raises here, in the caller's thread
+                prepared.append((req, Seq(req, tokens, params, chain, share_limit=share_limit)))
+            with self._lock:
+                if self._closed:
+                    raise CtxqError("the engine is closed")
+                self._queue.extend(seq for _, seq in prepared if seq is not None)
+                self._lock.notify_all()
+        except BaseException:
+            for _, seq in prepared:
+                if seq is not None:
+                    seq.chain.close()
+            raise
+        return [req for req, _ in prepared]
 
     def prefill(self, tokens: list[int]) -> Request:
         """Evaluate `tokens` into a sequence that stays resident for later requests to share (a
