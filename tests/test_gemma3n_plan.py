@@ -9,7 +9,7 @@ from ctxq.gguf.info import model_info
 from ctxq.gguf.reader import read_gguf
 from ctxq.rpc import start_workers
 from ctxq.testing import upstream_models
-from ctxq.testing.accuracy import check_cell
+from ctxq.testing.accuracy import PRINTED, check_cell
 
 pytestmark = pytest.mark.slow
 
@@ -68,4 +68,6 @@ def test_host_running_the_first_layers():
     assert not dev.under and dev.ok_tiny, f"planned {dev.planned}, llama.cpp {dev.real}"
     host = next(d for d in r.devices if d.name == "CPU")
     detail = f"planned {host.planned}, llama.cpp {host.real}"
-    assert host.planned["compute"] >= host.real["compute"] and host.ok_tiny, detail
+    # its compute and output buffers are two printed sizes, each rounded to 0.01 MiB (the plan takes the compute from
+    # llama.cpp's dry run of the split, printed the same way)
+    assert host.planned["compute"] >= host.real["compute"] - 2 * PRINTED and host.ok_tiny, detail

@@ -38,9 +38,10 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
             type_k: str = "f16", type_v: str = "f16", flash_attn: bool = False, n_batch: int = 2048,
             n_ubatch: int = 512, dry_run: bool = False, use_mmap: bool = True,
             swa_full: bool = False, n_seq_max: int = 1, kv_unified: bool = False,
-            n_outputs_max: int = 0) -> Measurement:
+            n_outputs_max: int = 0, cpu_patterns: tuple[str, ...] = ()) -> Measurement:
     """n_seq_max / kv_unified / n_outputs_max: llama_context_params' own (0 outputs: llama.cpp's default,
-    n_batch); a parallel plan's (`Plan.context_settings`)."""
+    n_batch); a parallel plan's (`Plan.context_settings`). cpu_patterns: tensor buffer overrides to the CPU (a
+    plan's experts in CPU memory, `Plan.expert_overrides`), as `ctxq.llama.overrides.create_llama` sets them."""
     lc = backend.llama_cpp()
     lc.llama_backend_init()
     from gguf.constants import GGMLQuantizationType as T
@@ -52,6 +53,12 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
     if tensor_split:
         split_arr = (ctypes.c_float * len(tensor_split))(*tensor_split)
         mp.tensor_split = split_arr
+    overrides = None
+    if cpu_patterns:
+        from .overrides import TensorOverrides
+
+        overrides = TensorOverrides.to_cpu(cpu_patterns)
+        mp.tensor_buft_overrides = ctypes.cast(overrides.array, ctypes.c_void_p)
     if dry_run:
         mp.no_alloc = True
         mp.load_mode = lc.LLAMA_LOAD_MODE_NONE  # a dry run aborts with mmap (NOTES)
@@ -83,5 +90,5 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
             lc.llama_free(ctx)
         finally:
             lc.llama_model_free(model)
-    del split_arr
+    del split_arr, overrides
     return Measurement(backend.parse_allocations(lines), lines, model_bytes)

@@ -20,6 +20,7 @@ from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts
 from .plan import DevicePlan, ExpertPlacement, Plan
 from .referee import refereed
+from .split_referee import split_refereed
 from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
 from ..gguf.reader import GGML_BLOCKS, GGML_TYPES
@@ -176,14 +177,19 @@ def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, de
 
 def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
     """The plan for resolved options on devices already resolved (`devices.resolve_devices`), its
-    split-independent terms checked against llama.cpp's own accounting (`referee`)."""
+    split-independent terms checked against llama.cpp's own accounting (`referee`), its split's compute buffers
+    sized by llama.cpp's dry run of it (`split_referee`)."""
     src = compute_mod.load_source(model)  # headers only: a Hub model's weights are not downloaded
     path = src.source or src.path  # what llama.cpp loads: a local file, or the Hub model `ctxq run` fetches
     # verified rules, else llama.cpp's accounting of the header (planning.facts)
     info = model_facts(src, model_info(src), n_ctx=opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch,
                        flash_attn=opts.flash_attn)
-    p = _plan_info(src, str(path), info, devices, cpu, opts)
-    return refereed(p, src, info, lambda better: _plan_info(src, str(path), better, devices, cpu, opts))
+    def checked(devs: list[Device]) -> Plan:
+        p = _plan_info(src, str(path), info, devs, cpu, opts)
+        return refereed(p, src, info, lambda better: _plan_info(src, str(path), better, devs, cpu, opts))
+
+    # the split's compute buffers: llama.cpp's own dry run of it (split_referee)
+    return split_refereed(checked(devices), info, devices, checked)
 
 
 def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:

@@ -7,8 +7,8 @@ settings). A difference beyond llama.cpp's printed rounding (0.005 MiB per print
 rules: with `CTXQ_REFEREE=strict` (the test suite sets it) it raises; otherwise the plan is made again with
 the larger figure per layer and carries a one-line note saying so.
 
-The split-dependent terms (compute buffers, graph-input copies) are not the referee's: llama.cpp's CPU
-dry run has one device, and those terms are proven against real split loads (docs/accuracy-table.md).
+The split-dependent terms (compute buffers, graph-input copies) are not this referee's: llama.cpp's CPU dry run has
+one device. A dry run of the plan's split over loopback RPC workers sizes them (`split_referee`).
 """
 
 from __future__ import annotations

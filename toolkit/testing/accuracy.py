@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..llama import backend
 from ..planning.devices import Device
 from ..planning.planner import Plan, plan
 from ..units import GiB, MiB
@@ -87,24 +86,11 @@ def _on_cpu(buffers: dict[str, int]) -> int:
 
 def _measure_child(model: str, kwargs: dict, cpu_patterns: tuple[str, ...] = ()) -> dict:
     """In the child: load for real, return llama.cpp's allocations as plain dicts. cpu_patterns: tensor
-    buffer overrides to the CPU (the plan's experts in CPU memory), set on the params llama.cpp receives,
-    as `ctxq.llama.overrides.create_llama` does for `Llama`."""
-    import ctypes
-
+    buffer overrides to the CPU (the plan's experts in CPU memory), as `ctxq.llama.overrides.create_llama`
+    sets them for `Llama`."""
     from ..llama.measure import measure
-    from ..llama.overrides import TensorOverrides
 
-    lc = backend.llama_cpp()
-    if cpu_patterns:
-        ov = TensorOverrides.to_cpu(cpu_patterns)
-        load = lc.llama_model_load_from_file
-
-        def with_overrides(path, params):
-            params.tensor_buft_overrides = ctypes.cast(ov.array, ctypes.c_void_p)
-            return load(path, params)
-
-        lc.llama_model_load_from_file = with_overrides  # this child process only
-    m = measure(model, **kwargs)
+    m = measure(model, cpu_patterns=tuple(cpu_patterns), **kwargs)
     a = m.allocations
     return {"model": a.model, "kv": a.kv, "state": a.state, "compute": a.compute, "output": a.output,
             "layers": a.layers, "printed": a.printed}

@@ -1,0 +1,100 @@
+"""The split referee: each device's compute buffer checked by llama.cpp's own dry run of the plan's split.
+
+The search costs thousands of splits with ctxq's rules (`compute.py`, `split.py`, `inputs.py`: measured, within 1 %
+or 32 MiB, mostly above). The split it chooses is then sized by llama.cpp itself: a metadata-only load of the real
+file with the plan's layer counts, cache types and expert overrides over loopback RPC workers
+(`ctxq.llama.split_dry`, cached per model file and settings), whose compute buffers, less the norm pins a dry run
+loses, are what a real load allocates (docs/planner.md). The plan takes llama.cpp's figures for every device and the
+host; where one is above the rules' (a rule under llama.cpp) it says so in one line, and a device they no longer fit
+is searched again with that much less room. Unlike the split-independent referee's, a rule under here is not an
+error in strict mode: the rules only steer the search, and llama.cpp's figure is the plan's either way (Qwen3-30B-A3B's
+widths, 48 layers at 64k on 8 + 8 GiB with the experts of some layers in CPU memory: the first card 4.01 MiB above the
+rules, with the dry run equal to real loads on the 4-layer cut of that model in four placements).
+
+Plans with no GPU (the CPU's own dry run is the rules' source already), of a Hub model not on this machine, or on a
+llama.cpp built without RPC keep the rules' figures; `CTXQ_SPLIT_CHECK=0` keeps them too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from ..errors import CtxqError
+from ..gguf.info import ModelInfo
+from ..llama.accounting import PRINT_ROUNDING
+from ..units import MiB
+
+log = logging.getLogger(__name__)
+
+_ROUNDING = 2 * PRINT_ROUNDING  # the compute and output buffers are printed apart
+
+
+def applies(p) -> bool:
+    return (os.environ.get("CTXQ_SPLIT_CHECK", "1") != "0" and any(g.layers for g in p.gpus)
+            and Path(p.model).is_file())
+
+
+def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
+    """llama.cpp's compute buffers for the plan's split: per GPU in the plan's order, and the host's (with the
+    output buffer, as the plan counts it); None where it cannot be asked here."""
+    from ..llama.split_dry import split_compute
+
+    kw = dict(n_ctx=p.n_ctx, n_gpu_layers=p.n_gpu_layers, tensor_split=[float(c) for c in p.tensor_split],
+              type_k=p.type_k, type_v=p.type_v, flash_attn=p.flash_attn, n_ubatch=p.n_ubatch, n_batch=p.n_batch,
+              swa_full=p.swa_full, cpu_patterns=tuple(p.expert_overrides()), **p.context_settings())
+    try:
+        devices, host = split_compute(p.model, len(p.gpus), resid=info.n_embd * p.n_ubatch * 4, **kw)
+    except (CtxqError, OSError) as e:  # no RPC in this build, a worker that would not start: the rules' figures stand
+        log.info("the split referee could not ask llama.cpp (%s); the rules' figures stand", e)
+        return None
+    return devices, host + p.n_seq_max * info.n_vocab * 4  # memory.host_cost: the host's logits
+
+
+def _take(p, got: tuple[list[int], int]) -> list[str]:
+    """Set the plan's compute figures to llama.cpp's; the devices where the rules were under, as note parts."""
+    devices, host = got
+    under = []
+    for dp, c in zip([*p.gpus, p.host], [*devices, host]):
+        if c - dp.compute > _ROUNDING:
+            under.append(f"{dp.device.name} +{(c - dp.compute) / MiB:.2f} MiB")
+        dp.compute = c
+    return under
+
+
+def _over(p) -> dict[str, int]:
+    return {dp.device.name: dp.total - dp.device.usable for dp in p.gpus if dp.total > dp.device.usable}
+
+
+def split_refereed(p, info: ModelInfo, devices: list, replan):
+    """`p` with llama.cpp's compute figures for its split; `replan(devices)` searches again on devices with less
+    room where a device no longer holds its part (a split the user gave is only marked, as before)."""
+    if not applies(p) or (got := measured(p, info)) is None:
+        return p
+    under = _take(p, got)
+    if under:
+        p.notes.append("llama.cpp's dry run of this split needs more compute than ctxq's rules (" + ", ".join(under)
+                       + "); the plan takes its figures")
+    given = p.reason == "the split you gave"
+    for _ in range(2):
+        over = _over(p)
+        if not over or given:
+            break
+        smaller = [replace(d, usable=d.usable - over[d.name]) if d.name in over else d for d in devices]
+        q = replan(smaller)
+        if not applies(q) or (got := measured(q, info)) is None:
+            break
+        _take(q, got)
+        names = {d.name: d for d in devices}
+        for dp in q.gpus:  # the user's devices, not the shrunk stand-ins
+            dp.device = names.get(dp.device.name, dp.device)
+        q.notes = [*q.notes, *(n for n in p.notes if n not in q.notes)]
+        p = q
+    if given:
+        p.notes = [n for n in p.notes if not n.startswith("does not fit: ")]
+        if over := [g for g in p.gpus if g.total > g.device.usable]:
+            p.notes.append("does not fit: " + ", ".join(
+                f"{g.device.name} needs {g.total / 2**30:.2f} GiB of {g.device.usable / 2**30:.2f}" for g in over))
+    return p
