@@ -34,7 +34,7 @@ _SIZED = re.compile(r"graph_reserve: reserving a graph for ubatch with n_tokens 
 _SPLIT = re.compile(r"^## SPLIT #\d+: (\S+?)(?:\[([^\]]*)\])? # \d+ inputs: (.*)$")
 _INPUT = re.compile(r"\[(\S+) \(\s*\d+[KM]\)\]")
 _COPIES = re.compile(r"sched copies = (\d+)")
-_METHOD = 4  # in the cache key: what lost_pins takes off
+_METHOD = 5  # in the cache key: what lost_pins takes off
 # "node #497 (  RMS_NORM):              norm-16 (   1M) [RPC0[ ] use=1,c=1:             l_out-15 (   1M) [RPC0[ ]"
 _NODE = re.compile(r"^node #\s*\d+ \(\s*(\w+)\):\s*(.+?) \(\s*\d+[KM]\) \[.*?use=\d+,c=\d+:\s*(.+?) \(\s*\d+[KM]\) \[")
 _PINNED = re.compile(r"^(norm|l_last)-(\d+)$")  # the tensors graph_get_cb pins to their layer's device
@@ -78,7 +78,7 @@ def lost_pins(lines: list[str], n_ubatch: int, resid: int) -> dict[str, tuple[li
             continue
         if m := _SPLIT.match(line):
             splits.append((m.group(2) or m.group(1), _INPUT.findall(m.group(3))))
-        elif (m := _NODE.match(line)) and m.group(1) == "RMS_NORM":
+        elif (m := _NODE.match(line)) and _PINNED.match(m.group(2)):  # RMS_NORM, or NORM (Cohere2's layer norm)
             source.setdefault(m.group(2), m.group(3))
     for key, inputs in splits:
         for name in inputs:
