@@ -145,30 +145,38 @@ def _main() -> int:
     return 0
 
 
+_answers: dict[tuple, tuple[list[int], int]] = {}  # this process's answers, by file identity and question
+
+
 def split_compute(path: str, n_devices: int, *, resid: int, **kw) -> tuple[list[int], int]:
     """The corrected compute buffers of `n_devices` split devices and of the host (bytes), from `split_dry_run` on
     that many loopback workers started here; cached on disk per model file and settings, as the accounting's
-    answers are (`accounting.answer_key`)."""
+    answers are (`accounting.answer_key`), and in memory (a warm plan reads neither the file nor the disk)."""
+    st = os.stat(path)
+    question = json.dumps([_METHOD, n_devices, resid, {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}],
+                          sort_keys=True)
+    mem = (str(path), st.st_size, st.st_mtime_ns, question)
+    if mem in _answers:
+        return _answers[mem]
     from ..paths import ctxq_home
-    from ..rpc import start_workers
     from .accounting import answer_key
 
-    key = answer_key(path, "split", _METHOD, n_devices, resid, {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()})
-    f = ctxq_home() / "split" / f"{key}.json"
+    f = ctxq_home() / "split" / f"{answer_key(path, 'split', question)}.json"
     try:
         d = json.loads(f.read_text())
-        return [int(x) for x in d["devices"]], int(d["host"])
+        got = [int(x) for x in d["devices"]], int(d["host"])
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    with start_workers(n_devices) as w:
-        got = split_dry_run(path, w, resid=resid, **kw)
-    devices, host = [d.corrected for d in got[:-1]], got[-1].corrected
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"devices": devices, "host": host, "lost": [d.lost_pins for d in got]}))
-    os.replace(tmp, f)
-    return devices, host
+        from ..rpc import start_workers  # only to ask: its import is a tenth of a cold plan
 
+        with start_workers(n_devices) as w:
+            dry = split_dry_run(path, w, resid=resid, **kw)
+        got = [d.corrected for d in dry[:-1]], dry[-1].corrected
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"devices": got[0], "host": got[1], "lost": [d.lost_pins for d in dry]}))
+        os.replace(tmp, f)
+    _answers[mem] = got
+    return got
 
 if __name__ == "__main__":
     raise SystemExit(_main())
