@@ -11,8 +11,14 @@ error in strict mode: the rules only steer the search, and llama.cpp's figure is
 widths, 48 layers at 64k on 8 + 8 GiB with the experts of some layers in CPU memory: the first card 4.01 MiB above the
 rules, with the dry run equal to real loads on the 4-layer cut of that model in four placements).
 
-Plans with no GPU (the CPU's own dry run is the rules' source already), of a Hub model not on this machine, or on a
-llama.cpp built without RPC keep the rules' figures; `CTXQ_SPLIT_CHECK=0` keeps them too.
+A Hub model (`USER/REPO:QUANT`) is refereed as the same file on disk: the dry run loads the file its header was read
+from, the download in the Hugging Face cache or else ctxq's header-only copy of each shard (`hub.cache`: the header
+bytes, the weights a sparse hole of the file's size, the shards under their own names side by side, as llama.cpp looks
+for them). A dry run never reads tensor data (`llama_model::load_tensors` returns before `load_all_data` with
+`no_alloc`; `gguf_init_from_file` with no_alloc reads the header only), so the hole is never read.
+
+Plans with no GPU (the CPU's own dry run is the rules' source already) or on a llama.cpp built without RPC keep the
+rules' figures; `CTXQ_SPLIT_CHECK=0` keeps them too.
 """
 
 from __future__ import annotations
@@ -32,9 +38,15 @@ log = logging.getLogger(__name__)
 _ROUNDING = 2 * PRINT_ROUNDING  # the compute and output buffers are printed apart
 
 
-def applies(p) -> bool:
+def model_file(p, info: ModelInfo) -> Path | None:
+    """The file the dry run loads: the plan's model, or for a Hub model the file its header was read from
+    (`info.path`: a download in the Hugging Face cache, or the first shard's header-only copy in ctxq's cache)."""
+    return next((Path(f) for f in (p.model, info.path) if f and Path(f).is_file()), None)
+
+
+def applies(p, info: ModelInfo) -> bool:
     return (os.environ.get("CTXQ_SPLIT_CHECK", "1") != "0" and any(g.layers for g in p.gpus)
-            and Path(p.model).is_file())
+            and model_file(p, info) is not None)
 
 
 def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
@@ -46,7 +58,7 @@ def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
               type_k=p.type_k, type_v=p.type_v, flash_attn=p.flash_attn, n_ubatch=p.n_ubatch, n_batch=p.n_batch,
               swa_full=p.swa_full, cpu_patterns=tuple(p.expert_overrides()), **p.context_settings())
     try:
-        devices, host = split_compute(p.model, len(p.gpus), resid=info.n_embd * p.n_ubatch * 4, **kw)
+        devices, host = split_compute(str(model_file(p, info)), len(p.gpus), resid=info.n_embd * p.n_ubatch * 4, **kw)
     except (CtxqError, OSError) as e:  # no RPC in this build, a worker that would not start: the rules' figures stand
         log.info("the split referee could not ask llama.cpp (%s); the rules' figures stand", e)
         return None
@@ -71,7 +83,7 @@ def _over(p) -> dict[str, int]:
 def split_refereed(p, info: ModelInfo, devices: list, replan):
     """`p` with llama.cpp's compute figures for its split; `replan(devices)` searches again on devices with less
     room where a device no longer holds its part (a split the user gave is only marked, as before)."""
-    if not applies(p) or (got := measured(p, info)) is None:
+    if not applies(p, info) or (got := measured(p, info)) is None:
         return p
     under = _take(p, got)
     if under:
@@ -84,7 +96,7 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
             break
         smaller = [replace(d, usable=d.usable - over[d.name]) if d.name in over else d for d in devices]
         q = replan(smaller)
-        if not applies(q) or (got := measured(q, info)) is None:
+        if not applies(q, info) or (got := measured(q, info)) is None:
             break
         _take(q, got)
         names = {d.name: d for d in devices}
