@@ -41,6 +41,8 @@ class HubServer:
     bytes_served: int = 0
     no_range: set[str] = field(default_factory=set)  # paths served whole, Range ignored (some proxies do)
     stall: dict[str, int] = field(default_factory=dict)  # path -> the next full GET of it sends N bytes, then hangs
+    hold: dict[str, threading.Event] = field(default_factory=dict)  # path -> its next range GET waits for the event,
+    # then closes the connection unanswered (a header read that a user stops midway)
 
     def add_repo(self, repo: str, files: dict[str, Path], access: str = "public") -> str:
         commit = hashlib.sha1(repo.encode()).hexdigest()  # a commit-shaped id (40 hex digits)
@@ -177,6 +179,10 @@ def _handler(hub: HubServer):
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
             if head:
                 return self._send(status, b"", headers, length=end - start)
+            if rng and (held := hub.hold.pop(file, None)) is not None:
+                held.wait(60)
+                self.close_connection = True
+                return
             stall = hub.stall.pop(file, None) if not rng else None
             self._send(status, None, headers, length=end - start)
             with open(f, "rb") as fh:

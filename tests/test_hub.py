@@ -141,6 +141,42 @@ def figures(plan: dict) -> list[tuple]:
             for d in [*plan["gpus"], plan["host"]]]
 
 
+def test_a_stopped_header_read_leaves_no_partial_copy(hub, files, env, tmp_path):
+    """A plan stopped while it reads a split model's headers leaves only whole copies, never the first shard's (the
+    one llama.cpp opens) without the others; the next plan reads what is missing and is refereed as the local file."""
+    import threading
+
+    from ctxq import tempfiles
+
+    from .conftest import ctxq_exe
+
+    shards = write_split(files["tiny"], tmp_path / "split", "tiny-Q4_K_M", 3)
+    hub.add_repo("user/Tiny-Split-GGUF", {p.name: p for p in shards})
+    args = ["plan", "user/Tiny-Split-GGUF:Q4_K_M", "--ctx", "4096", "--gpus", "1", "--cpu-memory", "64", "--json"]
+    held = hub.hold[shards[1].name] = threading.Event()  # the second shard's header read hangs
+    hub.reset_counts()
+    p = subprocess.Popen([ctxq_exe(), *args], env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(shards[1].name in path for _, path, _ in list(hub.log)):
+        time.sleep(0.05)
+    p.kill()
+    p.communicate()
+    held.set()
+    cache = tmp_path / "ctxq" / "hub" / "user--Tiny-Split-GGUF"
+    copies = [c for c in cache.rglob("*.gguf")]
+    assert [c.name for c in copies] == [shards[2].name], copies  # the last shard's, read first; not the first's
+    assert copies[0].stat().st_size == shards[2].stat().st_size
+    assert not tempfiles.temporaries(cache, recursive=True)
+    hub.reset_counts()
+    r = run_ctxq(*args, env=env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(path.rsplit("/", 1)[1] for _, path, _ in hub.log if "/cdn/" in path) == [s.name for s in shards[:2]]
+    local = run_ctxq(*args[:1], str(shards[0]), *args[2:], env=env)
+    assert local.returncode == 0, local.stderr
+    a, b = json.loads(local.stdout), json.loads(r.stdout)
+    assert a["gpus"][0]["layers"] and figures(a) == figures(b)
+
+
 def test_inspect_reads_headers_and_a_tag_picks_the_file(hub, files, env):
     hub.reset_counts()
     r = run_ctxq("inspect", "user/Llama-3-8B-GGUF:F16", "--json", env=env)

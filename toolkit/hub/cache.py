@@ -58,8 +58,10 @@ def listing(repo: str, revision: str | None) -> Listing:
 
 
 def write_header_copy(out: Path, header: bytes, size: int) -> Path:
-    """A file of `size` bytes that starts with `header` and is a hole after it; atomic."""
+    """A file of `size` bytes that starts with `header` and is a hole after it; atomic: written to a temporary that
+    is renamed, so a process stopped midway leaves no copy, and its temporary is swept by the next one written here."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    tempfiles.sweep(out.parent)
     tmp = tempfiles.create(out, "header")
     try:
         with open(tmp, "r+b") as f:

@@ -54,7 +54,9 @@ def gguf_header(ref: HubRef) -> GGUFFile:
     if key in _memo:
         return _memo[key]
     fetched = 0
-    for p in paths:
+    # the first shard last: its copy, the file llama.cpp opens (it finds the others by name beside it), is there only
+    # when every shard's is; each copy appears whole or not at all (write_header_copy)
+    for p in reversed(paths):
         out = header_path(got, p)
         if not out.is_file():
             fetched += _copy_gguf_header(got, p, out)
