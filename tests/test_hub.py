@@ -167,9 +167,12 @@ def test_a_stopped_header_read_leaves_no_partial_copy(hub, files, env, tmp_path)
     assert [c.name for c in copies] == [shards[2].name], copies  # the last shard's, read first; not the first's
     assert copies[0].stat().st_size == shards[2].stat().st_size
     assert not tempfiles.temporaries(cache, recursive=True)
+    stale = tempfiles.temp_path(copies[0].with_name(shards[0].name), "header", pid=p.pid)  # one a kill -9 left
+    stale.write_bytes(b"GGUF")
     hub.reset_counts()
     r = run_ctxq(*args, env=env)
     assert r.returncode == 0, r.stderr
+    assert not stale.exists()  # swept by the next copy written beside it
     assert sorted(path.rsplit("/", 1)[1] for _, path, _ in hub.log if "/cdn/" in path) == [s.name for s in shards[:2]]
     local = run_ctxq(*args[:1], str(shards[0]), *args[2:], env=env)
     assert local.returncode == 0, local.stderr
