@@ -15,7 +15,8 @@ A Hub model (`USER/REPO:QUANT`) is refereed as the same file on disk: the dry ru
 from, the download in the Hugging Face cache or else ctxq's header-only copy of each shard (`hub.cache`: the header
 bytes, the weights a sparse hole of the file's size, the shards under their own names side by side, as llama.cpp looks
 for them). A dry run never reads tensor data (`llama_model::load_tensors` returns before `load_all_data` with
-`no_alloc`; `gguf_init_from_file` with no_alloc reads the header only), so the hole is never read.
+`no_alloc`; `gguf_init_from_file` with no_alloc reads the header only): traced, only glibc's seek to the end reads
+the last partial 4 KiB block, zeros from the hole.
 
 Plans with no GPU (the CPU's own dry run is the rules' source already) or on a llama.cpp built without RPC keep the
 rules' figures; `CTXQ_SPLIT_CHECK=0` keeps them too.
