@@ -200,6 +200,30 @@ def test_overridden_expert_bytes_move_from_the_workers_to_the_host(moe):
     assert abs(b.model["CPU_Mapped"] - _mapped_span(moe, host)) <= tol
 
 
+@pytest.mark.slow
+def test_memory_table_says_the_host_figure_is_a_mapped_range(moe):
+    """Experts in host memory, layers on two workers: llama.cpp's CPU_Mapped is the file range from the
+    first host tensor to the last (device layers' tensors between them), the plan counts the host's own
+    tensors; the table marks the host row and says which is which (issue 39). About 8 s (three runs)."""
+    common = ["run", str(moe), "-c", "512", "-p", PROMPT, "-n", "2", "--temp", "0", "-t", "1", "--simulate", "8,8"]
+    text = run_ctxq(*common, "--cpu-moe")
+    assert text.returncode == 0, text.stderr
+    host = re.search(r"^CPU \*\s+(\S+ MiB)\s+(\S+ MiB)", text.stderr, re.M)
+    assert host, text.stderr
+    assert "* CPU compares two things: planned, the host's resident tensors (" in text.stderr
+    assert "llama.cpp, its mapped range\n  (CPU_Mapped, " in text.stderr
+    assert "the file from the first host tensor to the last, device layers' tensors between them included" in text.stderr
+
+    d = json.loads(run_ctxq(*common, "--cpu-moe", "--json").stdout)
+    cpu = d["memory"][-1]
+    spanned = ["token_embd.weight", *(f"blk.{il}.{t}.weight" for il in range(4) for t in EXPERT_TENSORS)]
+    assert abs(cpu["mapped"] - _mapped_span(moe, spanned)) <= MiB // 100  # llama.cpp prints 2 decimals of MiB
+    assert cpu["tensors"] == d["plan"]["host"]["weights"] < cpu["mapped"] <= cpu["reported"]
+
+    plain = run_ctxq(*common)  # every tensor where its layer is: the host maps token_embd alone, no note
+    assert plain.returncode == 0 and "compares two things" not in plain.stderr and "CPU *" not in plain.stderr
+
+
 def _mapped_span(path, names) -> int:
     """Bytes of the file from the first of these tensors to the end of the last."""
     from ctxq.gguf.reader import read_gguf

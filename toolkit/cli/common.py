@@ -42,10 +42,18 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def memory_table(memory) -> str:
-    """Planned against reported bytes per device (`runtime.generate.DeviceMemory` rows)."""
-    rows = [[m.name, human(m.planned), human(m.reported),
+    """Planned against reported bytes per device (`runtime.generate.DeviceMemory` rows). A host row whose
+    llama.cpp figure holds a mapped file range (experts in host memory) is marked, and a note under the
+    table says what each side counts, so its difference does not read as a planning error."""
+    rows = [[m.name + (" *" if m.mapped else ""), human(m.planned), human(m.reported),
              f"{(m.reported - m.planned) / m.planned * 100:+.0f}%" if m.planned else "-"] for m in memory]
-    return table(rows, ["device", "planned", "llama.cpp", "diff"])
+    out = table(rows, ["device", "planned", "llama.cpp", "diff"])
+    for m in memory:
+        if m.mapped:
+            out += (f"\n* {m.name} compares two things: planned, the host's resident tensors ({human(m.tensors)}); "
+                    f"llama.cpp, its mapped range\n  (CPU_Mapped, {human(m.mapped)}): the file from the first host "
+                    "tensor to the last, device layers' tensors between them included")
+    return out
 
 
 def reexec(value: str) -> None:

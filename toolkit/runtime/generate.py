@@ -40,6 +40,12 @@ class DeviceMemory:
     name: str
     planned: int
     reported: int
+    # The host with experts in host memory and layers on devices: llama.cpp's CPU_Mapped buffer (of
+    # `reported`) is the file range from the first host tensor to the last, device layers' tensors between
+    # them included (llama_model_loader::get_mapping_range), while `planned` counts `tensors`, the bytes of
+    # the host's own tensors. 0 and 0 elsewhere: the two figures count the same things.
+    mapped: int = 0
+    tensors: int = 0
 
 
 @dataclass

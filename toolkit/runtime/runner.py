@@ -178,7 +178,9 @@ def _load_failure(lines: list[str]) -> str | None:
 
 def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
     """Planned against reported bytes per device. Host buffers ("CPU", "CPU_Mapped", "CPU_REPACK",
-    "CUDA_Host" pinned memory) count for the host; a device buffer matches by name, else by position."""
+    "CUDA_Host" pinned memory) count for the host; a device buffer matches by name, else by position.
+    With experts in host memory the host's row says how much of its figure is llama.cpp's mapped range
+    (`DeviceMemory.mapped`), which counts more than the host's tensors."""
     names = sorted({n for d in (alloc.model, alloc.kv, alloc.compute, alloc.output) for n in d})
     host_names = [n for n in names if n.startswith("CPU") or n.endswith("_Host")]
     dev_names = [n for n in names if n not in host_names]
@@ -189,8 +191,11 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
         name = by_ep[0] if by_ep else dp.device.name if dp.device.name in dev_names else (
             dev_names[i] if i < len(dev_names) else None)
         out.append(DeviceMemory(dp.device.name, dp.buffers, alloc.total(name) if name else 0))
-    out.append(DeviceMemory(p.host.device.name, p.host.buffers,
-                            sum(alloc.total(n) for n in host_names)))
+    # experts in host memory between layers on devices: the mapped range spans those layers' tensors
+    spans = bool(p.cpu_expert_layers) and any(dp.layers for dp in p.gpus)
+    out.append(DeviceMemory(p.host.device.name, p.host.buffers, sum(alloc.total(n) for n in host_names),
+                            mapped=alloc.model.get("CPU_Mapped", 0) if spans else 0,
+                            tensors=p.host.weights if spans else 0))
     return out
 
 

@@ -190,13 +190,14 @@ class Gate:
             return await self.app(scope, _replay(body, receive), send)
         path, svc = scope["path"], self.service
         checks.is_object(data)
+        limit = checks.output_limit(path, data)
         expected = checks.structured(path, data)
         checks.validate(path, data)
         checks.check_model(data, svc.alias, svc.names)
         if path == checks.CHAT:
             expected = await run_in_threadpool(check_tools, svc.llm, data) or expected
         n = await run_in_threadpool(checks.prompt_tokens, svc.llm, data, path, expected)
-        checks.check_context(n, data, svc.n_ctx)
+        checks.check_context(n, data, svc.n_ctx, limit)
         run = await svc.take(start)
         if expected is not None:
             expected.stopped = run.should_stop

@@ -1,7 +1,7 @@
 """Checks of a completion request before it waits for the model: its fields, its model name, and
-whether its prompt and `max_tokens` fit in the context. Each failure is raised as `serve_errors.reject`
-(an HTTP answer, never shown to a person as a ctxq error), so nothing malformed reaches
-llama-cpp-python, whose handlers would answer it with a 500.
+whether its prompt and output limit (`max_tokens`, or `max_completion_tokens`) fit in the context.
+Each failure is raised as `serve_errors.reject` (an HTTP answer, never shown to a person as a ctxq
+error), so nothing malformed reaches llama-cpp-python, whose handlers would answer it with a 500.
 """
 
 from __future__ import annotations
@@ -21,6 +21,35 @@ def is_object(data) -> dict:
     return data
 
 
+def output_limit(path: str, data: dict) -> str:
+    """`max_completion_tokens`, OpenAI's current name for the output limit (LangChain's ChatOpenAI sends it
+    for its max_tokens), checked as `max_tokens` is and moved there: llama-cpp-python's handlers and the
+    engine read only `max_tokens`, and would ignore it. Returns the name the client used, for messages.
+
+    Both at once is refused as OpenAI's API refuses it (400, invalid_parameter_combination); llama.cpp's
+    own server would take max_completion_tokens (server-schema.cpp: n_predict's aliases in that order)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    value = data.pop("max_completion_tokens", None)
+    if value is None:
+        return "max_tokens"
+    if data.get("max_tokens") is not None:
+        raise reject(400, "`max_tokens` and `max_completion_tokens` cannot both be set; send "
+                     "`max_completion_tokens` alone (`max_tokens` is its older name)", param="max_tokens",
+                     code="invalid_parameter_combination")
+    try:  # the same lax integer as `max_tokens` in llama-cpp-python's request models
+        value = TypeAdapter(int).validate_python(value)
+    except ValidationError:
+        raise reject(400, "`max_completion_tokens` must be an integer (the most tokens to generate)",
+                     param="max_completion_tokens", code="invalid_value") from None
+    least = 1 if path == CHAT else 0  # completions take 0: "fill the context", as max_tokens
+    if value < least:
+        raise reject(400, f"`max_completion_tokens` is {value}; it must be {least} or more",
+                     param="max_completion_tokens", code="invalid_value")
+    data["max_tokens"] = value
+    return "max_completion_tokens"
+
+
 def validate(path: str, data) -> dict:
     """The request's fields, checked with llama-cpp-python's own request models plus what they let
     through but the handlers cannot do (several prompts, n > 1, empty messages, max_tokens < 1).
@@ -30,10 +59,12 @@ def validate(path: str, data) -> dict:
 
     chat = path == CHAT
     try:
-        (CreateChatCompletionRequest if chat else CreateCompletionRequest).model_validate(data)
+        req = (CreateChatCompletionRequest if chat else CreateCompletionRequest).model_validate(data)
     except ValidationError as e:
         message, param = validation_error(e.errors(include_url=False, include_input=False))
         raise reject(400, message, param=param, code="invalid_value") from None
+    if data.get("max_tokens") is not None:  # as parsed: "8" or 8.0 are 8 to the checks below
+        data["max_tokens"] = req.max_tokens
     if chat and not data.get("messages"):
         raise reject(400, "`messages` is missing or empty; send at least one message", param="messages", code="invalid_value")
     if not chat and isinstance(data.get("prompt"), list) and len(data["prompt"]) > 1:
@@ -150,8 +181,9 @@ def prompt_tokens(llm, data: dict, path: str, expected: Expected | None = None) 
     return len(llm.tokenize(prompt.encode("utf-8"), special=True)) + (1 if data.get("suffix") else 0)
 
 
-def check_context(n: int, data: dict, n_ctx: int) -> None:
-    """400 with the numbers when the prompt, or the prompt and `max_tokens`, do not fit.
+def check_context(n: int, data: dict, n_ctx: int, limit: str = "max_tokens") -> None:
+    """400 with the numbers when the prompt, or the prompt and `max_tokens`, do not fit; `limit`: the
+    name the client gave the output limit (`output_limit`).
 
     An over-large max_tokens is refused, not clamped: OpenAI's API and vLLM answer it with a 400
     that clients already show (BadRequestError), while a clamp would return a shorter answer than
@@ -162,7 +194,7 @@ def check_context(n: int, data: dict, n_ctx: int) -> None:
                        else "prompt", code="context_length_exceeded", prompt_tokens=n, n_ctx=n_ctx)
     max_tokens = data.get("max_tokens")
     if max_tokens and n + max_tokens > n_ctx:
-        raise reject(400, f"max_tokens is {max_tokens} but the context leaves {n_ctx - n} tokens after the "
+        raise reject(400, f"{limit} is {max_tokens} but the context leaves {n_ctx - n} tokens after the "
                        f"{n}-token prompt (n_ctx {n_ctx}); ask for {n_ctx - n} or fewer",
-                       param="max_tokens", code="context_length_exceeded", prompt_tokens=n, n_ctx=n_ctx,
+                       param=limit, code="context_length_exceeded", prompt_tokens=n, n_ctx=n_ctx,
                        max_tokens=max_tokens)
