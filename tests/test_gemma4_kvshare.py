@@ -102,3 +102,18 @@ def test_rules_count_the_caches_shared_layers_read_across_devices(kvshare, monke
         r = check_cell(str(kvshare), 32768, "f16", [1, 1], workers=w, flash_attn=True, label="gemma4-kvshare rules")
     out = next(d for d in r.devices if d.name == "RPC1")
     assert abs(out.error) <= 2 * 2**20, (out.planned, out.real)
+
+
+@pytest.mark.slow
+def test_e2b_widths_against_a_real_load():
+    """Gemma 4 E2B's widths cut to 8 layers, 4 of them shared (upstream_widths' gemma4-e2b-8l, header only), 32k f16
+    on 2 RPC devices: every device equal to llama.cpp's real load to its printed rounding (730.73, 877.67 and
+    153.54 MiB), within the real-width target (1 % / 32 MiB) in any case."""
+    from ctxq.testing import upstream_widths
+
+    with start_workers(2) as w:
+        r = check_cell(str(upstream_widths.build_realistic("gemma4-e2b-8l")), 32768, "f16", [1, 1], workers=w,
+                       flash_attn=True, label="gemma4-e2b-8l")
+    assert r.layers_match, r.layer_mismatch
+    for d in r.devices:
+        assert not d.under and d.ok, f"{d.name}: planned {d.planned}, llama.cpp {d.real}"
