@@ -105,3 +105,12 @@ class SessionMismatch(CtxqError):
 class HubError(CtxqError):
     """A model on the Hugging Face Hub cannot be used: no such repo, file or tag; gated or private
     without a token; the Hub unreachable. The message says what to do (log in, HF_HUB_OFFLINE=1)."""
+
+
+class LlamaAborted(CtxqError):
+    """llama.cpp aborted (a failed GGML_ASSERT, an uncaught exception) while loading a model in one of ctxq's child
+    processes: `reason` is its last message, `path` the file it was given."""
+
+    def __init__(self, message: str, *, reason: str, path: str = ""):
+        super().__init__(message)
+        self.reason, self.path = reason, path

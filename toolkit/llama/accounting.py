@@ -8,7 +8,8 @@ has a non-SWA and a SWA cache; `llama_kv_cache: layer N: dev = ...` names the la
 the output buffer and `llama_model_size`. That covers sliding, chunked, MLA (no V cache), KV-shared and
 recurrent layers of any architecture without a rule per architecture.
 
-Answers are cached per model file (path, size, mtime and a hash of the header's first bytes) and settings
+The dry runs run in a process of their own (`dry.py`: a llama.cpp abort is an error, not the end of ctxq). Answers,
+aborts included, are cached per model file (path, size, mtime and a hash of the header's first bytes) and settings
 under ctxq's cache, as JSON.
 """
 
@@ -230,22 +231,46 @@ def _cached(key: str, path: str, n_batch: int, settings: tuple) -> Accounting:
     if f.exists():
         try:
             d = json.loads(f.read_text())
+            _raise_aborted(d)
             d["caches"] = [KVCache(**c) for c in d["caches"]]
             d["reused"] = {int(k): v for k, v in d["reused"].items()}
             return Accounting(**d)
         except (ValueError, TypeError, KeyError):
             log.info("ignoring an unreadable accounting cache file %s", f)
-    from .measure import measure
-
     s = dict(settings)
-    m = measure(path, n_batch=n_batch, dry_run=True, **s)
+    m = _dry(f, path, n_batch=n_batch, **s)
     acc = parse(m.log, **s)
     acc.model_bytes = m.model_bytes
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(acc)))
-    os.replace(tmp, f)
+    _write(f, asdict(acc))
     return acc
+
+
+def _dry(f: Path, path: str, **settings):
+    """llama.cpp's dry run in its own process (`dry.dry_measure`); an abort is cached in `f` as the answer would
+    be (the same file, settings and llama.cpp abort the same way), so that the next plan does not start a process
+    to hear it again."""
+    from ..errors import LlamaAborted
+    from .dry import dry_measure
+
+    try:
+        return dry_measure(path, **settings)
+    except LlamaAborted as e:
+        _write(f, {"aborted": e.reason, "message": str(e)})
+        raise
+
+
+def _raise_aborted(d: dict) -> None:
+    if "aborted" in d:
+        from ..errors import LlamaAborted
+
+        raise LlamaAborted(d["message"], reason=d["aborted"])
+
+
+def _write(f: Path, d: dict) -> None:
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d))
+    os.replace(tmp, f)
 
 
 def dry_run_compute(path: str, **settings) -> int:
@@ -256,14 +281,11 @@ def dry_run_compute(path: str, **settings) -> int:
     derived = Path(path).parent == ctxq_home() / "derived"
     f = ctxq_home() / "compute" / f"{answer_key(path, 'compute', settings, read_header=not derived)}.json"
     try:
-        return int(json.loads(f.read_text())["compute"])
+        d = json.loads(f.read_text())
+        _raise_aborted(d)
+        return int(d["compute"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from .measure import measure
-
-    total = sum(measure(path, dry_run=True, **settings).allocations.compute.values())
-    f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"compute": total}))
-    os.replace(tmp, f)
+    total = sum(_dry(f, path, **settings).allocations.compute.values())
+    _write(f, {"compute": total})
     return total

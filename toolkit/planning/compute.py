@@ -22,12 +22,21 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import CtxqError
+from ..errors import CtxqError, LlamaAborted
 from ..gguf.info import RECURRENT_RULES, ModelInfo, kv_cells
 from ..gguf.reader import GGUFFile
-from .derived import _PER_LAYER_DIM, MIN_LAYERS, LayerFlags, load_error, model_path, write_derived
+from .derived import (_PER_LAYER_DIM, MIN_LAYERS, SHARED_KV_KEY, LayerFlags, first_shared, load_error, model_path,
+                      with_reuse_targets, write_derived)
 
 log = logging.getLogger(__name__)
+
+
+_notes: dict[str, set[str]] = {}  # per model file: the fallbacks its plans took (notes_for)
+
+
+def notes_for(src: GGUFFile) -> list[str]:
+    """Lines for the plan of `src` on fallbacks its compute took (a derived model llama.cpp aborted on)."""
+    return sorted(_notes.get(str(src.path), ()))
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,8 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
     if len(by_kind.get("sliding", ())) >= 2 and not any(info.recurrent_layers):
         # a device whose layers all slide (or chunk) has no full-attention KQ nor full mask: measured alone
         # (SLIDING_ONLY in tests/test_arch_matrix.py; two sliding layers give its steady peak)
-        kinds = {"sliding": replace(_peaks(src, info, [by_kind["sliding"]], args, False), input_freed=freed)}
+        sliding = _shared_apart(info, [by_kind["sliding"]])
+        kinds = {"sliding": replace(_peaks(src, info, sliding, args, False), input_freed=freed)}
         if "attention" in by_kind and (full := _full_only(src, info, by_kind, args, mixed)) is not None:
             kinds["attention"] = full
         return replace(mixed, by_kind=kinds)
@@ -115,11 +125,28 @@ def compute_peaks(src: GGUFFile, info: ModelInfo, *, n_ctx: int, n_ubatch: int, 
 def layer_groups(info: ModelInfo) -> dict[tuple[str, bool], list[int]]:
     """The layers in the graph (unloaded NextN blocks left out) by kind, dense and expert layers of a kind apart:
     the mixed peaks' derived models hold the first (and first two) of each group."""
-    groups: dict[tuple[str, bool], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for il, la in enumerate(info.layers):
         if not la.mtp:
-            groups.setdefault((la.kind, la.expert_bytes > 0), []).append(il)
+            groups.setdefault((la.kind, la.expert_bytes > 0, _kv_shared(info, il)), []).append(il)
     return groups
+
+
+def _kv_shared(info: ModelInfo, il: int) -> bool:
+    """Layer il reads another layer's KV cache (planning.facts: attention without a cache of its own), where a derived
+    model can keep that (derived.SHARED_KV_KEY). Such layers compute apart from the ones they read: Gemma 4 E2B/E4B's
+    have no K/V projections and MLPs twice as wide (use_double_wide_mlp), so a derived model keeps one of each kind."""
+    la = info.layers[il]
+    return info.arch in SHARED_KV_KEY and la.attention and la.k_width == 0
+
+
+def _shared_apart(info: ModelInfo, groups: list[list[int]]) -> list[list[int]]:
+    """`groups` with their KV-shared layers (_kv_shared) as groups of their own."""
+    out = []
+    for ils in groups:
+        out += [g for g in ([il for il in ils if not _kv_shared(info, il)], [il for il in ils if _kv_shared(info, il)])
+                if g]
+    return out
 
 
 def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple, mix: bool = True) -> ComputePeaks:
@@ -131,6 +158,9 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple,
     head = _ends_like_model(groups, one)
     if len(one) < MIN_LAYERS.get(info.arch, 1):  # the two-layer model's peak bounds the one layer's
         one, head = two, two if len(head) < 2 else head
+    # KV-shared layers kept: with the layers whose caches they read in llama.cpp's KV-reuse callback
+    first, sliding = first_shared(src), [la.sliding for la in info.layers]
+    one, two, head = (with_reuse_targets(ls, sliding, first) for ls in (one, two, head))
     try:
         if any(info.swa_layers) and not _keeps_window(write_derived(src, one, True, _flags(info, one)), args):
             raise CtxqError("the derived model has no sliding window")  # EXAONE 4: only with 64 layers
@@ -143,6 +173,10 @@ def _peaks(src: GGUFFile, info: ModelInfo, groups: list[list[int]], args: tuple,
         # a derived model llama.cpp refuses (hparams that depend on the layer count or on layers left out):
         # the real header's own compute buffer, the peak of every layer and the head, stands for each
         log.info("derived model refused (%s); compute from the real header", e)
+        if isinstance(e, LlamaAborted):  # a header ctxq wrote that llama.cpp was not written for: say so
+            _notes.setdefault(str(src.path), set()).add(
+                f"llama.cpp aborted on a derived model of this {src.arch} ({e.reason}): compute buffers from the "
+                "whole model's dry run, an upper bound")
         try:
             whole = _dry_run(model_path(src), *args)
         except CtxqError as e2:

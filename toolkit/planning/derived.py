@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import CtxqError
+from ..errors import CtxqError, LlamaAborted
 from ..gguf.info import block_of
 from ..gguf.reader import GGUFFile
 from ..paths import ctxq_home
@@ -32,6 +32,13 @@ _FULL_LAYER_TENSORS = {"gemma4": ("rope_freqs.weight",)}
 # Architectures whose derived models need two layers: llama_model::create_memory's KV-reuse callback for Gemma 3n
 # and Gemma 4 asserts n_layer_kv_from_start >= 2 (an abort, not an error: one layer must never be written for them).
 MIN_LAYERS = {"gemma3n": 2, "gemma4": 2}
+# Architectures whose header says how many trailing layers reuse the KV cache of earlier ones: llama_model_gemma4::
+# load_arch_hparams sets n_layer_kv_from_start = n_layer - attention.shared_kv_layers, and the KV-reuse callback of
+# llama_model::create_memory gives a shared layer layer n_layer_kv_from_start - 2 (sliding) or - 1 (full). A derived
+# model writes the count of the shared layers it keeps, which must come last and find those two there (kv_reuse_ok).
+# Gemma 3n's first shared layer is fixed at 20 in gemma3n.cpp, not read from the header: its derived models (under
+# 20 layers) give each kept layer a cache of its own.
+SHARED_KV_KEY = {"gemma4": "attention.shared_kv_layers"}
 
 
 
@@ -43,9 +50,46 @@ class LayerFlags:
     recurrent: tuple[bool, ...] | None = None
 
 
+def first_shared(src: GGUFFile) -> int | None:
+    """The first layer that reuses another's KV cache (SHARED_KV_KEY), None where none does."""
+    key = SHARED_KV_KEY.get(src.arch)
+    n = int(src.arch_get(key) or 0) if key else 0
+    return int(src.arch_get("block_count")) - n if n else None
+
+
+def kv_reuse_ok(layers: tuple[int, ...], sliding: list[bool], first: int | None) -> bool:
+    """A derived model of these source layers (in this order; `sliding`: each kept layer's flag) passes llama.cpp's
+    KV-reuse callback: at least 2 layers with a cache of their own (GGML_ASSERT(n_layer_kv_from_start >= 2)), the
+    shared ones after them, each finding a cache of its kind where llama.cpp looks (llama-kv-cache.cpp asserts it)."""
+    if first is None:
+        return True
+    k = sum(1 for il in layers if il < first)
+    return k >= 2 and all(il >= first for il in layers[k:]) and all(
+        sliding[k - 2] if sliding[j] else not sliding[k - 1] for j in range(k, len(layers)))
+
+
+def with_reuse_targets(layers: tuple[int, ...], sliding: list[bool], first: int | None) -> tuple[int, ...]:
+    """Sorted `layers` with the layers their KV-shared ones need (kv_reuse_ok; `sliding`: the source's flags): the
+    source's own targets (its last sliding and full layers with a cache) where a shared full layer is kept, else
+    the first sliding layers with a cache, so that a model of sliding layers stays one."""
+    layers = tuple(sorted(layers))
+    if first is None or kv_reuse_ok(layers, [sliding[il] for il in layers], first):
+        return layers
+    kept = set(layers)
+    shared = [il for il in layers if il >= first]
+    if any(not sliding[il] for il in shared):
+        kept |= {first - 2, first - 1}
+    else:
+        for il in (il for il in range(first) if sliding[il] and il not in kept):
+            if sum(1 for j in kept if j < first) >= 2:
+                break
+            kept.add(il)
+    return tuple(sorted(kept))
+
+
 def _derived_path(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool, swa) -> Path:
     st = os.stat(src.path)
-    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v5"
+    key = hashlib.sha256(f"{src.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{layers}|{small_vocab}|{swa}|v6"
                          .encode()).hexdigest()[:20]
     d = ctxq_home() / "derived"
     d.mkdir(parents=True, exist_ok=True)
@@ -65,6 +109,14 @@ def write_derived(src: GGUFFile, layers: tuple[int, ...], small_vocab: bool,
     out = _derived_path(src, layers, small_vocab, flags)
     if out.exists():
         return out
+    first = first_shared(src)
+    if first is not None:  # never hand llama.cpp a header that trips its KV-reuse asserts (an abort, not an error)
+        pattern = src.arch_get("attention.sliding_window_pattern")
+        sliding = list(flags.swa) if flags.swa is not None else [bool(pattern[il]) for il in layers] \
+            if isinstance(pattern, list) else [False] * len(layers)
+        if not kv_reuse_ok(layers, sliding, first):
+            raise CtxqError(f"a derived model of {src.arch} layers {list(layers)} cannot keep its KV sharing "
+                            f"(layers {first}+ reuse the caches of layers {first - 2} and {first - 1})")
     n_vocab, src_layers = _SMALL_VOCAB if small_vocab else _vocab_size(src), int(src.arch_get("block_count"))
     remap = {il: i for i, il in enumerate(layers)}
     specs = []
@@ -99,7 +151,10 @@ def model_path(src: GGUFFile) -> str:
 
 def load_error(src: GGUFFile, e: CtxqError) -> CtxqError:
     """A failed llama.cpp load as one line naming the architecture and llama.cpp's reason (`e` itself when
-    the model loaded and the context's settings were refused)."""
+    the model loaded and the context's settings were refused); an abort stays a LlamaAborted."""
+    if isinstance(e, LlamaAborted):
+        return LlamaAborted(f"llama.cpp aborted on this {src.arch} model ({src.path.name}): {e.reason}",
+                            reason=e.reason, path=str(src.path))
     if not hasattr(e, "reason"):
         return e
     return CtxqError(f"llama.cpp cannot load this {src.arch} model ({src.path.name}): {e.reason}")
@@ -139,6 +194,8 @@ def write_sparse(src: GGUFFile, out: Path, specs: list[tuple[str, tuple, int]], 
                 value = [value[i] for i in layers]  # per-layer arrays (head counts, SWA pattern)
             if key == f"{arch}.block_count" and layers is not None:
                 value = len(layers)
+            if key == f"{arch}.{SHARED_KV_KEY.get(arch)}" and layers is not None:
+                value = sum(1 for il in layers if il >= n_layer - value)  # the kept shared layers (kv_reuse_ok)
             if key == f"{arch}.leading_dense_block_count" and layers is not None and isinstance(value, int):
                 value = sum(1 for i in layers if i < value)  # the kept dense layers stay the leading ones
             if key == f"{arch}.nextn_predict_layers" and layers is not None:

@@ -31,7 +31,7 @@ from . import inputs as inputs_mod
 from .devices import Device
 from .options import PlanOptions
 from .plan import DevicePlan
-from .split import (SCHED_COPIES, device_compute, moe_split_peaks, recurrent_split, recurrent_tails,
+from .split import (SCHED_COPIES, device_compute, moe_split_peaks, recurrent_split, recurrent_tails, shared_kv_reads,
                     split_inputs)
 from ..errors import CtxqError
 from ..gguf.info import KV_PAD, ModelInfo, kv_cells
@@ -249,7 +249,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
                                  pipeline=c.pipeline(n_cpu_slots), layers=run)
     dp.experts = experts - sum(c.layer_experts[i] for i in dp.cpu_experts)
     if n_used > 1 or n_cpu_slots:
-        dp.compute += recurrent_split(c, layers, SCHED_COPIES if c.pipeline(n_cpu_slots) else 1)
+        copies = SCHED_COPIES if c.pipeline(n_cpu_slots) else 1
+        dp.compute += recurrent_split(c, layers, copies) + shared_kv_reads(c, run, copies)
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp

@@ -110,6 +110,14 @@ def larger(info: ModelInfo, acc: Accounting, *, n_ctx: int, n_ubatch: int, type_
 def refereed(p, src, info: ModelInfo, replan):
     """`p` checked against llama.cpp's accounting at its settings; `replan(info)` plans again with the
     larger figures when the plan's are below llama.cpp's. Strict mode raises on any difference."""
+    from .compute import notes_for
+
+    p = _refereed(p, src, info, replan)
+    p.notes += [n for n in notes_for(src) if n not in p.notes]  # the compute's fallbacks (an abort in a dry run)
+    return p
+
+
+def _refereed(p, src, info: ModelInfo, replan):
     from .facts import accounting_at
 
     acc = accounting_at(src, info, n_ctx=p.n_ctx, n_ubatch=p.n_ubatch, n_batch=p.n_batch, type_k=p.type_k,

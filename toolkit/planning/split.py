@@ -194,3 +194,25 @@ def recurrent_split(c: Costs, layers, copies: int) -> int:
             if mamba2 and not moe:
                 extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4
     return extra
+
+
+def reused_layer(info: ModelInfo, il: int) -> int | None:
+    """The layer whose KV cache layer il reads, where it has none of its own (planning.facts: attention, no K width):
+    the last layer before the shared ones with a cache of its kind, as llama-model.cpp's KV-reuse callback gives
+    Gemma 3n and Gemma 4 (n_layer_kv_from_start - 2 for a sliding layer, - 1 for a full one)."""
+    la = info.layers[il]
+    if not (la.attention and la.k_width == 0):
+        return None
+    return next((j for j in range(il - 1, -1, -1) if info.layers[j].k_width and info.layers[j].sliding == la.sliding),
+                None)
+
+
+def shared_kv_reads(c: Costs, layers, copies: int) -> int:
+    """The caches a device's KV-shared layers read on another device: each such layer's K and V views of the cache it
+    reads arrive as split inputs of their own (a view of another backend's buffer is copied; GGML_SCHED_DEBUG lists
+    cache_k_l2 and cache_v_l2 once for each of layers 5 and 6 reading layer 2), in each of the scheduler's copies.
+    Tiny Gemma 4 with 4 of its 8 layers shared (upstream_models' gemma4-kvshare), 32k f16 on 2 RPC devices, the
+    device holding layers 5-7 and the head: the rules 66.78 MiB under llama.cpp's real load without the term."""
+    held = set(layers)
+    return copies * sum(c.layer_kv[j] for il in layers if (j := reused_layer(c.info, il)) is not None and j not in held)
+

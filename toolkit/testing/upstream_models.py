@@ -87,6 +87,14 @@ SPECS: dict[str, Spec] = {
         tie_word_embeddings=True, **SPM_IDS), arch="gemma4", spm_bpe=True,
         note="no per-layer embeddings (as the 31B); the converter takes Gemma 4's vocabulary only as a "
              "SentencePiece-style BPE tokenizer.json (gguf-py's LlamaHfVocab)"),
+    "gemma4-kvshare": Spec("Gemma4ForCausalLM", "gemma4_text", dict(
+        num_hidden_layers=8, layer_types=_layers(8, 4, "sliding_attention", "full_attention"), sliding_window=512,
+        num_kv_shared_layers=4, use_double_wide_mlp=True, vocab_size_per_layer_input=SPM_VOCAB,
+        hidden_size_per_layer_input=16,
+        per_layer_config={"03": {"head_dim": 64}, "07": {"head_dim": 64}}, tie_word_embeddings=True, **SPM_IDS),
+        arch="gemma4", spm_bpe=True,
+        note="Gemma 4 E2B/E4B's layout: per-layer inputs, the last 4 layers reuse the KV of layers 2 (sliding) and "
+             "3 (full) (gemma4.cpp: n_layer_kv_from_start = n_layer - attention.shared_kv_layers)"),
     "gemma4-moe": Spec("Gemma4ForCausalLM", "gemma4_text", dict(
         num_hidden_layers=6, layer_types=_layers(6, 3, "sliding_attention", "full_attention"), sliding_window=512,
         vocab_size_per_layer_input=SPM_VOCAB, hidden_size_per_layer_input=0, per_layer_config=_GEMMA4_FULL,

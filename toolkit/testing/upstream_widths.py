@@ -54,6 +54,15 @@ REALISTIC: dict[str, Real] = {
     # heads (window 512) and every 6th full with 512-wide heads, per-layer embeddings of 256; 6 layers
     "gemma4-6l": Real("gemma4", dict(num_hidden_layers=6, layer_types=None, vocab_size_per_layer_input=SPM_VOCAB,
                                      per_layer_config={"05": {"head_dim": 512}})),
+    # Gemma 4 E2B (google/gemma-4-E2B's text config): 1536 wide, 8 heads / 1 KV of 256 (512 on full layers), FFN
+    # 6144 (twice as wide on the KV-shared layers), per-layer embeddings of 256, window 512, 20 of 35 layers sharing
+    # the caches of earlier ones; here 8 layers s s s f, then 4 shared s s s f
+    "gemma4-e2b-8l": Real("gemma4", dict(
+        num_hidden_layers=8, hidden_size=1536, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=256, sliding_window=512, layer_types=["sliding_attention"] * 3 + ["full_attention"]
+        + ["sliding_attention"] * 3 + ["full_attention"], num_kv_shared_layers=4, use_double_wide_mlp=True,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=SPM_VOCAB,
+        per_layer_config={"03": {"head_dim": 512}, "07": {"head_dim": 512}}), note="8 of 35 layers, 4 shared"),
 }
 
 
