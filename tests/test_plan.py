@@ -139,8 +139,11 @@ def test_options_object_and_keywords_are_one_thing(smollm2):
     with pytest.raises(TypeError):
         plan(smollm2, 2048, devices=[], n_ctxx=4096)
     with pytest.raises(InvalidOption) as e:
-        plan(smollm2, 2048, devices=[], kv="q5_0")
-    assert e.value.option == "kv" and e.value.value == "q5_0"
+        plan(smollm2, 2048, devices=[], kv="q3_K")  # llama.cpp takes no K-quant for a cache (common/arg.cpp)
+    assert e.value.option == "kv" and e.value.value == "q3_K"
+    # every type llama.cpp takes, alone or as a K/V pair (SmolLM2's 64-wide heads hold them all)
+    assert (plan(smollm2, 2048, devices=[], kv="q5_1").type_k, plan(smollm2, 2048, devices=[], kv="q8_0/iq4_nl").type_v) \
+        == ("q5_1", "iq4_nl")
 
 
 # --- the CLI ------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from .group import cli
 def _register() -> None:
     # each module adds its commands to `cli`; a module that fails to import is an error, not a
     # command that silently vanishes from --help
-    from . import cache, convert, info, plan, run, serve, worker  # noqa: F401
+    from . import cache, convert, info, plan, quality, run, serve, worker  # noqa: F401
 
 
 _register()

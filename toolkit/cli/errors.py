@@ -20,7 +20,7 @@ FLAGS = {
     "leave_output_tensor": "--leave-output-tensor", "pure": "--pure", "revision": "--revision",
     "check": "--no-check", "hf_file": "--hf-file", "max_body": "--max-body", "max_queue": "--max-queue",
     "timeout": "--timeout", "shutdown_timeout": "--shutdown-timeout", "session": "--session",
-    "cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe",
+    "cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe", "max_kl": "--max-kl", "against": "--against",
 }
 # flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
 _SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure", "cpu_moe"}

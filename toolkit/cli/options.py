@@ -58,10 +58,14 @@ def _plan_flags(for_plan: bool, parallel: bool = True) -> list:
         click.option("-ts", "--split", default=None, help=split_help),
         device_options,
         click.option("--simulate", default=None, metavar="GiB,…", help=simulate_help),
-        click.option("--kv", default=None, type=click.Choice(["auto", *KV_TYPES]),
-                     help="KV-cache type for K and V; auto chooses the best that fits.  [default: auto]"),
-        click.option("-ctk", "--cache-type-k", "type_k", default=None, help="K cache type (f16, q8_0, q4_0)."),
-        click.option("-ctv", "--cache-type-v", "type_v", default=None, help="V cache type (f16, q8_0, q4_0)."),
+        click.option("--kv", default=None, metavar="auto|TYPE|K/V",
+                     help="KV-cache types: auto chooses the pair with the least measured loss that fits; a type "
+                          f"({', '.join(KV_TYPES)}) for K and V, or K/V such as q8_0/q4_0.  [default: auto]"),
+        click.option("--max-kl", "max_kl", type=float, default=None, metavar="X",
+                     help="Keep the KV cache within this mean KL against f16, as `ctxq quality` measured it for "
+                          "this model; layers move to the CPU to hold it."),
+        click.option("-ctk", "--cache-type-k", "type_k", default=None, help="K cache type (f16, q8_0, q5_1, ...)."),
+        click.option("-ctv", "--cache-type-v", "type_v", default=None, help="V cache type (f16, q8_0, q4_0, ...)."),
         click.option("-fa", "--flash-attn", "flash_attn", type=click.Choice(list(_ON_OFF)), default=None,
                      callback=lambda ctx, param, v: _ON_OFF[v] if v else None,
                      help="Flash attention (auto: on; a quantized V cache needs it).  [default: auto]"),

@@ -46,6 +46,8 @@ def render_plan(p, *, title: str | None = None) -> str:
     if p.device_order:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
     lines.append(f"why: {p.reason}")
+    if p.kv_quality:
+        lines.append(f"quality: {p.kv_quality['line']}")
     lines += _expert_lines(p)
     if p.est_decode_tps:
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "

@@ -56,7 +56,10 @@ OUTPUT_NORM = {"lfm2": "token_embd_norm.weight", "lfm2moe": "token_embd_norm.wei
 LAYER_TENSORS, OUTPUT_TENSORS = {"per_layer_model_proj.weight": 0, "per_layer_proj_norm.weight": 0}, \
     {"altup_proj.weight", "altup_unembd_proj.weight"}
 
-KV_TYPES = ("f16", "q8_0", "q4_0")  # the KV-cache types ctxq chooses between
+# The KV-cache types llama.cpp takes (common/arg.cpp's kv_cache_types, f32 aside), most precise first: every one
+# runs flash attention on the CPU (ggml-cpu/ops.cpp needs a vec_dot for K and a to_float for V, which all have);
+# on CUDA only the pairs compiled in run at speed (planning/kvpairs.py).
+KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 
 # A tensor of layer il: `blk.<il>.` (llama.cpp's tensor names, LLM_TENSOR_NAMES).
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.")

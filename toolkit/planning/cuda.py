@@ -24,11 +24,9 @@ from functools import lru_cache
 from ..gguf.info import ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
 from ..gguf.reader import TensorInfo, read_model, tensor_nbytes
 from ..units import MiB, round_up
+from .kvpairs import cuda_compiled_pairs
 
 CUDA_ALIGN = 128  # ggml_backend_cuda_buffer_type_get_alignment; GGML_PAD(end, 128) in get_f16_extra_data
-# The vector FA kernels compiled by default (ggml/CMakeLists.txt GGML_CUDA_FA_QUANTS); any other K/V
-# pair falls back to f16 copies even for one token (ggml_cuda_flash_attn_ext_get_alloc_size, VEC case).
-FA_VEC_PAIRS = {("f16", "f16"), ("q4_0", "q4_0"), ("q8_0", "q8_0"), ("bf16", "bf16")}
 OP_OFFLOAD_MIN_BATCH = 32  # ggml_cuda init: getenv("GGML_OP_OFFLOAD_MIN_BATCH") or 32
 MATRIX_ROW_PADDING = 512  # ggml-cuda common.cuh: quantized rows padded in get_alloc_size and MMQ
 Q8_1_MMQ_BYTES, Q8_1_MMQ_VALUES = 144, 128  # sizeof(block_q8_1_mmq), QK8_1_MMQ (mmq.cuh)
@@ -55,9 +53,9 @@ def _fa_needs_f16(type_k: str, type_v: str, n_tokens: int) -> tuple[bool, bool]:
 
     ggml_cuda_get_best_fattn_kernel picks TILE/MMA (always f16 copies) for more than one token (Ada+ with a
     quantized cache keep VEC up to 2 tokens: treated as TILE, an over-estimate); VEC copies only a pair
-    without a compiled kernel (FA_VEC_PAIRS) or f32. A K/V that already is f16 is never copied."""
+    without a compiled kernel (kvpairs.cuda_compiled_pairs: the build's GGML_CUDA_FA_QUANTS) or f32. A K/V that already is f16 is never copied."""
     tile = n_tokens > 1
-    fallback = (type_k, type_v) not in FA_VEC_PAIRS
+    fallback = (type_k, type_v) not in cuda_compiled_pairs()
     need_k = type_k != "f16" and (tile or fallback or type_k == "f32")
     need_v = type_v != "f16" and (tile or fallback or type_v == "f32")
     return need_k, need_v

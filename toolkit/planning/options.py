@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..errors import InvalidOption
-from ..gguf.info import KV_TYPES  # also the search order of kv="auto"
+from ..gguf.info import KV_TYPES
+from .kvpairs import parse_kv
 
 DEFAULT_N_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
 DEFAULT_N_BATCH = 2048  # common_params.n_batch
@@ -28,8 +29,10 @@ PREFER = ("quality", "speed")
 class PlanOptions:
     """What to plan for. None everywhere means "not given"; see `resolved()` for the defaults.
 
-    n_ctx: tokens of context (never shrunk to fit). kv: "auto" searches f16 / q8_0 / q4_0, a type
-    name fixes K and V (type_k / type_v override one of them). flash_attn: None is on (a quantized V
+    n_ctx: tokens of context (never shrunk to fit). kv: "auto" searches the K/V pairs the devices run at speed,
+    least measured loss first (planning/kvpairs.py); a type ("q8_0") fixes K and V, a pair ("q8_0/q4_0") each
+    (type_k / type_v override one of them). max_kl: keep the cache within this mean KL against f16, as `ctxq
+    quality` measured it for this model (layers move to the CPU to hold it). flash_attn: None is on (a quantized V
     cache needs it). split: None or "auto" searches; "16:16:16:8:8" (ratios, as llama.cpp's
     tensor_split) or "19,19,19,10,14" (layer counts) evaluates that split. prefer: "quality" keeps KV
     at q8_0 or better when layers can go to the CPU instead; "speed" the reverse. reorder: let the
@@ -52,6 +55,7 @@ class PlanOptions:
     n_batch: int | None = None
     n_ubatch: int | None = None
     kv: str | None = None
+    max_kl: float | None = None
     type_k: str | None = None
     type_v: str | None = None
     flash_attn: bool | None = None
@@ -111,8 +115,14 @@ class PlanOptions:
                                 value=self.n_cpu_moe)
         if prefer not in PREFER:
             raise InvalidOption(f"`prefer` must be quality or speed, not {prefer!r}", option="prefer", value=prefer)
-        if kv not in (DEFAULT_KV, *KV_TYPES):
-            raise InvalidOption(f"`kv` must be auto, f16, q8_0 or q4_0, not {kv!r}", option="kv", value=kv)
+        parse_kv(kv)  # InvalidOption for anything but auto, a type or a K/V pair
+        for name in ("type_k", "type_v"):
+            t = getattr(self, name)
+            if t is not None and t not in KV_TYPES:
+                raise InvalidOption(f"`{name}` must be one of {', '.join(KV_TYPES)}, not {t!r}", option=name, value=t)
+        if self.max_kl is not None and not self.max_kl >= 0:
+            raise InvalidOption(f"max_kl must be 0 or more (nats of mean KL), got {self.max_kl}", option="max_kl",
+                                value=self.max_kl)
         for other in ("rpc", "gpus", "profile"):  # simulated devices stand for all of them
             if self.simulate is not None and getattr(self, other):
                 raise InvalidOption(f"give `simulate` or `{other}`, not both", option="simulate", value=self.simulate)
@@ -143,11 +153,12 @@ class PlanOptions:
             return dict(n_seq_max=1, kv_unified=False, n_outputs_max=0)
         return dict(n_seq_max=self.parallel, kv_unified=True, n_outputs_max=self.parallel)
 
-    def kv_candidates(self) -> list[tuple[str, str]]:
-        """(type_k, type_v) pairs to try, in the order of preference."""
-        if self.type_k or self.type_v or self.kv not in (None, DEFAULT_KV):
-            fixed = self.kv if self.kv not in (None, DEFAULT_KV) else "f16"
-            return [(self.type_k or fixed, self.type_v or fixed)]
+    def kv_fixed(self) -> tuple[str, str] | None:
+        """The (type_k, type_v) pair these options fix, or None when the plan searches (kv="auto")."""
+        pair = parse_kv(self.kv)
+        if self.type_k or self.type_v or pair:
+            tk, tv = pair or ("f16", "f16")
+            return self.type_k or tk, self.type_v or tv
         if self.flash_attn is False:  # a quantized V cache needs flash attention
-            return [("f16", "f16")]
-        return [(t, t) for t in KV_TYPES]
+            return "f16", "f16"
+        return None

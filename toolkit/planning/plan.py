@@ -81,6 +81,9 @@ class Plan:
     reason: str = ""
     est_decode_tps: float | None = None  # an estimate from memory bandwidth, not a measurement
     notes: list[str] = field(default_factory=list)
+    # what the KV pair costs the answers (planning/kvpairs.quality_line): mean_kl etc. when `ctxq quality`
+    # measured it on this model, else measured False; "line" is what `ctxq plan` prints
+    kv_quality: dict = field(default_factory=dict)
     expert_layers: list[int] = field(default_factory=list)  # layers holding expert tensors (MoE); [] when dense
     cpu_expert_layers: list[int] = field(default_factory=list)  # of those, the layers whose experts are in CPU memory
     # sequences in one context (PlanOptions.parallel): llama_context_params' own fields. n_outputs_max 0 is

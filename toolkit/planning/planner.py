@@ -15,7 +15,8 @@ import os
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer, slots_key
-from .options import KV_TYPES, PlanOptions
+from . import kvpairs
+from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts
 from .plan import DevicePlan, ExpertPlacement, Plan
@@ -23,7 +24,6 @@ from .referee import refereed
 from .split_referee import split_refereed
 from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
-from ..gguf.reader import GGML_BLOCKS, GGML_TYPES
 from ..units import GiB
 
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
@@ -195,38 +195,65 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
 def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
     experts = ExpertPlacement.chosen((t.name for t in src.tensors), info.n_layer, opts)  # checked before the search
     auto_experts = bool(experts.expert_layers) and not experts.fixed and opts.expert_offload is not False
-    candidates, usable = opts.kv_candidates(), _kv_types(info)
-    if len(candidates) > 1:  # kv="auto": the types these heads can use (a type given is checked below)
-        candidates = [(tk, tv) for tk, tv in candidates if tk in usable and tv in usable]
+    usable, fixed = kvpairs.usable_types(info), opts.kv_fixed()
     check_reserve(devices, opts)
-    check_kv_can_fit(info, devices, cpu, opts, candidates)
     cuda = any(d.backend == "cuda" for d in devices)
-    for tk, tv in candidates:
-        for name, t in (("type_k", tk), ("type_v", tv)):
+    if fixed is not None:
+        for name, t in (("type_k", fixed[0]), ("type_v", fixed[1])):
             if t not in usable:
-                raise InvalidOption(f"KV type {t} cannot hold this model's rows ({info.head_dim_k}-wide heads); "
-                                    f"use one of {', '.join(usable)}", option=name, value=t)
-        if not opts.flash_attn and tv != "f16":  # llama_init_from_model refuses a quantized V without it
-            raise InvalidOption(f"type_v={tv} needs flash attention; drop flash_attn=False or use type_v=f16",
-                                option="type_v", value=tv)
+                raise InvalidOption(f"KV type {t} cannot hold this model's rows ({info.head_dim_k}-wide K heads, "
+                                    f"{info.head_dim_v}-wide V heads: llama.cpp needs whole blocks per head); use one "
+                                    f"of {', '.join(usable)}", option=name, value=t)
+        if not opts.flash_attn and fixed[1] != "f16":  # llama_init_from_model refuses a quantized V without it
+            raise InvalidOption(f"type_v={fixed[1]} needs flash attention; drop flash_attn=False or use type_v=f16",
+                                option="type_v", value=fixed[1])
+    pairs = [fixed] if fixed else [(k, v) for k, v in kvpairs.at_speed(cuda) if k in usable and v in usable]
+    cands = kvpairs.ranked(pairs, kvpairs.measurements(path, opts.n_ctx))
+    allowed = kvpairs.limited(cands, opts.max_kl, path, opts.n_ctx)
+    check_kv_can_fit(info, devices, cpu, opts, [c.pair for c in cands])
     if opts.split is not None:
-        tk, tv = candidates[0]
-        c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
-        return _settle(experts.apply(_evaluate_split(c, str(path), devices, cpu, opts, tk, tv)), opts)
-    plans, hosts = [], []
-    for tk, tv in candidates:
+        c0 = (allowed or cands)[0]
+        c = costs(info, src, opts, *c0.pair, cuda).with_cpu_experts(experts.cpu_layers)
+        p = _evaluate_split(c, str(path), devices, cpu, opts, *c0.pair)
+        p.kv_quality = kvpairs.quality_line(c0, path, opts.n_ctx)
+        return _settle(experts.apply(p), opts)
+
+    def find(tk: str, tv: str):
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
         if auto_experts and devices and (p is None or p.cpu_layers):
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
             if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
                 p, host = q, q_host
-        hosts.append((host, tv))
-        if p is not None:
-            plans.append(p)
-    if not plans:
+        return p, host
+
+    def kv_size(tk: str, tv: str) -> int:
+        return sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, tk, tv))
+
+    found, hosts = kvpairs.search(allowed, find, kv_size)
+    if not found:
+        if opts.max_kl is not None:  # name the least measured loss that would fit
+            more, _ = kvpairs.search([c for c in cands if c not in allowed and c.measured], find, kv_size)
+            raise kvpairs.too_lossy(opts.max_kl, min((c for c, _ in more), key=lambda c: c.loss, default=None),
+                                    opts.n_ctx)
         raise does_not_fit(cpu, hosts, opts.n_ctx)
-    return _settle(experts.apply(_choose(plans, info, devices, opts, len(candidates) > 1)), opts)
+    chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands)
+    p.reason = why + _kv_why(chosen, found, fixed is None and len(pairs) > 1, kv_size, opts.n_ctx)
+    p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
+    return _settle(experts.apply(p), opts)
+
+
+def _kv_why(chosen, found, searched: bool, kv_size, n_ctx: int) -> str:
+    """Why not an f16 cache, when the plan searched."""
+    if chosen.pair == ("f16", "f16") or not searched:
+        return ""
+    f16 = next((p for c, p in found if c.pair == ("f16", "f16")), None)
+    p = next(p for c, p in found if c is chosen)
+    if f16 is not None and f16.cpu_layers == 0:
+        return (f"; f16 KV would keep the experts of {len(f16.cpu_expert_layers)} layers in CPU memory, "
+                f"{chosen.name} of {len(p.cpu_expert_layers)}")
+    return (f"; f16 KV ({kv_size('f16', 'f16') / GiB:.1f} GiB) does not fit at {n_ctx} tokens, "
+            f"{chosen.name} ({kv_size(*chosen.pair) / GiB:.1f} GiB) does")
 
 
 def _settle(p: Plan, opts: PlanOptions) -> Plan:
@@ -234,12 +261,6 @@ def _settle(p: Plan, opts: PlanOptions) -> Plan:
     for k, v in opts.context_settings().items():
         setattr(p, k, v)
     return p
-
-
-def _kv_types(info: ModelInfo) -> list[str]:
-    """KV types whose blocks divide each K and V head, not only a row (llama_init_from_model: "does not divide")."""
-    return [t for t in info.kv_bytes_per_token if not (info.head_dim_k % (b := GGML_BLOCKS[GGML_TYPES[t.upper()]][0])
-                                                        or info.head_dim_v % b)]
 
 
 def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
@@ -317,37 +338,6 @@ def _restore_experts(bare: Costs, devs: list[Device], counts: list[int]) -> tupl
                 hi = mid - 1
         cpu -= set(mine[len(mine) - lo:])
     return bare.with_cpu_experts(cpu), counts
-
-
-def _choose(plans: list[Plan], info: ModelInfo, devices: list[Device], opts: PlanOptions, searched: bool) -> Plan:
-    """The plan the policy prefers, with the reason."""
-    full = [p for p in plans if p.cpu_layers == 0 or not devices]
-    if full:
-        # the fewest experts in CPU memory (none for a dense model), then the better KV type; quality keeps KV
-        # at q8_0 or better, as for layers below
-        good = [p for p in full if p.type_v != "q4_0"] if opts.prefer == "quality" else []
-        chosen = min(good or full, key=lambda p: (len(p.cpu_expert_layers), KV_TYPES.index(p.type_v)))
-        why = "all layers on the GPUs" if devices else "no GPUs: everything on the CPU"
-        if devices and chosen.cpu_expert_layers:
-            why += f", the experts of {len(chosen.cpu_expert_layers)} in CPU memory"
-    elif opts.prefer == "quality":
-        good = [p for p in plans if p.type_v != "q4_0"] or plans
-        chosen = max(good, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
-        why = f"{chosen.cpu_layers} layers on the CPU; KV kept at {chosen.type_k} for quality"
-    else:
-        chosen = max(plans, key=lambda p: (p.n_gpu_layers, -KV_TYPES.index(p.type_v)))
-        why = f"{chosen.cpu_layers} layers on the CPU with the smallest KV type that minimises them"
-    f16_full = next((p for p in full if p.type_k == "f16" and p.type_v == "f16"), None) if devices else None
-    if chosen.type_k != "f16" and searched and f16_full is not None:
-        why += (f"; f16 KV would keep the experts of {len(f16_full.cpu_expert_layers)} layers in CPU memory, "
-                f"{chosen.type_k} of {len(chosen.cpu_expert_layers)}")
-    elif chosen.type_k != "f16" and searched:
-        kv_f16 = sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, "f16", "f16"))
-        kv_got = chosen.host.kv + sum(g.kv for g in chosen.gpus)
-        why += (f"; f16 KV ({kv_f16 / GiB:.1f} GiB) does not fit at {opts.n_ctx} tokens, "
-                f"{chosen.type_k} ({kv_got / GiB:.1f} GiB) does")
-    chosen.reason = why
-    return chosen
 
 
 def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions,

@@ -1,0 +1,107 @@
+"""`ctxq quality`: what each KV-cache pair (or a weight type) costs the answers, measured on your text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .common import echo_json, table
+from .group import cli
+from .options import device_options
+
+
+class _Bars:
+    """One tqdm bar per configuration measured, with its time left."""
+
+    def __init__(self):
+        self.bar, self.label = None, None
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if label != self.label:
+            self.close()
+            self.label = label
+            self.bar = tqdm(total=total, desc=label, unit=" tok", leave=False, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def render(results, mode: str) -> str:
+    base = max(r.bytes for r in results) if results else 1
+    rows = []
+    for r in results:
+        what = r.pair if mode == "kv" else f"{Path(r.model).name} {r.pair}"
+        size = f"{r.bytes / 1024:.1f} KiB" if mode == "kv" else f"{r.bytes / 2**20:.1f} MiB"
+        rows.append([what, size, f"{r.bytes / base * 100:.0f}%", f"{r.mean_kl:.5f}", f"{r.p99_kl:.4f}",
+                     f"{r.top1_agreement * 100:.1f}%", f"{r.ppl:.3f}", "cached" if r.cached else f"{r.seconds:.0f} s"])
+    head = ["KV K/V" if mode == "kv" else "weights", "per token" if mode == "kv" else "file", "bytes", "mean KL",
+            "p99 KL", "top-1", "PPL", "time"]
+    r0 = results[0]
+    return "\n".join([
+        table(rows, head),
+        f"text: {r0.text}{' (built in)' if r0.text == 'licences' else ''}, {r0.n_ctx:,} tokens, positions "
+        f"{r0.n_ctx // 2:,}-{r0.n_ctx - 1:,} scored ({r0.n_scored:,}) against {r0.reference}; KL in nats, "
+        "KL(reference || this); top-1: the same most likely token"])
+
+
+@cli.command("quality")
+@click.argument("model", required=False)
+@click.option("-c", "--ctx", "n_ctx", type=int, required=True, help="The context to measure at, in tokens.")
+@click.option("-f", "--file", "text", type=click.Path(dir_okay=False), default=None,
+              help="The text to measure on, at least --ctx tokens (default: a built-in English text).")
+@click.option("--kv", default=None, metavar="PAIRS",
+              help="KV pairs to measure against an f16 cache: f16,q8_0,q8_0/q4_0,... (K/V; a type alone for both).  "
+                   "[default: every pair the devices run at speed]")
+@click.option("--against", default=None, metavar="REF",
+              help="Measure MODEL's weights against REF, a more precise GGUF of the same model (same cache types).")
+@device_options
+@click.option("--simulate", default=None, metavar="GiB,…", help="Run on local RPC workers of these sizes.")
+@click.option("--no-cache", is_flag=True, help="Measure again even when a result is cached.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def quality_cmd(model, n_ctx, text, kv, against, gpus, profile, rpc, simulate, no_cache, as_json):
+    """Measure what precision costs on MODEL (a GGUF; default: the embedded SmolLM2).
+
+    Every configuration reads the same --ctx tokens of the text once, as the plan for the devices runs it
+    (what does not fit goes to the CPU); the second half of the positions is scored against the reference:
+    mean and 99th-percentile KL divergence, top-1 agreement and perplexity. `ctxq plan` then chooses the KV
+    pair with the least measured loss that fits (and --max-kl holds it).
+    """
+    from ..quality import Measurement, measure, parse_pairs
+
+    options = {k: v for k, v in dict(gpus=gpus, profile=profile, rpc=rpc, simulate=simulate).items() if v}
+    pairs = parse_pairs(kv) if kv else None
+    if pairs is None and not against:
+        pairs = _default_pairs(model, options)
+    bars = None if as_json else _Bars()
+    m = Measurement(n_ctx=n_ctx, text=text, plan_options=options, progress=bars, use_cache=not no_cache)
+    try:
+        results = measure(model, m, pairs, against=against)
+    finally:
+        if bars:
+            bars.close()
+    mode = "weights" if against else "kv"
+    if as_json:
+        echo_json({"model": results[0].model, "n_ctx": n_ctx, "text": results[0].text, "mode": mode,
+                   "reference": results[0].reference, "results": [r.public() for r in results]})
+    else:
+        click.echo(render(results, mode))
+
+
+def _default_pairs(model, options: dict) -> list[tuple[str, str]]:
+    """Every pair the plan's devices run at speed that this model's heads can hold."""
+    from ..gguf.info import model_info
+    from ..models import resolve_model
+    from ..planning import kvpairs
+    from ..planning.devices import resolve_devices
+    from ..planning.options import PlanOptions
+
+    devices, _ = resolve_devices(PlanOptions(**options).resolved())
+    usable = kvpairs.usable_types(model_info(resolve_model(model)))
+    return [(k, v) for k, v in kvpairs.at_speed(any(d.backend == "cuda" for d in devices))
+            if k in usable and v in usable]
