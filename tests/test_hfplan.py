@@ -177,5 +177,6 @@ def test_dense_qwen3_with_narrow_heads_plans_with_the_kv_types_llama_cpp_takes(t
         assert c.fits and (c.plan.type_k, c.plan.type_v) == ("f16", "f16"), (c.type, c.why_not)
     assert r.recommended.type == "F16"
     assert plan(gguf, 4096, gpus="1").type_k == "f16"
-    with pytest.raises(InvalidOption, match=rf"KV type q8_0 cannot hold .*\({head_dim}-wide heads\); use one of f16$"):
+    with pytest.raises(InvalidOption, match=rf"KV type q8_0 cannot hold .*\({head_dim}-wide K heads, {head_dim}-wide V heads: llama.cpp needs "
+                       r"whole blocks per head\); use one of f16, bf16$"):
         plan(gguf, 4096, gpus="1", type_k="q8_0")

@@ -29,11 +29,17 @@ AUTO_TYPES = tuple(t for t in KV_TYPES if t != "bf16")
 CUDA_DEFAULT_PAIRS = "q4_0-q4_0;q8_0-q8_0;f16-f16;bf16-bf16"  # ggml/CMakeLists.txt GGML_CUDA_FA_QUANTS
 
 # Mean KL (nats) against an f16 cache: SmolLM2-135M-Instruct Q4_1, the built-in text, 2,048 tokens, positions
-# 1,024-2,047 scored, CPU, flash attention (scripts/bench_quality.py, docs/quality.md). The order without a
-# measurement of the model itself.
+# 1,024-2,047 scored, CPU, flash attention (`ctxq quality --ctx 2048 --kv ...`, 2026-12-04; docs/quality.md). The
+# order without a measurement of the model itself. K's precision matters most: every pair with an 8-bit or f16 K
+# stays under 0.011, K at 5 bits 0.018-0.030, K at 4 bits 0.059-0.071.
 DEFAULT_KL = {
-    ("f16", "f16"): 0.0, ("q8_0", "q8_0"): 0.0046, ("q8_0", "q4_0"): 0.0105, ("q5_0", "q5_0"): 0.0231,
-    ("q4_0", "q4_0"): 0.0706,
+    ("f16", "f16"): 0.0, ("f16", "q8_0"): 0.00416, ("f16", "q5_1"): 0.00537, ("f16", "q5_0"): 0.00575,
+    ("f16", "q4_1"): 0.00967, ("f16", "iq4_nl"): 0.00932, ("f16", "q4_0"): 0.01034, ("q8_0", "q8_0"): 0.00449,
+    ("q8_0", "q5_1"): 0.00564, ("q8_0", "q5_0"): 0.0063, ("q8_0", "q4_1"): 0.00993, ("q8_0", "iq4_nl"): 0.01029,
+    ("q8_0", "q4_0"): 0.0106, ("q5_1", "q5_1"): 0.01789, ("q5_1", "q5_0"): 0.01943, ("q5_1", "q4_1"): 0.0206,
+    ("q5_1", "iq4_nl"): 0.02033, ("q5_1", "q4_0"): 0.02037, ("q5_0", "q5_0"): 0.02299, ("q5_0", "q4_1"): 0.0295,
+    ("q5_0", "iq4_nl"): 0.02632, ("q5_0", "q4_0"): 0.02882, ("q4_1", "q4_1"): 0.06107, ("q4_1", "iq4_nl"): 0.07067,
+    ("q4_1", "q4_0"): 0.06926, ("iq4_nl", "iq4_nl"): 0.05859, ("iq4_nl", "q4_0"): 0.06387, ("q4_0", "q4_0"): 0.07059,
 }
 QUALITY_FLOOR = ("q8_0", "q8_0")  # prefer="quality" moves layers to the CPU rather than lose more than this
 
@@ -136,14 +142,21 @@ def ranked(pairs: list[tuple[str, str]], measured: dict) -> list[Candidate]:
     return sorted(out, key=lambda c: c.loss) + sorted(rest, key=lambda c: c.loss)
 
 
-def limited(cands: list[Candidate], max_kl: float | None, model: str, n_ctx: int) -> list[Candidate]:
-    """The candidates within `max_kl`; InvalidOption when this model has no measurement to hold it to."""
+def limited(cands: list[Candidate], max_kl: float | None, model: str, n_ctx: int, fixed: bool = False) -> list[Candidate]:
+    """The candidates within `max_kl`; InvalidOption when this model has no measurement to hold it to, or the pair
+    the caller fixed loses more."""
     if max_kl is None:
         return cands
     if not any(c.measured for c in cands):
         raise InvalidOption(f"max_kl needs a measurement of this model's KV cache: run `ctxq quality "
                             f"{Path(model).name} --ctx {n_ctx}` first", option="max_kl", value=max_kl)
-    return [c for c in cands if (c.measured is not None or c.pair == ("f16", "f16")) and c.loss <= max_kl]
+    within = [c for c in cands if (c.measured is not None or c.pair == ("f16", "f16")) and c.loss <= max_kl]
+    if fixed and not within:
+        c = cands[0]
+        said = f"mean KL {c.loss:.4g} (measured)" if c.measured else "a loss not measured on this model"
+        raise InvalidOption(f"KV {c.name} loses {said}, more than max_kl={max_kl:g}: drop `kv` to let the plan "
+                            "choose, or allow more loss", option="max_kl", value=max_kl)
+    return within
 
 
 def search(cands: list[Candidate], find, kv_bytes) -> list[tuple[Candidate, object]]:

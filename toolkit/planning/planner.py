@@ -209,7 +209,7 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                 option="type_v", value=fixed[1])
     pairs = [fixed] if fixed else [(k, v) for k, v in kvpairs.at_speed(cuda) if k in usable and v in usable]
     cands = kvpairs.ranked(pairs, kvpairs.measurements(path, opts.n_ctx))
-    allowed = kvpairs.limited(cands, opts.max_kl, path, opts.n_ctx)
+    allowed = kvpairs.limited(cands, opts.max_kl, path, opts.n_ctx, fixed is not None)
     check_kv_can_fit(info, devices, cpu, opts, [c.pair for c in cands])
     if opts.split is not None:
         c0 = (allowed or cands)[0]

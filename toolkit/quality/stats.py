@@ -84,13 +84,18 @@ class Compact:
 
 
 def kl_against(ref: Compact, lq: np.ndarray) -> np.ndarray:
-    """Per position KL(reference || candidate): exact over the reference's top tokens, estimated over the rest
-    from its drawn tokens (unbiased; one position's figure can be a little under 0, the mean is not). The
-    candidate is given as full rows of log-probabilities `lq` (n, vocab)."""
+    """Per position KL(reference || candidate): exact over the reference's top tokens; over the rest,
+    p_rest * E[r - 1 - log r] - (q_rest - p_rest) with r = q/p at the drawn tokens, the rest's masses exact. Both
+    forms equal sum p log(p/q) over the rest (sum p (r - 1) = q_rest - p_rest), but r - 1 - log r is second order
+    in q - p, so its draws vary far less than log(p/q)'s: near-uniform distributions need it (a random model's
+    KL came out 7 % high from log(p/q)'s draws, within 1 % from these). Unbiased; one position can be a little
+    under 0, the mean is not. The candidate is given as full rows of log-probabilities `lq` (n, vocab)."""
     lp = ref.logp.astype(np.float64)
-    top = (np.exp(lp) * (lp - np.take_along_axis(lq, ref.ids.astype(np.int64), axis=1))).sum(axis=1)
-    diff = ref.tail_logp.astype(np.float64) - np.take_along_axis(lq, ref.tail_ids.astype(np.int64), axis=1)
-    return top + np.exp(ref.rest) * diff.mean(axis=1)
+    ids = ref.ids.astype(np.int64)
+    top = (np.exp(lp) * (lp - np.take_along_axis(lq, ids, axis=1))).sum(axis=1)
+    log_r = np.take_along_axis(lq, ref.tail_ids.astype(np.int64), axis=1) - ref.tail_logp.astype(np.float64)
+    p_rest, q_rest = np.exp(ref.rest), np.exp(_log_rest(lq, ids))
+    return top + p_rest * np.expm1(log_r).__sub__(log_r).mean(axis=1) - (q_rest - p_rest)
 
 
 def full_kl(lp: np.ndarray, lq: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..paths import ctxq_home
 
-METHOD = 2  # in every cache key and record: what the worker computes and how positions are scored
+METHOD = 3  # in every cache key and record: what the worker computes and how positions are scored
 
 
 @dataclass
