@@ -149,3 +149,48 @@ def test_cli_table_and_json(smollm2, home):
     assert "q8_0/q4_0" in r.stdout and "cached" in r.stdout
     bad = run_ctxq("quality", str(smollm2), "--ctx", "256", "--kv", "q3_0", env={"CTXQ_HOME": str(home)})
     assert bad.returncode != 0 and bad.stderr.strip().startswith("Error:") and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_interrupted_leaves_nothing_half_written(smollm2, home, sig):
+    """Ctrl-C (or kill -9) in the middle of a measurement: no result and no reference in the cache, no temporary
+    under the destination's name, and the worker process gone (killed by ctxq, or stopping when its parent died)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    from .conftest import ctxq_exe
+
+    env = {**os.environ, "CTXQ_HOME": str(home)}
+    proc = subprocess.Popen([ctxq_exe(), "quality", str(smollm2), "--ctx", "8192", "--kv", "q4_0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    workers = []
+    while time.time() < deadline and not workers:  # the reference's worker is evaluating
+        workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "ctxq.quality.worker" in
+                   " ".join(c.cmdline())]
+        time.sleep(0.5)
+    assert workers, "no worker started"
+    time.sleep(3)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    if sig == "SIGINT":
+        assert proc.returncode == 130 and err.strip().splitlines()[-1] in ("Aborted.", "Interrupted.")
+    for w in workers:  # the parent kills it at once; after kill -9 it stops at its next batch
+        try:
+            w.wait(timeout=60)
+        except psutil.NoSuchProcess:
+            pass
+        assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
+    folder = home / "quality"
+    left = sorted(p.name for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+    if sig == "SIGINT":
+        assert left == []
+    else:  # only this process's temporaries, which `ctxq cache clean` sweeps (tempfiles: a dead pid's)
+        assert all(n.endswith(".part") or n.endswith(".part.json") for n in left), left
+        assert not list(folder.glob("ref-*.npz")) and not list(folder.glob("results/*.json"))
