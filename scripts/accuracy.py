@@ -35,6 +35,12 @@ cached), over the hybrid cells; the MoE ones also with the experts of two layers
 
     .venv/bin/python scripts/accuracy.py --arch --out docs/accuracy-table.md
     .venv/bin/python scripts/accuracy.py --arch --realistic --out docs/accuracy-table.md
+
+`--kv` takes K/V pairs as `plan(kv=...)` does (`q8_0/q4_0`: K q8_0, V q4_0). `--kv-pairs` (issue 37) takes the cache
+types and pairs beyond f16/q8_0/q4_0 over Llama-3-8B (head 128), Phi-3-mini (head 96) and SmolLM2 (the default model,
+judged by the tiny target, 3 % or 2 MiB), on the CPU and 2 RPC devices, at 4k and 32k with flash attention:
+
+    .venv/bin/python scripts/accuracy.py --kv-pairs --out docs/accuracy-table.md
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ctxq.errors import CtxqError
-from ctxq.gguf.info import model_info
+from ctxq.gguf.info import kv_bytes, model_info
 from ctxq.rpc import start_workers
 from ctxq.testing.accuracy import TARGET_ABS, TARGET_REL, TINY_ABS, TINY_REL, check_cell
 from ctxq.testing.hybrid import MAKERS, REALISTIC
@@ -66,6 +72,9 @@ ARCH = dict(HYBRID, models=",".join(upstream_models.NAMES))
 ARCH_REALISTIC = dict(HYBRID, models=",".join(upstream_widths.REALISTIC), devices="rpc2,rpc3")
 # --parallel (issue 29 part 5): the default model and two tiny hybrids with recurrent state, 1-2 devices, 16k-64k
 PARALLEL = dict(models="smollm2,qwen35,lfm2", devices="cpu,rpc2", ctx="16384,65536", kv="f16")
+# --kv-pairs (issue 37 item 3): every cache type llama.cpp takes beyond f16/q8_0/q4_0, and K/V pairs
+KV_PAIRS = dict(models="llama3-8b,phi3-mini,smollm2", devices="cpu,rpc2", ctx="4096,32768",
+                kv="bf16,q5_1,q5_0,q4_1,iq4_nl,q8_0/q4_0,q8_0/q5_0,q8_0/q5_1,q5_1/q4_0,f16/q8_0")
 ARCH_PLACEMENTS = {"none": {}, "ncmoe2": {"n_cpu_moe": 2}}  # the MoE checkpoints: experts of layers 0-1 on the host
 # --arch without --devices/--ctx/--kv/--fa: these cells of the hybrid product (1-3 devices, 16k-64k, f16/q8_0, flash
 # attention on and off; about 15 s each on 2 cores) rather than all 18, and for the MoE checkpoints one with experts
@@ -90,6 +99,7 @@ def main() -> int:
     ap.add_argument("--realistic", action="store_true", help="with --hybrid: the families at real layer widths")
     ap.add_argument("--moe", action="store_true", help="issue 21's MoE cells: experts placed four ways")
     ap.add_argument("--arch", action="store_true", help="issue 28's checkpoints converted by llama.cpp's converter")
+    ap.add_argument("--kv-pairs", action="store_true", help="issue 37's cache types and K/V pairs (section kv-pairs)")
     ap.add_argument("--fa", default="on", help="flash attention: on, off or on,off")
     ap.add_argument("--parallel", default=None, help="sequences in one context, e.g. 1,4,16 (issue 29 part 5; models: "
                     "smollm2 and issue 22's tiny hybrids; section parallel)")
@@ -111,6 +121,10 @@ def main() -> int:
         for k, v in MOE.items():
             if getattr(a, k) == ap.get_default(k):
                 setattr(a, k, v)
+    if a.kv_pairs:
+        for k, v in KV_PAIRS.items():
+            if getattr(a, k) == ap.get_default(k):
+                setattr(a, k, v)
     if a.parallel:
         for k, v in PARALLEL.items():
             if getattr(a, k) == ap.get_default(k):
@@ -118,7 +132,11 @@ def main() -> int:
     tiny = (a.hybrid and all(m in MAKERS for m in a.models.split(","))) or (a.arch and not a.realistic) \
         or bool(a.parallel)
     target = Target(TINY_REL, TINY_ABS) if tiny else Target(TARGET_REL, TARGET_ABS)
-    section = a.section or "parallel" if a.parallel else a.section or ("moe" if a.moe else ("arch-realistic" if a.realistic else "arch") if a.arch
+    # the default model among real geometries (--kv-pairs) is judged by the tiny target, as in its own sections
+    tiny_target = Target(TINY_REL, TINY_ABS)
+    if not tiny and "smollm2" in a.models.split(","):
+        target.tiny = tiny_target
+    section = a.section or "kv-pairs" if a.kv_pairs else a.section or "parallel" if a.parallel else a.section or ("moe" if a.moe else ("arch-realistic" if a.realistic else "arch") if a.arch
                             else "hybrid" if tiny else "hybrid-realistic" if a.hybrid else "dense")
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
     rows, worst, fails, t0 = [], (0, ""), 0, time.time()
@@ -135,10 +153,10 @@ def main() -> int:
                 for _, ctx, kv, fa, place, n_seq in [(*c, p) for c in cells if c[0] == dev
                                                      for p in (map(int, a.parallel.split(",")) if a.parallel else [None])]:
                     moe = dict({**PLACEMENTS, **ARCH_PLACEMENTS}[place])
-                    if kv not in info.kv_bytes_per_token:  # K or V rows not a multiple of the type's block
+                    if any(t not in info.kv_bytes_per_token for t in kv.split("/")):  # rows not a multiple of a block
                         print(f"skip {name} {dev} {ctx} {kv}: llama.cpp cannot hold this model's KV as {kv}", flush=True)
                         continue
-                    kv_gib = info.kv_bytes_per_token[kv] * ctx / GiB
+                    kv_gib = _kv_per_token(info, kv) * ctx / GiB
                     if kv_gib > a.max_kv_gib:
                         print(f"skip {name} {dev} {ctx} {kv}: KV {kv_gib:.1f} GiB > --max-kv-gib", flush=True)
                         continue
@@ -160,14 +178,14 @@ def main() -> int:
                         continue
                     kv = kv_label
                     for d in r.devices:
-                        status = "UNDER" if d.under else "ok" if target.holds(d) else "OVER"
+                        status = "UNDER" if d.under else "ok" if target.of(name).holds(d) else "OVER"
                         rows.append([name, dev, ctx, kv, d.name, d.planned_total / MiB, d.real_total / MiB,
                                      d.shown_error / MiB, status, "yes" if r.layers_match else "NO"])
                         if a.out:  # rows as they come, so an interrupted run keeps what it measured
                             _write(a.out, section, rows, target, sys.argv[1:], done=False)
                         if abs(d.error) > abs(worst[0]):
                             worst = (d.error, f"{r.label} {d.name}")
-                    fails += not r.layers_match or any(d.under or not target.holds(d) for d in r.devices)
+                    fails += not r.layers_match or any(d.under or not target.of(name).holds(d) for d in r.devices)
                     print(f"{r.label}: worst {r.worst.name} {r.worst.error / MiB:+.2f} MiB, layers "
                           f"{'match' if r.layers_match else 'DIFFER ' + r.layer_mismatch}", flush=True)
     print(_table(rows, target))
@@ -176,6 +194,15 @@ def main() -> int:
     if a.out:
         _write(a.out, section, rows, target, sys.argv[1:], done=True)
     return 0 if fails == 0 else 1
+
+
+def _kv_per_token(info, kv: str) -> int:
+    """KV bytes per token of the attention layers for `kv`, a type or K/V pair: K's rows in K's type plus V's in V's
+    (as memory.kv_by_layer sizes them per layer)."""
+    tk, _, tv = kv.partition("/")
+    tv = tv or tk
+    return sum(kv_bytes(tk, info.n_embd_k_gqa(il)) + kv_bytes(tv, info.n_embd_v_gqa(il))
+               for il in range(info.n_layer) if info.layers[il].attention)
 
 
 def _cells(a, preset: bool, moe_model: bool) -> list[tuple]:
@@ -200,12 +227,17 @@ class Target:
 
     def __init__(self, rel: float, abs_: int):
         self.rel, self.abs = rel, abs_
+        self.tiny: Target | None = None  # the default model's target where it sits among real geometries
+
+    def of(self, model: str) -> "Target":
+        return self.tiny if self.tiny and model == "smollm2" else self
 
     def holds(self, d) -> bool:
         return abs(d.error) <= max(self.rel * d.real_total, self.abs)
 
     def __str__(self) -> str:
-        return f"{self.rel * 100:g} %/{self.abs // MiB} MiB"
+        own = f"{self.rel * 100:g} %/{self.abs // MiB} MiB"
+        return f"{own} (smollm2 {self.tiny})" if self.tiny else own
 
 
 def _table(rows, target: Target) -> str:
