@@ -202,14 +202,17 @@ def index_inputs(info: ModelInfo, n_ubatch: int, flash_attn: bool, type_k: str, 
     n_caches = 2 if any(info.swa_layers) else 1
     v_rows = 1 if flash_attn else max(info.n_embd_v_gqa(il) for il in range(info.n_layer))
     per_cache = n_ubatch * 8 * (1 + v_rows)
-    if type_k != "f16" and info.head_dim_k % 64 == 0:
+    if type_k not in UNQUANTIZED and info.head_dim_k % 64 == 0:  # ggml_is_quantized(type_k) (llama_kv_cache)
         nrot = 64
         while info.head_dim_k % (nrot * 2) == 0:
             nrot *= 2
         per_cache += nrot * nrot * 4
-    if type_v != "f16" and info.head_dim_v % 64 == 0:
+    if type_v not in UNQUANTIZED and info.head_dim_v % 64 == 0:
         per_cache += 64 * 64 * 4
     return n_caches * per_cache + position_inputs(info, n_ubatch)
+
+
+UNQUANTIZED = ("f32", "f16", "bf16")  # cache types llama.cpp does not rotate
 
 
 def position_inputs(info: ModelInfo, n_ubatch: int) -> int:
