@@ -194,3 +194,19 @@ def test_interrupted_leaves_nothing_half_written(smollm2, home, sig):
     else:  # only this process's temporaries, which `ctxq cache clean` sweeps (tempfiles: a dead pid's)
         assert all(n.endswith(".part") or n.endswith(".part.json") for n in left), left
         assert not list(folder.glob("ref-*.npz")) and not list(folder.glob("results/*.json"))
+
+
+@pytest.mark.slow
+def test_weights_against_a_more_precise_file(smollm2, home, tmp_path):
+    """--against: the Q4_1 weights measured against an f16 copy of the same model (same cache types), the file's
+    bytes reported; a reference that is another network is one line, before anything runs."""
+    from ctxq.testing.models import dequantized_smollm2_gguf, tiny_chat_llama_gguf
+
+    ref = dequantized_smollm2_gguf(tmp_path / "smollm2-f16.gguf")
+    r, = quality.measure(smollm2, quality.Measurement(n_ctx=256), against=ref)
+    assert r.mode == "weights" and r.reference == "smollm2-f16.gguf" and r.bytes == smollm2.stat().st_size
+    assert 0 < r.mean_kl < 0.5 and 0.5 < r.top1_agreement < 1  # a 4-bit model is close to, not equal to, f16
+    other = tiny_chat_llama_gguf(tmp_path / "tiny.gguf")  # SmolLM2's tokenizer, another network
+    with pytest.raises(quality.QualityError, match="tiny.gguf is not the same model"):
+        quality.measure(smollm2, quality.Measurement(n_ctx=256), against=other)
+    assert quality.results(smollm2) == []  # weights results are not KV measurements for the planner

@@ -194,7 +194,13 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
     data = m.text_bytes()
     sha = hashlib.sha256(data).hexdigest()
     mode = "weights" if against else "kv"
+    if against is not None and Path(against).is_dir():  # a Hugging Face folder: its f16 GGUF (cached by convert)
+        from ..conversion.convert import convert
+
+        against = convert(against, "f16").path
     ref_model = str(resolve_model(against)) if against else model
+    if against:
+        _same_model(model, ref_model)
     if mode == "kv":
         pairs = pairs or [("f16", "f16"), ("q8_0", "q8_0")]
     else:
@@ -238,6 +244,20 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
             _save(dest, r)
             out.append(r)
     return out
+
+
+def _same_model(model: str, ref: str) -> None:
+    """QualityError unless both files hold the same network (architecture, layers, width, vocabulary)."""
+    from ..gguf.info import model_info
+
+    def shape(path):
+        i = model_info(path)
+        return f"{i.arch}, {i.n_layer} layers, {i.n_embd} wide, {i.n_vocab:,} tokens"
+
+    a, b = shape(model), shape(ref)
+    if a != b:
+        raise QualityError(f"{Path(ref).name} is not the same model as {Path(model).name} ({b}, against {a}): "
+                           "--against takes the same model at a higher precision")
 
 
 def _tokens(ref: Path, tmp: str) -> Path:
