@@ -54,7 +54,8 @@ def test_default_order_takes_the_least_lossy_pair_that_fits(smollm2, home):
     expected = next(c for c in order if _fits(smollm2, f"{c.type_k}/{c.type_v}"))
     assert (p.type_k, p.type_v) == expected.pair and p.cpu_layers == 0
     assert not _fits(smollm2, "q8_0")  # the old ladder's q8_0 needs the CPU here: the choice is a new pair
-    assert p.kv_quality["measured"] is False and f"ctxq quality {smollm2.name} --ctx {N_CTX}" in p.kv_quality["line"]
+    assert p.kv_quality["measured"] is False
+    assert f"ctxq quality {smollm2} --ctx {N_CTX}" in kvpairs.describe(p.kv_quality, p.model, p.n_ctx)
 
 
 def test_a_measurement_changes_the_choice(smollm2, home):
@@ -62,8 +63,8 @@ def test_a_measurement_changes_the_choice(smollm2, home):
     _record(smollm2, {"q8_0/q8_0": 0.004, "q4_0/q4_0": 0.010, "iq4_nl/iq4_nl": 0.050})
     a = plan(smollm2, N_CTX, simulate=TIGHT)
     assert (a.type_k, a.type_v) == ("q4_0", "q4_0")
-    assert a.kv_quality["line"] == ("KV q4_0/q4_0: mean KL 0.0100, top-1 99.0 % vs f16, measured on contract.txt "
-                                    "at 65,536 tokens")
+    assert kvpairs.describe(a.kv_quality, a.model, a.n_ctx) == (
+        "KV q4_0/q4_0: mean KL 0.0100, top-1 99.0 % vs f16, measured on contract.txt at 65,536 tokens")
     _record(smollm2, {"q4_0/q4_0": 0.050, "iq4_nl/iq4_nl": 0.010})  # a model whose keys suffer at q4_0
     b = plan(smollm2, N_CTX, simulate=TIGHT)
     assert (b.type_k, b.type_v) == ("iq4_nl", "iq4_nl") and b.kv_quality["mean_kl"] == 0.010

@@ -47,7 +47,9 @@ def render_plan(p, *, title: str | None = None) -> str:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
     lines.append(f"why: {p.reason}")
     if p.kv_quality:
-        lines.append(f"quality: {p.kv_quality['line']}")
+        from ..planning.kvpairs import describe
+
+        lines.append(f"quality: {describe(p.kv_quality, p.model, p.n_ctx)}")
     lines += _expert_lines(p)
     if p.est_decode_tps:
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "

@@ -214,22 +214,29 @@ def too_lossy(max_kl: float, fits: Candidate | None, n_ctx: int) -> DoesNotFit:
 
 
 def quality_line(c: Candidate | None, model: str, n_ctx: int) -> dict:
-    """What the plan says of its KV pair's cost: the measurement, or how to make one."""
+    """What the plan records of its KV pair's cost (`Plan.kv_quality`): the measurement, or that there is none."""
     if c is None:
         return {}
     if c.pair == ("f16", "f16"):
-        return {"type_k": "f16", "type_v": "f16", "mean_kl": 0.0, "measured": True,
-                "line": "KV f16/f16: the reference precision, nothing lost"}
+        return {"type_k": "f16", "type_v": "f16", "measured": True, "mean_kl": 0.0}
     r = c.measured
     if r is None:
         return {"type_k": c.type_k, "type_v": c.type_v, "measured": False, "mean_kl": None,
-                "default_kl": DEFAULT_KL.get(c.pair),
-                "line": f"KV {c.name}: not measured on this model (chosen in ctxq's default order); measure it: "
-                        f"ctxq quality {Path(model).name} --ctx {n_ctx}"}
+                "default_kl": DEFAULT_KL.get(c.pair)}
     return {"type_k": c.type_k, "type_v": c.type_v, "measured": True, "mean_kl": r.mean_kl, "p99_kl": r.p99_kl,
-            "top1_agreement": r.top1_agreement, "text": r.text, "n_ctx": r.n_ctx,
-            "line": f"KV {c.name}: mean KL {r.mean_kl:.4f}, top-1 {r.top1_agreement * 100:.1f} % vs f16, measured "
-                    f"on {r.text} at {r.n_ctx:,} tokens"}
+            "top1_agreement": r.top1_agreement, "text": r.text, "n_ctx": r.n_ctx}
+
+
+def describe(q: dict, model: str, n_ctx: int) -> str:
+    """`Plan.kv_quality` as the one line `ctxq plan` prints."""
+    pair = f"{q['type_k']}/{q['type_v']}"
+    if pair == "f16/f16":
+        return "KV f16/f16: the reference precision, nothing lost"
+    if not q["measured"]:
+        return (f"KV {pair}: not measured on this model (chosen in ctxq's default order); measure it: "
+                f"ctxq quality {model} --ctx {n_ctx}")
+    return (f"KV {pair}: mean KL {q['mean_kl']:.4f}, top-1 {q['top1_agreement'] * 100:.1f} % vs f16, measured on "
+            f"{q['text']} at {q['n_ctx']:,} tokens")
 
 
 def kv_gib(n: int) -> str:

@@ -82,7 +82,7 @@ class Plan:
     est_decode_tps: float | None = None  # an estimate from memory bandwidth, not a measurement
     notes: list[str] = field(default_factory=list)
     # what the KV pair costs the answers (planning/kvpairs.quality_line): mean_kl etc. when `ctxq quality`
-    # measured it on this model, else measured False; "line" is what `ctxq plan` prints
+    # measured it on this model, else measured False; kvpairs.describe makes the line `ctxq plan` prints
     kv_quality: dict = field(default_factory=dict)
     expert_layers: list[int] = field(default_factory=list)  # layers holding expert tensors (MoE); [] when dense
     cpu_expert_layers: list[int] = field(default_factory=list)  # of those, the layers whose experts are in CPU memory
