@@ -46,7 +46,7 @@ def render(results, mode: str) -> str:
     return "\n".join([
         table(rows, head),
         f"text: {r0.text}{' (built in)' if r0.text == 'licences' else ''}, {r0.n_ctx:,} tokens, positions "
-        f"{r0.n_ctx // 2:,}-{r0.n_ctx - 1:,} scored ({r0.n_scored:,}) against {r0.reference}; KL in nats, "
+        f"{r0.n_ctx // 2:,}-{r0.n_ctx - 2:,} scored ({r0.n_scored:,}) against {r0.reference}; KL in nats, "
         "KL(reference || this); top-1: the same most likely token"])
 
 

@@ -29,7 +29,7 @@ AUTO_TYPES = tuple(t for t in KV_TYPES if t != "bf16")
 CUDA_DEFAULT_PAIRS = "q4_0-q4_0;q8_0-q8_0;f16-f16;bf16-bf16"  # ggml/CMakeLists.txt GGML_CUDA_FA_QUANTS
 
 # Mean KL (nats) against an f16 cache: SmolLM2-135M-Instruct Q4_1, the built-in text, 2,048 tokens, positions
-# 1,024-2,047 scored, CPU, flash attention (`ctxq quality --ctx 2048 --kv ...`, 2026-12-04; docs/quality.md). The
+# 1,024-2,046 scored, CPU, flash attention (`ctxq quality --ctx 2048`, 2026-12-04; the table in docs/quality.md). The
 # order without a measurement of the model itself. K's precision matters most: every pair with an 8-bit or f16 K
 # stays under 0.011, K at 5 bits 0.018-0.030, K at 4 bits 0.059-0.071.
 DEFAULT_KL = {

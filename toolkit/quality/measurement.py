@@ -71,7 +71,8 @@ def builtin_text() -> bytes:
 
 
 def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps([METHOD, md.version("llama_cpp_python"), *parts]).encode()).hexdigest()[:32]
+    stamp = [METHOD, stats.TAIL, md.version("llama_cpp_python"), *parts]  # top_k is among the parts
+    return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:32]
 
 
 def kv_bytes_per_token(model: str, type_k: str, type_v: str) -> int:
