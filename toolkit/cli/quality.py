@@ -8,7 +8,6 @@ import click
 
 from .common import echo_json, table
 from .group import cli
-from .options import device_options
 
 
 class _Bars:
@@ -60,11 +59,11 @@ def render(results, mode: str) -> str:
                    "[default: every pair the devices run at speed]")
 @click.option("--against", default=None, metavar="REF",
               help="Measure MODEL's weights against REF, a more precise GGUF of the same model (same cache types).")
-@device_options
-@click.option("--simulate", default=None, metavar="GiB,…", help="Run on local RPC workers of these sizes.")
+@click.option("--rpc", default=None, metavar="HOST:PORT[=GiB],…",
+              help="ggml RPC workers to run on besides the devices present (described GPUs cannot run a measurement).")
 @click.option("--no-cache", is_flag=True, help="Measure again even when a result is cached.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def quality_cmd(model, n_ctx, text, kv, against, gpus, profile, rpc, simulate, no_cache, as_json):
+def quality_cmd(model, n_ctx, text, kv, against, rpc, no_cache, as_json):
     """Measure what precision costs on MODEL (a GGUF; default: the embedded SmolLM2).
 
     Every configuration reads the same --ctx tokens of the text once, as the plan for the devices runs it
@@ -74,7 +73,7 @@ def quality_cmd(model, n_ctx, text, kv, against, gpus, profile, rpc, simulate, n
     """
     from ..quality import Measurement, measure, parse_pairs
 
-    options = {k: v for k, v in dict(gpus=gpus, profile=profile, rpc=rpc, simulate=simulate).items() if v}
+    options = {"rpc": rpc} if rpc else {}
     pairs = parse_pairs(kv) if kv else None
     if pairs is None and not against:
         pairs = _default_pairs(model, options)
