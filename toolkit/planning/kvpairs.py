@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ..errors import DoesNotFit, InvalidOption
 from ..gguf.info import KV_TYPES
-from ..units import GiB
 
 # bf16 takes the bytes of f16 (no saving) and is slower on CPUs without native bf16: chosen only when asked for.
 AUTO_TYPES = tuple(t for t in KV_TYPES if t != "bf16")
@@ -237,7 +236,3 @@ def describe(q: dict, model: str, n_ctx: int) -> str:
                 f"ctxq quality {model} --ctx {n_ctx}")
     return (f"KV {pair}: mean KL {q['mean_kl']:.4f}, top-1 {q['top1_agreement'] * 100:.1f} % vs f16, measured on "
             f"{q['text']} at {q['n_ctx']:,} tokens")
-
-
-def kv_gib(n: int) -> str:
-    return f"{n / GiB:.1f} GiB"

@@ -46,7 +46,7 @@ def _tokens(llm, job: dict) -> np.ndarray:
     return toks
 
 
-def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows, threads: int) -> None:
+def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows) -> None:
     """Decode `toks` in order, in batches of n_batch; for the positions from `score_from` on (each predicts the
     next token), hand their logits to on_rows(first_position, rows) in chunks."""
     ctx, n_vocab = llm.ctx, llm.n_vocab()
@@ -110,7 +110,7 @@ def run(job: dict) -> dict:
                 i = pos - score_from
                 parts.append(stats.score(ref.rows(i, i + len(rows)), lp, targets))
 
-        _evaluate(llm, lc, toks, score_from, on_rows, job.get("threads") or 1)
+        _evaluate(llm, lc, toks, score_from, on_rows)
     finally:
         llm.close()
     arrays = (stats.Compact if ref is None else stats.Scores).concat(parts).__dict__
