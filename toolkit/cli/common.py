@@ -68,3 +68,31 @@ def reexec(value: str) -> None:
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-c", "from ctxq.cli import main; main()", *sys.argv[1:]],
               {**os.environ, **reorder_env(value)})
+
+
+class Bars:
+    """tqdm bars from the library's progress callback: one bar per phase ("write:" bytes,
+    "quantize:" tensors, "convert:" the one step of llama.cpp's converter), a new bar whenever the phase changes."""
+
+    def __init__(self):
+        self.bar = None
+        self.phase = None
+
+    def __call__(self, done: int, total: int, what: str = "") -> None:
+        from tqdm import tqdm
+
+        phase, _, name = what.partition(":") if ":" in what else ("quantize", "", what)
+        if self.bar is None or phase != self.phase or total != self.bar.total:
+            self.close()
+            self.phase = phase
+            byte_bar = phase == "write"
+            unit = "B" if byte_bar else " step" if phase in ("convert", "measure") else " tensors"
+            self.bar = tqdm(total=total, desc=phase, unit=unit, unit_scale=byte_bar,
+                            unit_divisor=1024 if byte_bar else 1000, leave=False, dynamic_ncols=True)
+        self.bar.set_postfix_str(name[-40:], refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -5,36 +5,8 @@ from __future__ import annotations
 import click
 
 from .group import cli
-from .common import human
+from .common import Bars as _Bars, human
 from .plan import device_options
-
-
-class _Bars:
-    """tqdm bars from the library's progress callback: one bar per phase ("write:" bytes,
-    "quantize:" tensors, "convert:" the one step of llama.cpp's converter), a new bar whenever the phase changes."""
-
-    def __init__(self):
-        self.bar = None
-        self.phase = None
-
-    def __call__(self, done: int, total: int, what: str = "") -> None:
-        from tqdm import tqdm
-
-        phase, _, name = what.partition(":") if ":" in what else ("quantize", "", what)
-        if self.bar is None or phase != self.phase or total != self.bar.total:
-            self.close()
-            self.phase = phase
-            byte_bar = phase == "write"
-            unit = "B" if byte_bar else " step" if phase == "convert" else " tensors"
-            self.bar = tqdm(total=total, desc=phase, unit=unit, unit_scale=byte_bar,
-                            unit_divisor=1024 if byte_bar else 1000, leave=False, dynamic_ncols=True)
-        self.bar.set_postfix_str(name[-40:], refresh=False)
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 @cli.command("convert")
@@ -50,21 +22,36 @@ class _Bars:
 @click.option("--pure", is_flag=True, help="One type for every tensor, no per-tensor mix.")
 @click.option("--no-check", is_flag=True, help="Skip the quality check after quantizing.")
 @click.option("--force", is_flag=True, help="Replace an existing output and ignore the cache.")
-@click.option("-c", "--ctx", "n_ctx", type=int, default=None, help="With TYPE auto: the context that must fit.")
+@click.option("-c", "--ctx", "n_ctx", type=int, default=None,
+              help="With TYPE auto or fit: the context that must fit on the devices.")
+@click.option("--target-size", help="With TYPE fit: the file's size at most (80MiB, 40GB).")
+@click.option("--method", type=click.Choice(["kl", "error"]), default="kl", show_default=True,
+              help="With TYPE fit: choose by measured KL per tensor group, or by the weights' error alone.")
+@click.option("--json", "as_json", is_flag=True, help="With TYPE fit: the result as JSON.")
 @device_options
 def convert_cmd(model: str, type: str | None, output: str | None, revision: str | None, pre: str | None,
                 imatrix: str | None, output_tensor_type: str | None, token_embedding_type: str | None,
                 leave_output_tensor: bool, pure: bool, no_check: bool, force: bool, n_ctx: int | None,
-                gpus: str | None, profile: str | None, rpc: str | None):
+                target_size: str | None, method: str, as_json: bool, gpus: str | None, profile: str | None,
+                rpc: str | None):
     """Convert MODEL (a Hugging Face folder, a hub id, or a GGUF) to TYPE.
 
     TYPE is f32, f16, bf16 or q8_0 (default: the checkpoint's own float type), or any llama.cpp
     quantization such as q4_k_m, which is made from an f16/bf16 conversion. TYPE auto picks the
     type `ctxq plan MODEL --ctx N` recommends for the devices (--gpus/--profile/--rpc, or detected).
+    TYPE fit chooses a type per tensor group by measured loss, for a file of at most --target-size or the
+    largest that holds --ctx N tokens on the devices with every layer on a GPU.
     """
     from ..conversion.convert import convert
     from ..errors import CtxqError
 
+    if type and type.lower() == "fit":
+        from .fit import fit_command
+
+        return fit_command(model, output, target_size=target_size, n_ctx=n_ctx, method=method, as_json=as_json,
+                           force=force, check=not no_check, revision=revision, gpus=gpus, profile=profile, rpc=rpc)
+    if target_size or as_json:
+        raise CtxqError("--target-size and --json go with TYPE fit")
     if type and type.lower() == "auto":
         if not n_ctx:
             raise CtxqError("convert MODEL auto needs --ctx N (the context that must fit) and the devices "

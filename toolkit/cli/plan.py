@@ -186,3 +186,26 @@ def _plan_hf(model, options, as_json, svg_path):
              "plan": c.plan.to_dict() if c.plan else None} for c in r.candidates]})
     else:
         click.echo(render_hf(r))
+        line = _fitted_line(model, r, options)
+        if line:
+            click.echo(line)
+
+
+def _fitted_line(model, r, options) -> str | None:
+    """What `ctxq convert MODEL fit --ctx N` would hold on these GPUs (a mix planned from the header, no weights)."""
+    from ..conversion import fit as fitting
+    from ..conversion.fit_budget import fit_to_plan
+    from ..errors import CtxqError
+    from ..planning import hfplan
+
+    rec = r.recommended
+    if rec is None or not rec.plan.gpus or rec.plan.cpu_layers or rec.type in ("F16", "BF16", "Q8_0"):
+        return None  # no fixed mix holds every layer on the GPUs (nor does a fitted one), or one loses ~nothing
+    src = hfplan.header_gguf(hfplan._resolve(model))
+    try:
+        b = fit_to_plan(src, fitting.table_for(src, measure=False), r.n_ctx, options=options)
+    except CtxqError as e:
+        return f"a fitted mix: {e}"
+    return (f"a fitted {b.mix.size / 1e9:.1f} GB mix holds {r.n_ctx:,} tokens on these cards with KV {b.kv} "
+            f"({100 * b.fill:.1f} % of what {b.reference} leaves for weights): ctxq convert {r.model} fit "
+            f"--ctx {r.n_ctx} ...")

@@ -35,7 +35,7 @@ from ..paths import ctxq_home
 from ..units import GiB
 from . import output as _out
 from .output import writable
-from .quantize_process import Worker
+from .quantize_process import Worker, tensor_overrides
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _write_json(path: Path, obj) -> None:
 def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_key_extra: dict | None = None,
                    imatrix: str | os.PathLike | None = None, output_tensor_type: str | None = None,
                    token_embedding_type: str | None = None, leave_output_tensor: bool = False,
-                   pure: bool = False) -> dict:
+                   pure: bool = False, tensor_types: dict[str, str] | None = None) -> dict:
     """What determines a quantized file's bytes. `cache_key_extra` (e.g. {"hf_repo": ..., "revision":
     ...}) stands for the source when given, so a caller can look up a result before making the source."""
     if cache_key_extra is None and source is None:
@@ -231,6 +231,8 @@ def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_
         "ctxq": md.version("ctxq"),
         "llama_cpp_python": md.version("llama_cpp_python"),  # pins the vendored llama.cpp
     }
+    if tensor_types:  # (absent otherwise: the keys of files made before it stay valid)
+        key["tensor_types"] = sorted((n, ggml_type(t, n)) for n, t in tensor_types.items())
     return json.loads(json.dumps(key, sort_keys=True))  # as stored: tuples in `cache_key_extra` become lists
 
 
@@ -268,14 +270,16 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                   output_tensor_type: str | None = None, token_embedding_type: str | None = None,
                   leave_output_tensor: bool = False, pure: bool = False, check: bool = True,
                   force: bool = False, cache_key_extra: dict | None = None,
-                  progress: Progress | None = None, nthread: int = 0) -> QuantizeResult:
+                  progress: Progress | None = None, nthread: int = 0,
+                  tensor_types: dict[str, str] | None = None) -> QuantizeResult:
     """Quantize the GGUF `src` to `type` at `dst` (None: `default_output_name` next to `src`).
 
     A finished identical conversion in the cache is not made again (`cached=True`) unless `force`: it
     is returned where it is or, for a `dst` given, linked or copied there (`output.place`). With `check`,
     the quality gate compares the result with `src` on the built-in text. `progress(done, total, tensor)`
     follows the quantizer tensor by tensor. `nthread` 0 lets llama.cpp use every hardware thread, as its
-    quantize tool does.
+    quantize tool does. `tensor_types` {tensor name: ggml type} overrides the mix tensor by tensor (llama.cpp's
+    `--tensor-type`; a shape the type cannot hold falls back as llama.cpp's rules say).
     """
     t0 = time.perf_counter()
     src = Path(src)
@@ -296,7 +300,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
         key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
                              imatrix=imatrix, output_tensor_type=output_tensor_type,
                              token_embedding_type=token_embedding_type,
-                             leave_output_tensor=leave_output_tensor, pure=pure)
+                             leave_output_tensor=leave_output_tensor, pure=pure, tensor_types=tensor_types)
         rec = None if force else (cache_record(key) or _adopted(dst, src, name, key))
         if rec is not None:
             res = _cached(worker, rec, key, src, name, check, t0)
@@ -323,7 +327,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
                    "output_tensor_type": key["output_tensor_type"],
                    "token_embedding_type": key["token_embedding_type"],
                    "imatrix": str(imatrix) if imatrix else None, "reference": str(src) if check else None,
-                   "logits_cache": str(_logits_cache()), "reference_id": _reference_id(key)}
+                   "tensor_types": tensor_overrides(tensor_types), "logits_cache": str(_logits_cache()), "reference_id": _reference_id(key)}
             out = worker.run(job, progress)
             os.replace(part, dst)  # only a file llama.cpp has loaded back gets the real name
         finally:  # Ctrl-C included: the worker is killed on leaving the `with` block

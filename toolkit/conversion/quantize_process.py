@@ -69,7 +69,8 @@ class Worker:
         self._tmp.cleanup()
 
     def run(self, job: dict, progress=None) -> dict:
-        """Send the job, follow the `[ i/ N]` tensor lines, return the result; ConversionError on failure."""
+        """Send the job, follow the `[ i/ N]` tensor lines, return the result; ConversionError on failure.
+        A dry run's result holds llama.cpp's log lines (`log`): the types it chose are there."""
         result_path = Path(self._tmp.name) / "result.json"
         try:
             self.proc.stdin.write(json.dumps({**job, "result": str(result_path)}).encode())
@@ -77,6 +78,7 @@ class Worker:
         except BrokenPipeError:  # it died while starting; its stderr says why
             pass
         tail: collections.deque = collections.deque(maxlen=40)
+        lines: list[str] | None = [] if job.get("dry_run") else None
         line, last = b"", 0
         while chunk := self.proc.stderr.read1(1 << 16):
             line += chunk
@@ -85,6 +87,8 @@ class Worker:
                 text = ln.decode("utf-8", "replace")
                 llama_log.debug("%s", text)
                 tail.append(text)
+                if lines is not None:
+                    lines.append(text)
                 if progress and last and "quant size" in text:  # quantized; loading or the gate follows
                     progress(last, last, "")
             for m in _TENSOR_RE.finditer(b"\n".join(done + [line])):
@@ -101,4 +105,22 @@ class Worker:
             result = {}
         if rc != 0 or "error" in result:
             raise ConversionError(_failure(rc, result, tail))
+        if lines is not None:
+            result["log"] = lines + ([line.decode("utf-8", "replace")] if line else [])
         return result
+
+
+def tensor_overrides(tensor_types: dict[str, str] | None) -> list | None:
+    """{tensor name: type} as the worker's [[anchored regex, ggml type], ...]."""
+    if not tensor_types:
+        return None
+    return [[f"^{re.escape(n)}$", _ggml(t)] for n, t in sorted(tensor_types.items())]
+
+
+def _ggml(name: str) -> int:
+    from gguf.constants import GGMLQuantizationType as T
+
+    try:
+        return int(T[str(name).strip().upper()])
+    except KeyError:
+        raise ConversionError(f"unknown tensor type {name!r}: one of {', '.join(t.name.lower() for t in T)}") from None

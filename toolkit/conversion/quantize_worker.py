@@ -49,6 +49,12 @@ class QuantizeParams(ctypes.Structure):
     ]
 
 
+class TensorOverride(ctypes.Structure):
+    """struct llama_model_tensor_override (include/llama.h): a regex and the ggml type for tensors it matches."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("type", c_int)]
+
+
 class ModelParams(ctypes.Structure):
     """struct llama_model_params (include/llama.h)."""
 
@@ -163,9 +169,17 @@ def build_params(lib, job: dict) -> tuple[QuantizeParams, list]:
         p.output_tensor_type = job["output_tensor_type"]
     if job.get("token_embedding_type") is not None:
         p.token_embedding_type = job["token_embedding_type"]
+    p.dry_run = bool(job.get("dry_run"))
     keep: list = []
     if job.get("imatrix"):
         _imatrix_params(p, job["imatrix"], keep)
+    if job.get("tensor_types"):  # [[regex, ggml type], ...]: llama.cpp's --tensor-type
+        entries = (TensorOverride * (len(job["tensor_types"]) + 1))()  # NULL-pattern terminated
+        for e, (pattern, ggml) in zip(entries, job["tensor_types"]):
+            keep.append(pattern.encode())
+            e.pattern, e.type = keep[-1], ggml
+        keep.append(entries)
+        p.tt_overrides = ctypes.cast(entries, c_void_p)
     return p, keep
 
 
@@ -203,6 +217,8 @@ def run(lib, job: dict) -> dict:
     if rc != 0:
         return {"error": "llama_model_quantize failed", "rc": int(rc)}
     result = {"quantize_seconds": seconds}
+    if job.get("dry_run"):  # nothing written: the types are in the log the parent keeps
+        return result
     if job.get("reference"):  # the quality gate loads the result: that is the load check too
         from ctxq.conversion.quality import compare
 

@@ -17,13 +17,12 @@ import ctypes
 import hashlib
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
-from gguf import GGMLQuantizationType as T
 
+from ..conversion.dryrun import QVERSION_KV as _QVERSION_KV, read_dry_run
 from .devices import resolve_devices
 from .options import PlanOptions
 from .plan import Plan
@@ -51,10 +50,6 @@ QUALITY = {
     "MXFP4_MOE": "experts MXFP4 4.25 bpw, the rest Q8_0 (no ppl figure published)",
 }
 QUALITY_SOURCE = "llama.cpp tools/quantize/quantize.cpp (QUANT_OPTIONS), llama-cpp-python 0.3.36"
-# llama_model_quantize adds general.quantization_version (u32) to the header: key length (8) +
-# 28 characters + type (4) + value (4).
-_QVERSION_KV = 8 + len("general.quantization_version") + 4 + 4
-_LINE_RE = re.compile(r"\]\s+(\S+)\s+- \[.*?type =\s*(\S+),.*size =\s*([\d.]+) MiB(?: ->\s*([\d.]+) MiB \((\S+)\))?")
 
 
 @dataclass
@@ -139,18 +134,7 @@ def predict(src: Path, qtype: str) -> tuple[list[tuple[str, tuple, int]], bool]:
         raise CtxqError(f"llama.cpp's quantizer refused a dry run to {name} ({last_error_line(lines)})")
     from ..gguf.reader import read_gguf
 
-    shapes = {t.name: t.shape for t in read_gguf(src, skip_arrays=True).tensors}
-    out = []
-    for line in lines:
-        m = _LINE_RE.search(line)
-        if not m:
-            continue
-        tname, new = m.group(1), m.group(5) or m.group(2)  # the new type, or the current one kept
-        out.append((tname, shapes[tname], int(T[new.upper()])))
-    if len(out) != len(shapes):
-        raise CtxqError(f"could not read llama.cpp's dry-run log for {name}: {len(out)} of {len(shapes)} tensors")
-    needs = any("will require an imatrix" in ln for ln in lines)
-    return out, needs
+    return read_dry_run(lines, {t.name: t.shape for t in read_gguf(src, skip_arrays=True).tensors}, name)
 
 
 def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:

@@ -134,6 +134,8 @@ class Measurement:
     progress: object = None  # progress(label, done_tokens, total_tokens)
     top_k: int = stats.TOP_K
     use_cache: bool = True
+    keep_results: bool = True  # False: candidates' results neither read from nor written to the cache (temporary
+    # files, such as `ctxq convert fit`'s probes); the reference is cached as `use_cache` says
 
     def text_bytes(self) -> bytes:
         if self.text is None:
@@ -215,7 +217,7 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
         for tk, tv in pairs:
             key = _key(mode, _file_id(model), _file_id(ref_model), sha, m.n_ctx, tk, tv, m.top_k)
             dest = _cache() / "results" / f"{key}.json"
-            if m.use_cache and dest.exists():
+            if m.use_cache and m.keep_results and dest.exists():
                 r = Result(**json.loads(dest.read_text()))
                 r.cached = True
                 out.append(r)
@@ -242,7 +244,8 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
                        reference="f16/f16 cache" if mode == "kv" else Path(ref_model).name, mode=mode,
                        llama_cpp=md.version("llama_cpp_python"), seconds=round(time.perf_counter() - t0, 2),
                        model_id=_file_id(model))
-            _save(dest, r)
+            if m.keep_results:
+                _save(dest, r)
             out.append(r)
     return out
 

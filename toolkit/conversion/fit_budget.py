@@ -1,0 +1,130 @@
+"""The budget of `ctxq convert MODEL fit --ctx N` on devices: the largest mix whose plan holds N tokens with every
+layer on a GPU.
+
+1. The KV pair is the planner's for llama.cpp's Q4_K_M mix (else Q3_K_M, Q2_K: the first whose plan puts every
+   layer on the GPUs): auto keeps the least measured loss that fits beside those weights, or the pair given. That
+   plan says "what it leaves for weights": on each GPU, its weights plus what stays free. The fit spends that on
+   weights and never buys weight bits with a cheaper cache (a plan of a larger fixed mix would: Q5_K_M holds 64k
+   on 3x16 + 2x8 GiB for a 70B only beside a q4_0 cache, mean KL 0.07, ten times q8_0's).
+2. With that pair fixed, the mix's target size is bisected: each candidate mix (`fit.choose`: llama.cpp's dry run)
+   is written header-only and planned (`planner.plan_for`, CUDA terms, compute buffers and margins included) until
+   the largest that still fits every card is found to within `TOLERANCE`.
+Nothing here reads weights: a Hub checkpoint's header plans the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConversionError, DoesNotFit
+from ..units import GiB
+from . import sensitivity as S
+from .fit import Mix, choose
+
+log = logging.getLogger(__name__)
+
+FIXED_MIXES = ("Q4_K_M", "Q3_K_M", "Q2_K")
+TOLERANCE = 0.002  # of the target: the bisection stops within it
+MAX_STEPS = 12
+
+
+@dataclass
+class Budget:
+    mix: Mix
+    plan: object  # the plan of the mix at the context: every layer on a GPU
+    kv: str  # K/V as the planner chose it for the reference mix
+    reference: str  # the fixed mix that chose the pair
+    leaves: int  # what the reference plan leaves for weights on the GPUs (weights + free)
+    gpu_weights: int  # the mix's weights on the GPUs
+
+    @property
+    def fill(self) -> float:
+        return self.gpu_weights / self.leaves if self.leaves else 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"budget: {self.leaves / GiB:.2f} GiB for weights on the GPUs (the plan of {self.reference} with KV "
+               f"{self.kv}); the mix puts {self.gpu_weights / GiB:.2f} GiB there ({100 * self.fill:.1f} %)"]
+        for d in self.plan.gpus:
+            out.append(f"  {d.device.name}: weights {d.weights / GiB:.2f} GiB, KV {d.kv / GiB:.2f} GiB, compute "
+                       f"{(d.compute + d.cuda_extra) / GiB:.2f} GiB, free {d.free / GiB:.2f} GiB of "
+                       f"{d.device.usable / GiB:.2f}")
+        return out
+
+
+def _all_on_gpus(plan) -> bool:
+    return bool(plan.gpus) and plan.cpu_layers == 0
+
+
+def _plan_tensors(src: Path, tensors, folder: Path, name: str, devices, cpu, opts):
+    from ..gguf.reader import read_gguf
+    from ..planning.derived import write_sparse
+    from ..planning.planner import plan_for
+
+    path = folder / f"{name}.gguf"
+    write_sparse(read_gguf(src), path, tensors)
+    try:
+        return plan_for(str(path), devices, cpu, opts)
+    except DoesNotFit:
+        return None
+
+
+def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings) -> Budget:
+    """The largest mix of `table` whose plan holds n_ctx tokens on the devices (`settings`: PlanOptions fields,
+    over `options`)."""
+    from ..planning.devices import resolve_devices
+    from ..planning.options import PlanOptions
+    from .dryrun import dry_run
+
+    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
+    devices, cpu = resolve_devices(opts)
+    if not devices:
+        raise ConversionError("fit --ctx needs GPUs to fill: --gpus 16,16,8, --profile, --rpc, or GPUs present; "
+                              "or give --target-size")
+    with tempfile.TemporaryDirectory(prefix="ctxq-fit-plan-") as tmp:
+        folder = Path(tmp)
+        ref = ref_plan = None
+        for qt in FIXED_MIXES:
+            p = _plan_tensors(src, dry_run(src, qt), folder, qt, devices, cpu, opts)
+            if p is not None and _all_on_gpus(p):
+                ref, ref_plan = qt, p
+                break
+        smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+        if ref_plan is None:  # none of llama.cpp's mixes fits: the pair the smallest mix gets
+            mix = choose(table, smallest, src)
+            ref_plan = _plan_tensors(src, mix.tensors, folder, "smallest", devices, cpu, opts)
+            ref = "the smallest mix"
+            if ref_plan is None or not _all_on_gpus(ref_plan):
+                raise ConversionError(f"even the smallest mix ({smallest / GiB:.2f} GiB) does not hold {n_ctx:,} "
+                                      "tokens with every layer on these GPUs: a shorter context, more GPUs, or "
+                                      "`ctxq plan` for what moves to the CPU")
+        kv = f"{ref_plan.type_k}/{ref_plan.type_v}"
+        fixed = opts.updated(kv=kv).resolved()
+        leaves = sum(d.weights + d.free for d in ref_plan.gpus)
+        largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
+        lo, hi = smallest, largest
+        best = None
+        for step in range(MAX_STEPS):  # invariant: lo fits (or is the smallest), hi does not (or is the largest)
+            target = hi if step == 0 else (lo + hi) // 2
+            mix = choose(table, target, src)
+            p = _plan_tensors(src, mix.tensors, folder, f"mix{step}", devices, cpu, fixed)
+            ok = p is not None and _all_on_gpus(p)
+            log.info("fit: %.3f GiB %s", mix.size / GiB, "fits" if ok else "does not fit")
+            if ok:
+                best, lo = (mix, p), max(lo, mix.size)
+                if step == 0:
+                    break
+            else:
+                hi = target
+            if hi - lo <= TOLERANCE * lo:
+                break
+        if best is None:
+            mix = choose(table, lo, src)
+            p = _plan_tensors(src, mix.tensors, folder, "lo", devices, cpu, fixed)
+            if p is None or not _all_on_gpus(p):
+                raise ConversionError(f"no mix holds {n_ctx:,} tokens with every layer on these GPUs with KV {kv}")
+            best = (mix, p)
+    mix, plan = best
+    return Budget(mix, plan, kv, ref, leaves, sum(d.weights for d in plan.gpus))
