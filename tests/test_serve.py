@@ -215,7 +215,8 @@ def _plumbing(monkeypatch, key: str):
     from click.testing import CliRunner
 
     from ctxq.cli import cli
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     seen = []
 
@@ -223,7 +224,7 @@ def _plumbing(monkeypatch, key: str):
         seen.append(kwargs[key])
         raise SystemExit(3)
 
-    # a plan of 2,048 cells on the CPU: enough for `--parallel auto` (serve_parallel.auto_plan) to pick from
+    # a plan of 2,048 cells on the CPU: enough for `--parallel auto` (serve.parallel.auto_plan) to pick from
     plan = SimpleNamespace(n_ctx=2048, n_gpu_layers=0, devices=[], host=None)
     monkeypatch.setattr(runner, "make_plan", lambda model, options: plan)
     monkeypatch.setattr(server, "create_app", create_app)
@@ -232,7 +233,7 @@ def _plumbing(monkeypatch, key: str):
 
 def test_limit_flags_reach_serve_limits(monkeypatch):
     from ctxq.errors import InvalidOption
-    from ctxq.runtime.serve_limits import ServeLimits
+    from ctxq.serve.limits import ServeLimits
     from ctxq.units import MiB
 
     invoke, seen = _plumbing(monkeypatch, "limits")
@@ -276,7 +277,8 @@ def test_parallel_refuses_what_it_does_not_serve_yet(smollm2):
 @pytest.mark.slow
 def test_parallel_default_is_the_plans_own_p(smollm2):
     """create_app(parallel=0) on a plan made for 3 sequences runs the engine with those 3 (not a count of its own)."""
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     p = runner.make_plan(smollm2, 2048, parallel=3)
     app, load = server.create_app(p, parallel=0)
@@ -289,6 +291,7 @@ def test_parallel_default_is_the_plans_own_p(smollm2):
 
 
 def server_app(model, **kwargs):
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     return server.create_app(runner.make_plan(model, 512), **kwargs)

@@ -1,7 +1,7 @@
 """`ctxq serve`'s gate: what every request passes before llama-cpp-python's routes.
 
 The model generates for one request at a time (llama-cpp-python serves one sequence per `Llama`),
-or for P at once with `--parallel P` (ctxq's engine, `serve_parallel`); the gate keeps the others in
+or for P at once with `--parallel P` (ctxq's engine, `parallel.py`); the gate keeps the others in
 a bounded queue, answers what cannot be served at once with an
 error in OpenAI's shape, and tells the generation when to stop: its client is gone, its time is up,
 or the server is shutting down.
@@ -15,12 +15,12 @@ import logging
 import math
 import time
 
-from . import serve_requests as checks
-from .serve_body import parse
-from .serve_errors import INTERNAL, reject, send_error, send_rejection
-from .serve_limits import ServeLimits
-from .serve_output import checked, error_event
-from .serve_tools import check_tools
+from . import checks
+from .body import parse
+from .http_errors import INTERNAL, reject, send_error, send_rejection
+from .limits import ServeLimits
+from .output import checked, error_event
+from .tools import check_tools
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Service:
     def ready(self, llm, metered_generate: bool = True) -> None:
         """The model is loaded; `metered_generate`: count and stop llama-cpp-python's generations
         (the engine counts its own)."""
-        from .serve_metrics import metered
+        from .metrics import metered
 
         if metered_generate:
             llm.generate = metered(llm, self.metrics, lambda: self.current is not None and self.current.should_stop())
@@ -202,7 +202,7 @@ class Gate:
         if expected is not None:
             expected.stopped = run.should_stop
         try:
-            # "ctxq.run": for the engine's routes, which stop their own request (serve_parallel)
+            # "ctxq.run": for the engine's routes, which stop their own request (parallel.py)
             await self._run({**scope, "ctxq.run": run}, receive, checked(send, expected),
                             json.dumps(data).encode(), run)
         finally:

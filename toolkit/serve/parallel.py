@@ -1,7 +1,7 @@
 """`ctxq serve --parallel P`: /v1/chat/completions and /v1/completions answered by ctxq's engine
 (`ctxq.serve.engine`: one llama.cpp context, P sequences decoded together, prompts that start alike
-sharing their KV cells), behind the same gate as the one-at-a-time server (`serve_gate`: API key,
-checks, limits, queue, time limit, shutdown; `serve_output`: structured output checked).
+sharing their KV cells), behind the same gate as the one-at-a-time server (`gate.py`: API key,
+checks, limits, queue, time limit, shutdown; `output.py`: structured output checked).
 
 The gate lets P requests in at once; the engine admits each while the KV cells it may need are free
 and queues it otherwise. A request that can never fit (its prompt and max_tokens over all the cells)
@@ -16,8 +16,8 @@ import json
 import logging
 import time
 
-from . import serve_openai as oa
-from .serve_errors import reject
+from . import openai_shapes as oa
+from .http_errors import reject
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def stats_rows(engine) -> list:
 
 def install(app, backend: Backend) -> None:
     """The two completion routes on the engine (before any other route with their paths)."""
-    from .serve_requests import CHAT, COMPLETIONS
+    from .checks import CHAT, COMPLETIONS
 
     for path in (CHAT, *COMPLETIONS):
         app.router.add_route(path, endpoint(backend, path), methods=["POST"])
