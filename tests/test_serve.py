@@ -167,8 +167,10 @@ def test_16_concurrent_requests_all_answered(server):
 
 def metrics(base: str) -> dict[str, float]:
     """/metrics as {'name{labels}': value}, the Prometheus text parsed line by line."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
     r = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
     out = {}
     for line in r.text.splitlines():
         if line and not line.startswith("#"):
@@ -207,6 +209,43 @@ def test_metrics_count_requests_tokens_and_reused_prefix(server):
     assert 2 <= grew("ctxq_tokens_predicted_total") <= 6
     assert after["ctxq_predicted_tokens_seconds"] > 0 and after["ctxq_prompt_tokens_seconds"] > 0
     assert after["ctxq_requests_queued"] == 0 and after["ctxq_requests_processing"] == 0
+
+
+HISTOGRAMS = ("ctxq_time_to_first_token_seconds", "ctxq_request_duration_seconds")
+
+
+def test_metrics_histograms_observe_plain_and_streamed_requests(server, request):
+    """prometheus_client's text: each completion, answered whole or streamed, is one observation of the time to
+    its first token and of its duration; the counters and gauges are there beside them."""
+    base = server[0]
+    asks = [("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4,
+                                      "temperature": 0, "stream": True})]
+    for path, body in asks:
+        before = metrics(base)
+        with _client(base) as c, c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        assert text.endswith("data: [DONE]\n\n") if body.get("stream") else json.loads(text)["choices"]
+        deadline = time.monotonic() + 10  # the gate observes the duration just after the answer's last byte
+        while (after := metrics(base))["ctxq_request_duration_seconds_count"] == \
+                before.get("ctxq_request_duration_seconds_count", 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for name in HISTOGRAMS:
+            assert after[f"{name}_count"] - before.get(f"{name}_count", 0) == 1, (path, name)
+            assert after[f"{name}_sum"] > before.get(f"{name}_sum", 0)
+            assert after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
+        assert after["ctxq_time_to_first_token_seconds_sum"] - before.get("ctxq_time_to_first_token_seconds_sum", 0) \
+            <= after["ctxq_request_duration_seconds_sum"] - before.get("ctxq_request_duration_seconds_sum", 0)
+    for name in ('ctxq_requests_total{status="200"}', "ctxq_prompt_tokens_total", "ctxq_prompt_tokens_reused_total",
+                 "ctxq_tokens_predicted_total", "ctxq_prompt_seconds_total", "ctxq_tokens_predicted_seconds_total",
+                 "ctxq_requests_processing", "ctxq_requests_queued", "ctxq_prompt_tokens_seconds",
+                 "ctxq_predicted_tokens_seconds"):
+        assert name in after, name
+    engine = {"ctxq_sequences_active", "ctxq_sequences_max", "ctxq_kv_cells_used", "ctxq_kv_cells_shared",
+              "ctxq_prompt_tokens_evaluated_total"}
+    # the engine's gauges with --parallel only
+    assert engine <= set(after) if "--parallel" in request.node.callspec.params["server"] else not engine & set(after)
 
 
 def _plumbing(monkeypatch, key: str):

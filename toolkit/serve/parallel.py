@@ -151,7 +151,7 @@ def endpoint(backend: Backend, path: str):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts, first = [], None
         async for ev in _events(req, run, backend.limiter):
-            first = first or time.perf_counter()
+            first = first or _first(run)
             parts.append(ev.text)
         reason = _reason(req)
         _count(svc, req, start, first)
@@ -167,7 +167,7 @@ async def _stream(backend: Backend, prompt: oa.Prompt, req, run, start: float):
         if prompt.chat:
             yield oa.chunk(prompt, svc.alias, None, first=True)
         async for ev in _events(req, run, backend.limiter):
-            first = first or time.perf_counter()
+            first = first or _first(run)
             if ev.text:
                 yield oa.chunk(prompt, svc.alias, ev.text)
         yield oa.chunk(prompt, svc.alias, None, _reason(req))
@@ -179,28 +179,18 @@ async def _stream(backend: Backend, prompt: oa.Prompt, req, run, start: float):
         _count(svc, req, start, first)
 
 
+def _first(run) -> float:
+    """At a request's first event, which comes with its first token: tell the gate's `Run` (the time to
+    the first token is counted as the event reaches this route); the time for `_count`."""
+    run.first_token()
+    return time.perf_counter()
+
+
 def _count(svc, req, start: float, first: float | None) -> None:
     now = time.perf_counter()
     first = first or now
     svc.metrics.generated(req.prompt_tokens or 0, req.cached_tokens or 0, req.completion_tokens or 0,
                           first - start, now - first)
-
-
-def stats_rows(engine) -> list:
-    """/metrics rows from the engine: sequences, KV cells, prompt tokens evaluated and shared."""
-    s = engine.stats()
-    return [
-        ("sequences_active", "gauge", "Sequences the engine is decoding now.", [({}, s.sequences_active)]),
-        ("sequences_queued", "gauge", "Requests waiting in the engine for KV cells.", [({}, s.queued)]),
-        ("sequences_max", "gauge", "Sequences the engine's context holds (n_seq_max).", [({}, s.n_seq_max)]),
-        ("kv_cells_total", "gauge", "KV cells of the engine's context.", [({}, s.cells_total)]),
-        ("kv_cells_used", "gauge", "KV cells in use.", [({}, s.cells_used)]),
-        ("kv_cells_shared", "gauge", "KV cells in use by more than one sequence.", [({}, s.cells_shared)]),
-        ("prompt_tokens_evaluated_total", "counter", "Prompt tokens the engine evaluated.",
-         [({}, s.prompt_tokens_evaluated)]),
-        ("prompt_tokens_shared_total", "counter", "Prompt tokens taken from cells another sequence holds.",
-         [({}, s.prompt_tokens_reused)]),
-    ]
 
 
 def install(app, backend: Backend) -> None:
@@ -209,4 +199,4 @@ def install(app, backend: Backend) -> None:
 
     for path in (CHAT, *COMPLETIONS):
         app.router.add_route(path, endpoint(backend, path), methods=["POST"])
-    backend.service.metrics.extra = lambda: stats_rows(backend.engine) if backend.engine is not None else []
+    backend.service.metrics.watch_engine(lambda: backend.engine)

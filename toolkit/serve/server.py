@@ -9,7 +9,8 @@ loaded by `runtime.runner.load_plan`, exactly as `ctxq run` loads it, in `create
   against the context), a bounded queue, a time limit per request, stopping a generation whose
   client left, and a graceful shutdown;
 - `/health` (loading / ready / busy / stopping, with the queue; no key needed), `/metrics`
-  (Prometheus text, `metrics.py`), and `/v1/models` answered without waiting for the model.
+  (`metrics.py`: prometheus_client's text of the server's own registry), and `/v1/models`
+  answered without waiting for the model.
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def _routes(app, service: Service, plan_flags: str) -> None:
     """ctxq's routes, then llama-cpp-python's with the plain APIRoute: its RouteErrorHandler would
     answer a malformed request 500 with the exception's text (a traceback line, its file path)."""
     from fastapi import APIRouter
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import JSONResponse, Response
     from llama_cpp.server import app as server_app
     from llama_cpp.server.types import DetokenizeInputRequest
+    from prometheus_client import CONTENT_TYPE_LATEST
     from pydantic import ValidationError
 
     @app.get("/health")
@@ -84,8 +86,7 @@ def _routes(app, service: Service, plan_flags: str) -> None:
 
     @app.get("/metrics")
     def metrics():
-        text = service.metrics.render(processing=service.active, queued=service.waiting)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     def models():
