@@ -1,9 +1,11 @@
 """The layout rules of docs/architecture.md, checked: no import cycle inside ctxq, modules of at most 400
-lines, and the test fixtures (ctxq.testing) imported by nothing in the package."""
+lines, the test fixtures (ctxq.testing) imported by nothing in the package, a row of the stage table for
+every folder of the package, and serving in serve/ alone."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,3 +88,29 @@ def test_test_fixtures_stay_out_of_the_package():
     users = {name for name, path in modules.items() if not name.startswith("ctxq.testing")
              and any(m.startswith("ctxq.testing") for m in _imports(name, path, modules))}
     assert users == set()
+
+
+def _stage_folders(doc: str) -> set[str]:
+    """The folders the stage table of docs/architecture.md names (`name/` in its folder column)."""
+    lines = doc.splitlines()
+    start = lines.index("| stage | folder | what it holds |")
+    folders = set()
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        folders.update(re.findall(r"`([a-z_]+)/`", line.split("|")[2]))
+    return folders
+
+
+def test_every_folder_of_toolkit_has_its_row_in_the_stage_table():
+    packages = {p.parent.name for p in (ROOT / "toolkit").glob("*/__init__.py")}
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert {"serve", "runtime", "planning", "llama"} <= packages  # the glob sees the package's folders
+    assert packages - _stage_folders(doc) == set()
+    # a row taken out is missed
+    without_serve = "\n".join(ln for ln in doc.splitlines() if not ln.startswith("| serve |"))
+    assert packages - _stage_folders(without_serve) == {"serve"}
+
+
+def test_serving_lives_in_serve_not_runtime():
+    assert sorted(p.name for p in (ROOT / "toolkit" / "runtime").glob("serve*.py")) == []

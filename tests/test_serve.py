@@ -167,8 +167,10 @@ def test_16_concurrent_requests_all_answered(server):
 
 def metrics(base: str) -> dict[str, float]:
     """/metrics as {'name{labels}': value}, the Prometheus text parsed line by line."""
+    from prometheus_client import CONTENT_TYPE_LATEST
+
     r = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
     out = {}
     for line in r.text.splitlines():
         if line and not line.startswith("#"):
@@ -209,13 +211,51 @@ def test_metrics_count_requests_tokens_and_reused_prefix(server):
     assert after["ctxq_requests_queued"] == 0 and after["ctxq_requests_processing"] == 0
 
 
+HISTOGRAMS = ("ctxq_time_to_first_token_seconds", "ctxq_request_duration_seconds")
+
+
+def test_metrics_histograms_observe_plain_and_streamed_requests(server, request):
+    """prometheus_client's text: each completion, answered whole or streamed, is one observation of the time to
+    its first token and of its duration; the counters and gauges are there beside them."""
+    base = server[0]
+    asks = [("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4,
+                                      "temperature": 0, "stream": True})]
+    for path, body in asks:
+        before = metrics(base)
+        with _client(base) as c, c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        assert text.endswith("data: [DONE]\n\n") if body.get("stream") else json.loads(text)["choices"]
+        deadline = time.monotonic() + 10  # the gate observes the duration just after the answer's last byte
+        while (after := metrics(base))["ctxq_request_duration_seconds_count"] == \
+                before.get("ctxq_request_duration_seconds_count", 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for name in HISTOGRAMS:
+            assert after[f"{name}_count"] - before.get(f"{name}_count", 0) == 1, (path, name)
+            assert after[f"{name}_sum"] > before.get(f"{name}_sum", 0)
+            assert after[f'{name}_bucket{{le="+Inf"}}'] == after[f"{name}_count"]
+        assert after["ctxq_time_to_first_token_seconds_sum"] - before.get("ctxq_time_to_first_token_seconds_sum", 0) \
+            <= after["ctxq_request_duration_seconds_sum"] - before.get("ctxq_request_duration_seconds_sum", 0)
+    for name in ('ctxq_requests_total{status="200"}', "ctxq_prompt_tokens_total", "ctxq_prompt_tokens_reused_total",
+                 "ctxq_tokens_predicted_total", "ctxq_prompt_seconds_total", "ctxq_tokens_predicted_seconds_total",
+                 "ctxq_requests_processing", "ctxq_requests_queued", "ctxq_prompt_tokens_seconds",
+                 "ctxq_predicted_tokens_seconds"):
+        assert name in after, name
+    engine = {"ctxq_sequences_active", "ctxq_sequences_max", "ctxq_kv_cells_used", "ctxq_kv_cells_shared",
+              "ctxq_prompt_tokens_evaluated_total"}
+    # the engine's gauges with --parallel only
+    assert engine <= set(after) if "--parallel" in request.node.callspec.params["server"] else not engine & set(after)
+
+
 def _plumbing(monkeypatch, key: str):
     """(invoke, seen): `invoke(*args)` runs `ctxq serve m.gguf ARGS` with the library calls patched to
     record what reaches `create_app` as `key` (option plumbing only)."""
     from click.testing import CliRunner
 
     from ctxq.cli import cli
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     seen = []
 
@@ -223,7 +263,7 @@ def _plumbing(monkeypatch, key: str):
         seen.append(kwargs[key])
         raise SystemExit(3)
 
-    # a plan of 2,048 cells on the CPU: enough for `--parallel auto` (serve_parallel.auto_plan) to pick from
+    # a plan of 2,048 cells on the CPU: enough for `--parallel auto` (serve.parallel.auto_plan) to pick from
     plan = SimpleNamespace(n_ctx=2048, n_gpu_layers=0, devices=[], host=None)
     monkeypatch.setattr(runner, "make_plan", lambda model, options: plan)
     monkeypatch.setattr(server, "create_app", create_app)
@@ -232,7 +272,7 @@ def _plumbing(monkeypatch, key: str):
 
 def test_limit_flags_reach_serve_limits(monkeypatch):
     from ctxq.errors import InvalidOption
-    from ctxq.runtime.serve_limits import ServeLimits
+    from ctxq.serve.limits import ServeLimits
     from ctxq.units import MiB
 
     invoke, seen = _plumbing(monkeypatch, "limits")
@@ -276,7 +316,8 @@ def test_parallel_refuses_what_it_does_not_serve_yet(smollm2):
 @pytest.mark.slow
 def test_parallel_default_is_the_plans_own_p(smollm2):
     """create_app(parallel=0) on a plan made for 3 sequences runs the engine with those 3 (not a count of its own)."""
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     p = runner.make_plan(smollm2, 2048, parallel=3)
     app, load = server.create_app(p, parallel=0)
@@ -289,6 +330,7 @@ def test_parallel_default_is_the_plans_own_p(smollm2):
 
 
 def server_app(model, **kwargs):
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     return server.create_app(runner.make_plan(model, 512), **kwargs)

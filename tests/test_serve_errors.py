@@ -188,7 +188,8 @@ def test_while_loading_health_and_api_answer_503(smollm2):
     """In process, on the real app before and after its load (the console script's window is short)."""
     from starlette.testclient import TestClient
 
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     app, load = server.create_app(runner.make_plan(smollm2, N_CTX), api_key=KEY, alias="tiny-chat")
     with TestClient(app) as client:

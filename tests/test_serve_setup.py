@@ -31,7 +31,7 @@ def test_plain_setup_installs_the_server_extra(tmp_path):
     # What `ctxq serve` imports, and its --help from the console script of that venv.
     check = subprocess.run([str(venv / "bin" / "python"), "-c",
                             "import fastapi, uvicorn, sse_starlette, starlette_context, pydantic_settings, jsonschema;"
-                            "import llama_cpp.server.app; import ctxq.runtime.server; print('ok')"],
+                            "import llama_cpp.server.app; import ctxq.serve.server; print('ok')"],
                            capture_output=True, text=True, cwd=tmp_path)
     assert check.stdout.strip() == "ok", check.stderr[-2000:]
     # The test extra was not asked for, so it is not there: the server extra came on its own.

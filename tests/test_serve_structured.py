@@ -194,7 +194,8 @@ def function_calling(smollm2):
     is ChatML), which lets the model choose between answering and calling a tool."""
     from starlette.testclient import TestClient
 
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     app, load = server.create_app(runner.make_plan(smollm2, 2048), chat_format="chatml-function-calling", seed=1)
     load()
@@ -219,7 +220,8 @@ def test_tool_choice_auto_with_a_function_calling_chat_format(function_calling):
 
 def test_unknown_chat_format_is_refused_before_loading(smollm2):
     from ctxq.errors import InvalidOption
-    from ctxq.runtime import runner, server
+    from ctxq.runtime import runner
+    from ctxq.serve import server
 
     with pytest.raises(InvalidOption) as e:
         server.create_app(runner.make_plan(smollm2, 512), chat_format="no-such-format")

@@ -266,7 +266,7 @@ def _served_llm():
 def test_server_reuses_the_document_across_questions(smollm2):
     from fastapi.testclient import TestClient
 
-    from ctxq.runtime import server
+    from ctxq.serve import server
 
     app, load = server.create_app(runner.make_plan(smollm2, **SERVE_PLAN))
     load()
@@ -291,7 +291,7 @@ def test_server_reuses_the_document_across_questions(smollm2):
 def test_server_started_from_a_session_does_not_prefill_the_document(smollm2, tmp_path):
     from fastapi.testclient import TestClient
 
-    from ctxq.runtime import server
+    from ctxq.serve import server
 
     path = tmp_path / "hotel.kv"
     saved = runner.run(smollm2, "What colour is room 3?", document=HOTEL, chat=True, n_predict=1, session=path,

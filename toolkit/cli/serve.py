@@ -1,10 +1,10 @@
-"""`ctxq serve`: the plan behind an OpenAI-compatible HTTP API (`ctxq.runtime.server`)."""
+"""`ctxq serve`: the plan behind an OpenAI-compatible HTTP API (`ctxq.serve.server`)."""
 
 from __future__ import annotations
 
 import click
 
-from ..runtime.serve_limits import ServeLimits
+from ..serve.limits import ServeLimits
 from ..units import MiB
 from .group import cli
 from .common import memory_table, reexec
@@ -68,9 +68,10 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
     tokens (the same document, first) processes only what follows.
     """
     from ..errors import ReorderNeeded
-    from ..runtime import runner, server
+    from ..runtime import runner
+    from ..serve import server
 
-    parallel = serve_parallel  # not PlanOptions' `parallel`: it may be 0 (auto, from the plan; server.py)
+    parallel = serve_parallel  # not PlanOptions' `parallel`: it may be 0 (auto, from the plan; serve/server.py)
     if hf_file:
         from ..hub import with_file
 
@@ -81,10 +82,10 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
         echo_session_log()
     with runner.local_workers(options) as opts:
         # --parallel P: the plan is the engine's context (n_seq_max, kv_unified, n_outputs_max); auto: the most
-        # sequences (at most 16) whose plan fits as the one-sequence plan does (serve_parallel.auto_plan)
+        # sequences (at most 16) whose plan fits as the one-sequence plan does (serve.parallel.auto_plan)
         auto_why = None
         if parallel == 0:
-            from ..runtime.serve_parallel import auto_plan
+            from ..serve.parallel import auto_plan
 
             p, parallel, auto_why = auto_plan(lambda n: runner.make_plan(model, options=opts.updated(parallel=n)))
         else:

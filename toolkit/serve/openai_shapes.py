@@ -15,9 +15,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .serve_errors import reject
-from .serve_requests import CHAT
-from .serve_schema import compile_schema
+from .checks import CHAT
+from .http_errors import reject
+from .json_schema import compile_schema
 
 
 @dataclass
@@ -72,7 +72,7 @@ def read(llm, fmt, data: dict, path: str, n_ctx: int, seed: int | None) -> Promp
     """The request (checked by the gate: fields, schema grammar, tools) as tokens and sampling parameters."""
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
-    from ..serve.engine import SamplingParams
+    from .engine import SamplingParams
 
     chat = path == CHAT
     req = (CreateChatCompletionRequest if chat else CreateCompletionRequest).model_validate(data)

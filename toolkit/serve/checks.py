@@ -1,15 +1,15 @@
 """Checks of a completion request before it waits for the model: its fields, its model name, and
 whether its prompt and output limit (`max_tokens`, or `max_completion_tokens`) fit in the context.
-Each failure is raised as `serve_errors.reject` (an HTTP answer, never shown to a person as a ctxq
+Each failure is raised as `http_errors.reject` (an HTTP answer, never shown to a person as a ctxq
 error), so nothing malformed reaches llama-cpp-python, whose handlers would answer it with a 500.
 """
 
 from __future__ import annotations
 
-from .runner import chat_prompt
-from .serve_errors import reject, validation_error
-from .serve_output import Expected
-from .serve_schema import check_schema, compile_schema
+from ..runtime.runner import chat_prompt
+from .http_errors import reject, validation_error
+from .json_schema import check_schema, compile_schema
+from .output import Expected
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = ("/v1/completions", "/v1/engines/copilot-codex/completions")
@@ -53,7 +53,7 @@ def output_limit(path: str, data: dict) -> str:
 def validate(path: str, data) -> dict:
     """The request's fields, checked with llama-cpp-python's own request models plus what they let
     through but the handlers cannot do (several prompts, n > 1, empty messages, max_tokens < 1).
-    The body is a JSON object (`is_object`), parsed by `serve_body.parse`."""
+    The body is a JSON object (`is_object`), parsed by `body.parse`."""
     from pydantic import ValidationError
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
@@ -86,7 +86,7 @@ def validate(path: str, data) -> dict:
 
 def structured(path: str, data: dict) -> Expected | None:
     """A `response_format` with a schema (OpenAI's json_schema, or json_object with `schema` as
-    llama-cpp-python has it) turned into `grammar`, compiled here (`serve_schema`): llama-cpp-python's
+    llama-cpp-python has it) turned into `grammar`, compiled here (`json_schema`): llama-cpp-python's
     request model knows only text and json_object, and its handlers would compile json_object's
     schema with the converter's own string rule. What the output must then be, or None."""
     fmt = data.get("response_format")

@@ -14,9 +14,9 @@ Legacy `functions` / `function_call` become tools / tool_choice, as the handlers
 
 from __future__ import annotations
 
-from .serve_errors import reject
-from .serve_output import Expected
-from .serve_schema import check_schema, compile_schema
+from .http_errors import reject
+from .json_schema import check_schema, compile_schema
+from .output import Expected
 
 AUTO_HANDLERS = {"chatml-function-calling"}  # handlers that can choose between answering and calling
 

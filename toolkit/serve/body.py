@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from .serve_errors import reject
+from .http_errors import reject
 
 # serde_json's default recursion limit (Deserializer::disable_recursion_limit's docs): no request
 # of this API nests anywhere near it, and Python's parser stays far from its own limit

@@ -1,4 +1,4 @@
-"""`ctxq serve`'s limits, one object (`ServeLimits`); the gate that enforces them is `serve_gate`.
+"""`ctxq serve`'s limits, one object (`ServeLimits`); the gate that enforces them is `gate.py`.
 Its defaults are the command line's (`ctxq serve --help`)."""
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import logging
 
-from .serve_errors import error_body, error_headers
-from .serve_schema import mismatch
+from .http_errors import error_body, error_headers
+from .json_schema import mismatch
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """`ctxq serve --parallel P`: /v1/chat/completions and /v1/completions answered by ctxq's engine
 (`ctxq.serve.engine`: one llama.cpp context, P sequences decoded together, prompts that start alike
-sharing their KV cells), behind the same gate as the one-at-a-time server (`serve_gate`: API key,
-checks, limits, queue, time limit, shutdown; `serve_output`: structured output checked).
+sharing their KV cells), behind the same gate as the one-at-a-time server (`gate.py`: API key,
+checks, limits, queue, time limit, shutdown; `output.py`: structured output checked).
 
 The gate lets P requests in at once; the engine admits each while the KV cells it may need are free
 and queues it otherwise. A request that can never fit (its prompt and max_tokens over all the cells)
@@ -16,8 +16,8 @@ import json
 import logging
 import time
 
-from . import serve_openai as oa
-from .serve_errors import reject
+from . import openai_shapes as oa
+from .http_errors import reject
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def endpoint(backend: Backend, path: str):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         parts, first = [], None
         async for ev in _events(req, run, backend.limiter):
-            first = first or time.perf_counter()
+            first = first or _first(run)
             parts.append(ev.text)
         reason = _reason(req)
         _count(svc, req, start, first)
@@ -167,7 +167,7 @@ async def _stream(backend: Backend, prompt: oa.Prompt, req, run, start: float):
         if prompt.chat:
             yield oa.chunk(prompt, svc.alias, None, first=True)
         async for ev in _events(req, run, backend.limiter):
-            first = first or time.perf_counter()
+            first = first or _first(run)
             if ev.text:
                 yield oa.chunk(prompt, svc.alias, ev.text)
         yield oa.chunk(prompt, svc.alias, None, _reason(req))
@@ -179,6 +179,13 @@ async def _stream(backend: Backend, prompt: oa.Prompt, req, run, start: float):
         _count(svc, req, start, first)
 
 
+def _first(run) -> float:
+    """At a request's first event, which comes with its first token: tell the gate's `Run` (the time to
+    the first token is counted as the event reaches this route); the time for `_count`."""
+    run.first_token()
+    return time.perf_counter()
+
+
 def _count(svc, req, start: float, first: float | None) -> None:
     now = time.perf_counter()
     first = first or now
@@ -186,27 +193,10 @@ def _count(svc, req, start: float, first: float | None) -> None:
                           first - start, now - first)
 
 
-def stats_rows(engine) -> list:
-    """/metrics rows from the engine: sequences, KV cells, prompt tokens evaluated and shared."""
-    s = engine.stats()
-    return [
-        ("sequences_active", "gauge", "Sequences the engine is decoding now.", [({}, s.sequences_active)]),
-        ("sequences_queued", "gauge", "Requests waiting in the engine for KV cells.", [({}, s.queued)]),
-        ("sequences_max", "gauge", "Sequences the engine's context holds (n_seq_max).", [({}, s.n_seq_max)]),
-        ("kv_cells_total", "gauge", "KV cells of the engine's context.", [({}, s.cells_total)]),
-        ("kv_cells_used", "gauge", "KV cells in use.", [({}, s.cells_used)]),
-        ("kv_cells_shared", "gauge", "KV cells in use by more than one sequence.", [({}, s.cells_shared)]),
-        ("prompt_tokens_evaluated_total", "counter", "Prompt tokens the engine evaluated.",
-         [({}, s.prompt_tokens_evaluated)]),
-        ("prompt_tokens_shared_total", "counter", "Prompt tokens taken from cells another sequence holds.",
-         [({}, s.prompt_tokens_reused)]),
-    ]
-
-
 def install(app, backend: Backend) -> None:
     """The two completion routes on the engine (before any other route with their paths)."""
-    from .serve_requests import CHAT, COMPLETIONS
+    from .checks import CHAT, COMPLETIONS
 
     for path in (CHAT, *COMPLETIONS):
         app.router.add_route(path, endpoint(backend, path), methods=["POST"])
-    backend.service.metrics.extra = lambda: stats_rows(backend.engine) if backend.engine is not None else []
+    backend.service.metrics.watch_engine(lambda: backend.engine)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-from .serve_errors import reject
+from .http_errors import reject
 
 # kept out of the converter's view; what jsonschema checks is the schema as sent
 ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",

@@ -1,7 +1,7 @@
 """`ctxq serve`'s gate: what every request passes before llama-cpp-python's routes.
 
 The model generates for one request at a time (llama-cpp-python serves one sequence per `Llama`),
-or for P at once with `--parallel P` (ctxq's engine, `serve_parallel`); the gate keeps the others in
+or for P at once with `--parallel P` (ctxq's engine, `parallel.py`); the gate keeps the others in
 a bounded queue, answers what cannot be served at once with an
 error in OpenAI's shape, and tells the generation when to stop: its client is gone, its time is up,
 or the server is shutting down.
@@ -15,12 +15,12 @@ import logging
 import math
 import time
 
-from . import serve_requests as checks
-from .serve_body import parse
-from .serve_errors import INTERNAL, reject, send_error, send_rejection
-from .serve_limits import ServeLimits
-from .serve_output import checked, error_event
-from .serve_tools import check_tools
+from . import checks
+from .body import parse
+from .http_errors import INTERNAL, reject, send_error, send_rejection
+from .limits import ServeLimits
+from .output import checked, error_event
+from .tools import check_tools
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,21 @@ BODIES = (*GENERATE, "/extras/tokenize", "/extras/tokenize/count", "/extras/deto
 
 
 class Run:
-    """The request generating now: when its generation must stop."""
+    """A request let in to the model (it came at `start`, time.monotonic()): when its generation must
+    stop, and when its first token came (`first_token`, told by whoever generates it)."""
 
-    def __init__(self, deadline: float, service: Service):
-        self.deadline, self.service, self.gone = deadline, service, False
+    def __init__(self, start: float, service: Service):
+        self.start, self.service, self.gone = start, service, False
+        self.deadline = start + service.limits.timeout
+        self.first = None
 
     def should_stop(self) -> bool:
         return self.gone or time.monotonic() > min(self.deadline, self.service.shutdown_deadline)
+
+    def first_token(self) -> None:
+        if self.first is None:
+            self.first = time.monotonic()
+            self.service.metrics.time_to_first_token.observe(self.first - self.start)
 
 
 class Service:
@@ -55,14 +63,15 @@ class Service:
         self._loop = None
         self.started = int(time.time())  # /v1/models' `created`
         self._seconds = 1.0  # running mean of a request's time on the model (s), for Retry-After
+        metrics.watch(processing=lambda: self.active, queued=lambda: self.waiting)
 
     def ready(self, llm, metered_generate: bool = True) -> None:
         """The model is loaded; `metered_generate`: count and stop llama-cpp-python's generations
         (the engine counts its own)."""
-        from .serve_metrics import metered
+        from .metrics import metered
 
         if metered_generate:
-            llm.generate = metered(llm, self.metrics, lambda: self.current is not None and self.current.should_stop())
+            llm.generate = metered(llm, self.metrics, lambda: self.current)
         self.llm = llm
 
     @property
@@ -108,7 +117,7 @@ class Service:
                 raise _stopping()
             raise reject(503, f"the request waited {self.limits.timeout:g} s for the model, its time limit "
                          "(timeout)", retry_after=self.retry_after(), code="server_overloaded")
-        self.current = Run(start + self.limits.timeout, self)
+        self.current = Run(start, self)
         self.active += 1
         return self.current
 
@@ -116,7 +125,9 @@ class Service:
         self.current = None
         self.active -= 1
         self.slot.release()
-        self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - start)
+        took = time.monotonic() - start
+        self._seconds = 0.8 * self._seconds + 0.2 * took
+        self.metrics.request_duration.observe(took)
 
 
 class Gate:
@@ -202,7 +213,7 @@ class Gate:
         if expected is not None:
             expected.stopped = run.should_stop
         try:
-            # "ctxq.run": for the engine's routes, which stop their own request (serve_parallel)
+            # "ctxq.run": for the engine's routes, which stop their own request (parallel.py)
             await self._run({**scope, "ctxq.run": run}, receive, checked(send, expected),
                             json.dumps(data).encode(), run)
         finally:

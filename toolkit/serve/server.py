@@ -2,14 +2,15 @@
 
 The routes are llama-cpp-python's own (`llama_cpp.server.app.router`: chat and text completions,
 streaming, embeddings, tokenize), registered again with FastAPI's plain route class so that every
-error reaches ctxq's handlers (`serve_errors`: OpenAI's shape, no tracebacks or paths); the model is
-loaded by `runner.load_plan`, exactly as `ctxq run` loads it, in `create_app`'s `load`. ctxq adds:
+error reaches ctxq's handlers (`http_errors.py`: OpenAI's shape, no tracebacks or paths); the model is
+loaded by `runtime.runner.load_plan`, exactly as `ctxq run` loads it, in `create_app`'s `load`. ctxq adds:
 
-- `serve_gate.Gate`: the API key, request checks (fields, model name, prompt and max_tokens
+- `gate.Gate`: the API key, request checks (fields, model name, prompt and max_tokens
   against the context), a bounded queue, a time limit per request, stopping a generation whose
   client left, and a graceful shutdown;
 - `/health` (loading / ready / busy / stopping, with the queue; no key needed), `/metrics`
-  (Prometheus text, `serve_metrics`), and `/v1/models` answered without waiting for the model.
+  (`metrics.py`: prometheus_client's text of the server's own registry), and `/v1/models`
+  answered without waiting for the model.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from pathlib import Path
 
 from ..errors import InvalidOption
 from ..planning.planner import Plan
-from .runner import engine_memory, load_plan
-from .session import restore_session
-from .serve_errors import reject, validation_error
-from .serve_gate import Gate, Service
-from .serve_limits import ServeLimits
-from .serve_metrics import Metrics
+from ..runtime.runner import engine_memory, load_plan
+from ..runtime.session import restore_session
+from .gate import Gate, Service
+from .http_errors import reject, validation_error
+from .limits import ServeLimits
+from .metrics import Metrics
 
 # answered by ctxq: llama-cpp-python's /v1/models waits for the model's lock, its /v1/embeddings
 # needs a model loaded with embedding=True, which a plan for generation is not, and its
@@ -52,13 +53,13 @@ def _proxy(llm, alias: str):
 
 def _fixed_schema_grammars() -> None:
     """llama-cpp-python's chat handlers compile a tool's parameters (and json_object's schema) with
-    `LlamaGrammar.from_json_schema`; in the server's process it uses `serve_schema.compile_schema`, the
+    `LlamaGrammar.from_json_schema`; in the server's process it uses `json_schema.compile_schema`, the
     converter with JSON's string rule (the gate has already refused the schemas it cannot honour)."""
     import json
 
     from llama_cpp.llama_grammar import LlamaGrammar
 
-    from .serve_schema import compile_schema
+    from .json_schema import compile_schema
 
     def from_json_schema(cls, json_schema: str, verbose: bool = True):
         return cls.from_string(compile_schema(json.loads(json_schema)), verbose=verbose)
@@ -70,9 +71,10 @@ def _routes(app, service: Service, plan_flags: str) -> None:
     """ctxq's routes, then llama-cpp-python's with the plain APIRoute: its RouteErrorHandler would
     answer a malformed request 500 with the exception's text (a traceback line, its file path)."""
     from fastapi import APIRouter
-    from fastapi.responses import JSONResponse, PlainTextResponse
+    from fastapi.responses import JSONResponse, Response
     from llama_cpp.server import app as server_app
     from llama_cpp.server.types import DetokenizeInputRequest
+    from prometheus_client import CONTENT_TYPE_LATEST
     from pydantic import ValidationError
 
     @app.get("/health")
@@ -84,8 +86,7 @@ def _routes(app, service: Service, plan_flags: str) -> None:
 
     @app.get("/metrics")
     def metrics():
-        text = service.metrics.render(processing=service.active, queued=service.waiting)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     def models():
@@ -130,7 +131,7 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     `session`: a saved session file to start from (restored when it matches this model and plan);
     `chat_format`: llama-cpp-python's chat format to answer chat with instead of the model's template
     (e.g. "chatml-function-calling", for tool_choice "auto"); `parallel`: serve completions on ctxq's
-    engine, that many sequences decoded together (0: the default from the plan, `serve_parallel`);
+    engine, that many sequences decoded together (0: the default from the plan, `parallel.py`);
     `load()` then returns (memory, the number of sequences, why)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
@@ -139,7 +140,7 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     from starlette_context.middleware import RawContextMiddleware
     from starlette_context.plugins import RequestIdPlugin
 
-    from . import serve_errors
+    from . import http_errors
 
     if parallel is not None:
         _check_parallel(parallel, chat_format, session)
@@ -157,11 +158,11 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     server_app.set_server_settings(ServerSettings(api_key=api_key, interrupt_requests=False))
     app = FastAPI(middleware=[Middleware(RawContextMiddleware, plugins=(RequestIdPlugin(),))],
                   title="ctxq (llama-cpp-python server)", version=server_app.llama_cpp.__version__)
-    serve_errors.install(app)
+    http_errors.install(app)
     _fixed_schema_grammars()
     backend = None
     if parallel is not None:  # the engine's completion routes come first: they answer those paths
-        from .serve_parallel import Backend, install
+        from .parallel import Backend, install
 
         backend = Backend(service, seed)
         install(app, backend)
@@ -200,12 +201,12 @@ def _check_parallel(parallel: int, chat_format, session) -> None:
 
 def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
     """The plan's model in ctxq's engine with `parallel` sequences (0: the plan's own P when it was made for
-    several, else serve_parallel.default_parallel);
+    several, else parallel.default_parallel);
     (memory report, sequences, why that many)."""
     from llama_cpp.server import app as server_app
 
-    from ..serve import engine as engine_mod
-    from .serve_parallel import default_parallel
+    from . import engine as engine_mod
+    from .parallel import default_parallel
 
     llm, memory, _ = load_plan(p, **load_kwargs)
     try:
