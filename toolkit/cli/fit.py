@@ -63,7 +63,7 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
     if result.quality:
         q = result.quality
         click.echo(f"quality on held-out text ({q['text']}, {q['n_ctx']:,} tokens) vs {q['reference']}: "
-                   f"mean KL {q['mean_kl']:.4f}, top-1 {100 * q['top1_agreement']:.1f} %")
+                   f"mean KL {q['mean_kl']:.4g}, top-1 {100 * q['top1_agreement']:.1f} %")
     if budget is not None:
         for line in budget.lines():
             click.echo(line)

@@ -171,8 +171,7 @@ def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=N
     table = S.layout(src)
     if not measure:
         return S.prior(table, src)
-    table = S.measure(table, src, progress=progress, plan_options=plan_options)
-    return S.losses(table, method)
+    return S.measure(table, src, method=method, progress=progress, plan_options=plan_options)
 
 
 def fit(src: str | os.PathLike, target: int, output: str | os.PathLike | None = None, *, method: str = "kl",

@@ -182,37 +182,52 @@ def _text_half(i: int) -> Path:
     return path
 
 
-def _key(src: Path, types, text: Path, n_ctx: int) -> str:
+def _key(src: Path, types, text: Path | None, n_ctx: int) -> str:
     from ..quality.store import file_id
 
-    stamp = [VERSION, file_id(str(src)), list(types), text.name, n_ctx, md.version("llama_cpp_python")]
+    stamp = [VERSION, file_id(str(src)), list(types), text.name if text else None, n_ctx,
+             md.version("llama_cpp_python")]
     return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24]
 
 
-def measure(table: Table, src: Path, *, text: Path | None = None, n_ctx: int = CALIBRATION_CTX,
+def measure(table: Table, src: Path, *, method: str = "kl", text: Path | None = None, n_ctx: int = CALIBRATION_CTX,
             progress=None, plan_options: dict | None = None) -> Table:
-    """Errors at every type and each group's measured sensitivity; `table.loss` for the kl method, the rest in
-    `table.details` (`losses(table, "error")` gives the other). Cached per source file, types and text."""
+    """Errors at every type and, for the kl method, each group's measured sensitivity; `table.loss` by `method`.
+    Cached per source file and types (and text and context for the sensitivities)."""
+    if method not in METHODS:
+        raise ConversionError(f"unknown fit method {method!r}: use one of {', '.join(METHODS)}")
     label = text.name if text else "licences (calibration half)"
     text = text or calibration_text()
     cached = _cache_dir() / f"table-{_key(src, table.types, text, n_ctx)}.json"
-    if cached.exists():
-        d = json.loads(cached.read_text())
-        table.details, table.base_kl, table.measured_on = d["details"], d["base_kl"], d["measured_on"]
-        return losses(table, "kl")
-    with tempfile.TemporaryDirectory(prefix="ctxq-fit-", dir=_cache_dir()) as tmp:
-        errors = _errors(table, src, Path(tmp), progress)
-        sens, base_kl = _sensitivities(table, src, errors, Path(tmp), text, n_ctx, progress, plan_options or {})
-    table.details = {"error": errors, "sensitivity": sens}
-    table.base_kl = base_kl
-    table.measured_on = f"{label}, {n_ctx:,} tokens"
-    part = tempfiles.create(cached, "json")
+    errors_file = _cache_dir() / f"errors-{_key(src, table.types, None, 0)}.json"
+    d = json.loads(cached.read_text()) if cached.exists() else None
+    if d is None or (method == "error" and errors_file.exists()):
+        if d is None:
+            d = {"details": {"sensitivity": None}, "base_kl": None, "measured_on": ""}
+        if errors_file.exists():
+            d["details"]["error"] = json.loads(errors_file.read_text())
+        else:
+            with tempfile.TemporaryDirectory(prefix="ctxq-fit-", dir=_cache_dir()) as tmp:
+                d["details"]["error"] = _errors(table, src, Path(tmp), progress)
+            _write(errors_file, d["details"]["error"])
+        if method == "kl":
+            with tempfile.TemporaryDirectory(prefix="ctxq-fit-", dir=_cache_dir()) as tmp:
+                d["details"]["sensitivity"], d["base_kl"] = _sensitivities(
+                    table, src, d["details"]["error"], Path(tmp), text, n_ctx, progress, plan_options or {})
+            d["measured_on"] = f"{label}, {n_ctx:,} tokens"
+            _write(cached, d)
+    table.details, table.base_kl = d["details"], d["base_kl"]
+    table.measured_on = d["measured_on"] if method == "kl" else "the weights (no text)"
+    return losses(table, method)
+
+
+def _write(path: Path, obj) -> None:
+    part = tempfiles.create(path, "json")
     try:
-        part.write_text(json.dumps({"details": table.details, "base_kl": base_kl, "measured_on": table.measured_on}))
-        os.replace(part, cached)
+        part.write_text(json.dumps(obj))
+        os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)
-    return losses(table, "kl")
 
 
 def losses(table: Table, method: str) -> Table:
