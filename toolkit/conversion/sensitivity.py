@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -207,11 +206,11 @@ def measure(table: Table, src: Path, *, method: str = "kl", text: Path | None = 
         if errors_file.exists():
             d["details"]["error"] = json.loads(errors_file.read_text())
         else:
-            with tempfile.TemporaryDirectory(prefix="ctxq-fit-", dir=_cache_dir()) as tmp:
+            with _work() as tmp:
                 d["details"]["error"] = _errors(table, src, Path(tmp), progress)
             _write(errors_file, d["details"]["error"])
         if method == "kl":
-            with tempfile.TemporaryDirectory(prefix="ctxq-fit-", dir=_cache_dir()) as tmp:
+            with _work() as tmp:
                 d["details"]["sensitivity"], d["base_kl"] = _sensitivities(
                     table, src, d["details"]["error"], Path(tmp), text, n_ctx, progress, plan_options or {})
             d["measured_on"] = f"{label}, {n_ctx:,} tokens"
@@ -219,6 +218,13 @@ def measure(table: Table, src: Path, *, method: str = "kl", text: Path | None = 
     table.details, table.base_kl = d["details"], d["base_kl"]
     table.measured_on = d["measured_on"] if method == "kl" else "the weights (no text)"
     return losses(table, method)
+
+
+def _work():
+    """A temporary folder in the fit cache for the pure and probe files: removed after, or by the next sweep
+    (`ctxq cache clean`, the next fit) when this process is killed."""
+    tempfiles.sweep(_cache_dir())
+    return tempfiles.folder(_cache_dir() / "work", "fit")
 
 
 def _write(path: Path, obj) -> None:
