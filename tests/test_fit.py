@@ -107,6 +107,17 @@ def test_a_budget_the_plan_cannot_meet_is_one_line(smollm3, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_fit_ctx_writes_the_largest_mix_the_plan_holds(smollm3, tmp_path):
+    out = tmp_path / "ctx.gguf"
+    r = run_ctxq("convert", str(smollm3), "fit", "--ctx", "4096", "--gpus", "1", "-o", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert out.stat().st_size == d["size"]
+    assert d["plan"]["cpu_layers"] == 0 and d["plan"]["n_ctx"] == 4096
+    assert d["budget"]["reference"] == "Q4_K_M" and f"{d['plan']['type_k']}/{d['plan']['type_v']}" == d["budget"]["kv"]
+    assert 0 < d["budget"]["fill"] <= 1
+
+
 def test_fit_fills_the_cards_of_a_70b_at_64k(tmp_path):
     """The issue's case, from a header without weights: 3x16 + 2x8 GiB at 65,536 tokens."""
     from ctxq.conversion.fit_budget import fit_to_plan
@@ -123,6 +134,7 @@ def test_fit_fills_the_cards_of_a_70b_at_64k(tmp_path):
 
     q4_k_m = sparse_size(read_gguf(src, skip_arrays=True).data_offset, dry_run(src, "Q4_K_M"))
     assert b.mix.size > 1.1 * q4_k_m  # the space Q4_K_M leaves is spent
+    assert b.mix.group_types()["token_embd"] == "Q8_0"  # host memory: the GPUs pay nothing for its bits
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
             from ..conversion.fit_budget import fit_to_plan
 
             budget = fit_to_plan(src, table, n_ctx, gpus=gpus, profile=profile, rpc=rpc)
-            target = budget.mix.size
+            target, table = budget.mix.size, budget.mix.table  # (the embeddings at their best: host memory)
         result = fitting.fit(src, target, output, table=table, progress=bars, check=check, force=force)
     finally:
         bars.close()

@@ -9,6 +9,8 @@ layer on a GPU.
 2. With that pair fixed, the mix's target size is bisected: each candidate mix (`fit.choose`: llama.cpp's dry run)
    is written header-only and planned (`planner.plan_for`, CUDA terms, compute buffers and margins included) until
    the largest that still fits every card is found to within `TOLERANCE`.
+The token embeddings live in host memory (llama.cpp's input layer is the CPU's): a model with its own output head
+gets them at the most precise candidate, at no cost to the GPUs (`host_embeddings`).
 Nothing here reads weights: a Hub checkpoint's header plans the same way.
 """
 
@@ -71,6 +73,24 @@ def _plan_tensors(src: Path, tensors, folder: Path, name: str, devices, cpu, opt
         return None
 
 
+def host_embeddings(table: S.Table) -> S.Table:
+    """llama.cpp keeps the token embeddings in host memory (the input layer is the CPU's): they cost the GPUs
+    nothing, so a model with its own output head gets them at the most precise candidate. A tied head reads
+    token_embd on the last device too: there they compete like any group."""
+    import copy
+
+    names = {g.name for g in table.groups}
+    if "token_embd" not in names or "output" not in names:
+        return table
+    t = copy.copy(table)
+    t.bytes, t.loss = dict(table.bytes), dict(table.loss)
+    top = max(range(len(table.types)), key=lambda i: (table.bytes["token_embd"][i], -table.loss["token_embd"][i]))
+    t.bytes["token_embd"] = [table.bytes["token_embd"][top]] * len(table.types)
+    t.loss["token_embd"] = [table.loss["token_embd"][top] if i == top else float("inf")
+                            for i in range(len(table.types))]
+    return t
+
+
 def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings) -> Budget:
     """The largest mix of `table` whose plan holds n_ctx tokens on the devices (`settings`: PlanOptions fields,
     over `options`)."""
@@ -80,6 +100,7 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
 
     opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
     devices, cpu = resolve_devices(opts)
+    table = host_embeddings(table)
     if not devices:
         raise ConversionError("fit --ctx needs GPUs to fill: --gpus 16,16,8, --profile, --rpc, or GPUs present; "
                               "or give --target-size")
