@@ -37,6 +37,12 @@ def dry_run(src: Path, type: str, *, tensor_types: dict[str, str] | None = None,
             imatrix: Path | None = None) -> list[tuple[str, tuple, int]]:
     """Each tensor's (name, ggml shape, ggml type) after quantizing `src` to `type`, by llama.cpp's quantizer in
     dry-run mode in its worker (nothing is read but the header, nothing written)."""
+    return dry_run_needs(src, type, tensor_types=tensor_types, pure=pure, imatrix=imatrix)[0]
+
+
+def dry_run_needs(src: Path, type: str, *, tensor_types: dict[str, str] | None = None, pure: bool = False,
+                  imatrix: Path | None = None) -> tuple[list[tuple[str, tuple, int]], bool]:
+    """`dry_run`, and whether the job needs an importance matrix llama.cpp was not given."""
     name, ftype = parse_type(type)
     g = read_gguf(src, skip_arrays=True)
     job = {"src": str(src), "out": os.devnull, "ftype": ftype, "nthread": 1, "dry_run": True, "pure": pure,
@@ -44,7 +50,7 @@ def dry_run(src: Path, type: str, *, tensor_types: dict[str, str] | None = None,
            "tensor_types": tensor_overrides(tensor_types)}
     with Worker(lean=imatrix is None) as worker:
         lines = worker.run(job)["log"]
-    return read_dry_run(lines, {t.name: t.shape for t in g.tensors}, name)[0]
+    return read_dry_run(lines, {t.name: t.shape for t in g.tensors}, name)
 
 
 def read_dry_run(lines: list[str], shapes: dict[str, tuple], name: str) -> tuple[list[tuple[str, tuple, int]], bool]:

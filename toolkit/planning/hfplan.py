@@ -13,7 +13,6 @@ From the checkpoint's config.json and safetensors headers alone (no weights are 
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
@@ -22,16 +21,14 @@ from pathlib import Path
 
 import gguf
 
-from ..conversion.dryrun import QVERSION_KV as _QVERSION_KV, read_dry_run
+from ..conversion.dryrun import QVERSION_KV as _QVERSION_KV, dry_run_needs
 from .devices import resolve_devices
 from .options import PlanOptions
 from .plan import Plan
 from .planner import plan_for
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..gguf.writer import sparse_size, write_sparse_gguf
-from ..llama import backend
 from ..paths import ctxq_home
-from ..units import last_error_line
 
 log = logging.getLogger(__name__)
 
@@ -119,22 +116,9 @@ def header_gguf(folder: str | os.PathLike, kind: str | None = None) -> Path:
 
 def predict(src: Path, qtype: str) -> tuple[list[tuple[str, tuple, int]], bool]:
     """Each tensor's (name, ggml shape, ggml type) after quantizing src to qtype, by llama.cpp's
-    quantizer in dry-run mode; and whether that type needs an importance matrix."""
-    from ..conversion.quantize import parse_type
-
-    name, ftype = parse_type(qtype)
-    lc = backend.llama_cpp()
-    params = lc.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.dry_run = True
-    params.nthread = 1
-    with backend.capture_log() as lines:
-        rc = lc.llama_model_quantize(str(src).encode(), os.devnull.encode(), ctypes.byref(params))
-    if rc != 0:
-        raise CtxqError(f"llama.cpp's quantizer refused a dry run to {name} ({last_error_line(lines)})")
-    from ..gguf.reader import read_gguf
-
-    return read_dry_run(lines, {t.name: t.shape for t in read_gguf(src, skip_arrays=True).tensors}, name)
+    quantizer in dry-run mode (in its worker process: llama.cpp may abort); and whether that type needs an
+    importance matrix."""
+    return dry_run_needs(src, qtype)
 
 
 def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:
