@@ -24,9 +24,10 @@ import hashlib
 import importlib.metadata as md
 import json
 import logging
+import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import tempfiles
@@ -135,18 +136,11 @@ def prior(table: Table, src: Path) -> Table:
     """Losses without weights: a group's squared error falls by 4x per bit (2^(-2 b)), weighted by its kind."""
     shapes = {t.name: t.shape for t in read_gguf(src, skip_arrays=True).tensors}
     for g in table.groups:
-        numel = sum(_numel(shapes[n]) for n in g.tensors)
+        numel = sum(math.prod(shapes[n]) for n in g.tensors)
         table.loss[g.name] = [PRIOR_WEIGHT.get(g.kind, 1.0) * numel * 2.0 ** (-2 * 8 * b / numel)
                               for b in table.bytes[g.name]]
     table.method = "prior"
     return table
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _cache_dir() -> Path:
@@ -312,7 +306,3 @@ def _sensitivities(table: Table, src: Path, errors: dict, tmp: Path, text: Path,
     if progress:
         progress(n, n, "measure:")
     return sens, base_kl
-
-
-def table_dict(table: Table) -> dict:
-    return asdict(table)
