@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import tempfiles
+from .. import children, tempfiles
 from ..errors import CtxqError, InvalidOption
 from ..units import default_threads, last_error_line
 from . import stats
@@ -91,10 +91,10 @@ class _Child:
     def __init__(self, job: dict, workdir: Path, progress, label: str):
         self.job, self.progress, self.label = job, progress, label
         self.err = workdir / "stderr.txt"
-        env = dict(os.environ, CTXQ_QUALITY_PARENT=str(os.getpid()))
-        with open(self.err, "wb") as err:
+        with open(self.err, "wb") as err:  # the lifeline: it ends at once when ctxq does (ctxq.children)
             self.proc = subprocess.Popen([sys.executable, "-m", "ctxq.quality.worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+                                         stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                                         **children.lifeline())
 
     def run(self) -> dict:
         try:
