@@ -1,14 +1,85 @@
-"""Children end with their parent (issue 47): every child ctxq starts holds a lifeline (`ctxq.children`), whichever
-thread started it. Real processes throughout."""
+"""A stop signal is a stop (issue 47): SIGTERM and SIGHUP end a one-shot command as Ctrl-C does, every child ctxq
+starts ends with it.
+
+Real processes throughout: the `ctxq` console script, its real children (the quantizer's and the quality measurement's
+workers, the dry runs, RPC workers). Each command is stopped at a named stage (`ctxq.stages`: the process at the
+stage says so on a FIFO and waits), never after a sleep; the children are the command's descendants seen at that
+moment.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+
+from ctxq import tempfiles
+
+from .conftest import ctxq_exe
+
+TEXT = ("The licensee may copy and distribute the work, in any medium, provided that each copy carries this notice. "
+        "Nothing here grants the right to use the names of the authors. ") * 12  # about 600 tokens
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+
+class Stopped:
+    """A `ctxq` command held at a stage: its process, the paused process's pid, and its descendants then."""
+
+    def __init__(self, proc: subprocess.Popen, paused: int, descendants: list[psutil.Process]):
+        self.proc, self.paused, self.descendants = proc, paused, descendants
+
+    def signal(self, sig: int) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        _, err = self.proc.communicate()
+        return self.proc.returncode, err
+
+
+def at_stage(tmp_path: Path, stage: str, *args: str, env: dict | None = None, preexec_fn=None) -> Stopped:
+    """Start `ctxq ARGS` and wait until a process of it reaches `stage` (`ctxq.stages`)."""
+    fifo = tmp_path / f"stage-{stage}"
+    os.mkfifo(fifo)
+    full = {**os.environ, **(env or {}), "CTXQ_TEST_STAGE": f"{stage}:{fifo}"}
+    full.pop("CTXQ_DEBUG", None)
+    proc = subprocess.Popen([ctxq_exe(), *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, preexec_fn=preexec_fn)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    while reader.is_alive():
+        reader.join(0.2)
+        if reader.is_alive() and proc.poll() is not None:
+            with open(fifo, "w"):  # lets the reader go
+                pass
+            reader.join()
+            out, err = proc.communicate()
+            pytest.fail(f"ctxq exited with {proc.returncode} before stage {stage}: {err[-2000:]}")
+    name, pid = got[0].split()
+    assert name == stage
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    assert int(pid) == proc.pid or int(pid) in [d.pid for d in descendants]
+    return Stopped(proc, int(pid), descendants)
+
+
+def stopped_line(err: str, name: str) -> None:
+    """One line on stderr says the command was stopped by `name`, and it is the last; no traceback."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines[-1].strip() == f"Stopped ({name}).", err[-2000:]
+    assert sum("Stopped" in ln for ln in lines) == 1 and "Traceback" not in err, err[-2000:]
+
+
+def none_running(procs: list[psutil.Process]) -> None:
+    """Each process has ended and been waited for (is_running() is True for a zombie, and checks the pid's start
+    time, so a reused pid does not count)."""
+    assert procs, "the command had no children at the stage"
+    left = [(p.pid, p.name()) for p in procs if p.is_running()]
+    assert left == [], left
 
 
 def wait_gone(procs: list[psutil.Process], guard_s: float = 120) -> list[psutil.Process]:
@@ -25,6 +96,141 @@ def wait_gone(procs: list[psutil.Process], guard_s: float = 120) -> list[psutil.
     return left
 
 
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+@pytest.fixture()
+def home(tmp_path):
+    return tmp_path / "home"
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory):
+    """A 2-layer, 64-wide llama with SmolLM2's tokenizer (F32, 27 MB): `convert fit` reaches its probes fast."""
+    from ctxq.testing.models import tiny_chat_llama_gguf
+
+    return tiny_chat_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
+
+
+# --- SIGTERM at each stage -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_stop_while_quantizing(smollm2, tmp_path, home, sig):
+    """`ctxq convert` stopped while llama.cpp's quantizer writes (its worker held inside llama_model_quantize):
+    exit 128 + the signal, one line, the quantizer's temporary gone from the destination's folder, nothing in the
+    cache but finished records, the worker gone."""
+    out = tmp_path / "out" / "x.gguf"
+    held = at_stage(tmp_path, "quantize", "convert", str(smollm2), "q8_0", "-o", str(out), "--no-check",
+                    env={"CTXQ_HOME": str(home)})
+    assert [p.name for p in out.parent.iterdir()] == [tempfiles.temp_path(out, "quantize", held.proc.pid).name]
+    assert any("quantize_worker" in " ".join(p.cmdline()) and p.pid == held.paused for p in held.descendants)
+    rc, err = held.signal(sig)
+    assert rc == 128 + sig
+    stopped_line(err, signal.Signals(sig).name)
+    assert list(out.parent.iterdir()) == []
+    assert tempfiles.temporaries(home, recursive=True) == []
+    none_running(held.descendants)
+
+
+def test_sigterm_in_the_reference_pass(smollm2, tmp_path, home):
+    """`ctxq quality` stopped while the reference's worker evaluates: no reference and no result in the cache, no
+    temporary anywhere under ctxq's home, every child (the worker, the dry runs) gone, 143."""
+    held = at_stage(tmp_path, "reference", "quality", str(smollm2), "--ctx", "256", "--kv", "q8_0",
+                    env={"CTXQ_HOME": str(home)})
+    assert any("ctxq.quality.worker" in " ".join(p.cmdline()) for p in held.descendants)
+    rc, err = held.signal(signal.SIGTERM)
+    assert rc == 143
+    stopped_line(err, "SIGTERM")
+    assert files_under(home / "quality") == []
+    assert tempfiles.temporaries(home, recursive=True) == []
+    none_running(held.descendants)
+
+
+def test_sigterm_in_a_candidate_pass(smollm2, tmp_path, home):
+    """Stopped in the candidate's pass: the finished reference stays (a result), the candidate leaves nothing."""
+    held = at_stage(tmp_path, "candidate", "quality", str(smollm2), "--ctx", "256", "--kv", "q8_0",
+                    env={"CTXQ_HOME": str(home)})
+    rc, err = held.signal(signal.SIGTERM)
+    assert rc == 143
+    stopped_line(err, "SIGTERM")
+    left = files_under(home / "quality")
+    assert len(left) == 1 and left[0].startswith("ref-") and left[0].endswith(".npz"), left
+    assert tempfiles.temporaries(home, recursive=True) == []
+    none_running(held.descendants)
+
+
+@pytest.mark.slow  # ~30 s: fit measures every type first
+def test_sigterm_at_a_fit_probe(tiny_chat, tmp_path, home):
+    """`ctxq convert MODEL fit` stopped with a probe file quantized in its work folder: the folder is gone, nothing
+    at the destination, the fit cache holds only finished files, children gone."""
+    out = tmp_path / "out" / "fit.gguf"
+    held = at_stage(tmp_path, "fit-probe", "convert", str(tiny_chat), "fit", "--target-size", "10MiB",
+                    "-o", str(out), env={"CTXQ_HOME": str(home)})
+    [work] = tempfiles.temporaries(home / "fit", recursive=True)  # the work folder, with the probe in it
+    assert (work / "probe.gguf").is_file()
+    rc, err = held.signal(signal.SIGTERM)
+    assert rc == 143
+    stopped_line(err, "SIGTERM")
+    assert not work.exists() and not out.exists()
+    assert tempfiles.temporaries(home, recursive=True) == []
+    assert all(n.startswith(("errors-", "text-")) for n in files_under(home / "fit")), files_under(home / "fit")
+    none_running(held.descendants)
+
+
+def test_sigterm_in_a_runs_prefill_on_local_workers(smollm2, tmp_path):
+    """`ctxq run --simulate` stopped after its first prompt chunk: its RPC worker and dry-run child gone, 143."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT)
+    held = at_stage(tmp_path, "prefill", "run", str(smollm2), "-f", str(doc), "-p", "Summarize:", "--ctx", "1024",
+                    "-b", "64", "-n", "4", "--simulate", "1")
+    assert held.paused == held.proc.pid
+    assert any("ctxq.rpc" in " ".join(p.cmdline()) for p in held.descendants)
+    rc, err = held.signal(signal.SIGTERM)
+    assert rc == 143
+    stopped_line(err, "SIGTERM")
+    none_running(held.descendants)
+
+
+def test_sigterm_in_the_split_referees_dry_run(smollm2, tmp_path, home):
+    """`ctxq plan` on two described GPUs stopped in the split referee's dry run: its two loopback RPC workers and the
+    dry-run process gone, no answer cached for the split, 143."""
+    held = at_stage(tmp_path, "split-dry-run", "plan", str(smollm2), "--ctx", "4096", "--gpus", "1,1",
+                    env={"CTXQ_HOME": str(home)})
+    assert sum("ctxq.rpc" in " ".join(p.cmdline()) for p in held.descendants) == 2
+    rc, err = held.signal(signal.SIGTERM)
+    assert rc == 143
+    stopped_line(err, "SIGTERM")
+    assert files_under(home / "split") == []
+    none_running(held.descendants)
+
+
+def test_sighup_ignored_under_nohup_stays_ignored(smollm2, tmp_path):
+    """A SIGHUP that was ignored when ctxq started (nohup) does not stop it; SIGTERM still does."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT)
+    held = at_stage(tmp_path, "prefill", "run", str(smollm2), "-f", str(doc), "-p", "Summarize:", "--ctx", "1024",
+                    "-b", "64", "-n", "4", preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    held.proc.send_signal(signal.SIGHUP)
+    # the kernel drops an ignored signal at once: the process is still there, still at its stage
+    assert held.proc.poll() is None and psutil.Process(held.proc.pid).status() != psutil.STATUS_ZOMBIE
+    rc, err = held.signal(signal.SIGTERM)
+    assert rc == 143
+    stopped_line(err, "SIGTERM")
+
+
+# --- children die with their parent ----------------------------------------------------------------------------
+
+def test_children_end_with_a_parent_killed_by_sigkill(smollm2, tmp_path, home):
+    """`kill -9` of ctxq while its quality worker is held at a stage (so it never polls for anything): the worker
+    and the dry-run process learn of it through their lifeline and end."""
+    held = at_stage(tmp_path, "reference", "quality", str(smollm2), "--ctx", "256", "--kv", "q8_0",
+                    env={"CTXQ_HOME": str(home)})
+    assert len(held.descendants) >= 2  # the worker and the dry-run process
+    held.signal(signal.SIGKILL)
+    assert wait_gone(held.descendants) == []
+
+
 SCRIPT = """
 import os, sys, threading
 from ctxq.llama import dry
@@ -39,7 +245,6 @@ sys.stdin.read()  # held until the test kills this process
 """
 
 
-@pytest.mark.slow
 def test_a_child_outlives_the_thread_that_started_it_not_the_process(smollm2, tmp_path):
     """The dry-run process started from a thread that then ends lives on and answers (PR_SET_PDEATHSIG, which
     follows the starting thread, would have killed it with that thread), and ends when its parent process is killed

@@ -103,7 +103,7 @@ def _die_with_parent() -> None:
 
 
 def _sibling(name: str):
-    """A standard-library-only module of ctxq (`children`) loaded by its path: a lean worker runs with
+    """A standard-library-only module of ctxq (`children`, `stages`) loaded by its path: a lean worker runs with
     `-I -S` and imports nothing of ctxq."""
     import importlib.util
 
@@ -253,9 +253,13 @@ def main(argv: list[str]) -> int:
         import llama_cpp  # noqa: F401  (the quality gate's `Llama`; it sets a log callback, replaced below)
     lib = bind(argv[argv.index("--lib") + 1])
 
+    stop_at_first_tensor = os.environ.get("CTXQ_TEST_STAGE", "").startswith("quantize:")  # tests (ctxq.stages)
+
     @LogCallback
     def on_log(level, text, user_data):
         os.write(2, text)
+        if stop_at_first_tensor and text.lstrip().startswith(b"[") and text.lstrip()[1:].lstrip().startswith(b"1/"):
+            _sibling("stages").reached("quantize")  # inside llama_model_quantize, its first tensor under way
 
     lib.llama_log_set(on_log, None)
     lib.llama_backend_init()

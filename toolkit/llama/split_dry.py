@@ -27,7 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from .. import children
+from .. import children, stages
 from ..errors import CtxqError
 from ..units import last_error_line
 
@@ -132,6 +132,7 @@ def _main() -> int:
     """The dry run's process: a job on stdin (split_dry_run), its compute buffers and lost pins on stdout."""
     children.watch_parent()
     job = json.loads(sys.stdin.read())
+    stages.reached("split-dry-run")
     try:
         from ..rpc.client import add_servers
         from .measure import measure

@@ -45,9 +45,12 @@ def _tokens(llm, job: dict) -> np.ndarray:
     return toks
 
 
-def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows) -> None:
+def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows, stage: str) -> None:
     """Decode `toks` in order, in batches of n_batch; for the positions from `score_from` on (each predicts the
-    next token), hand their logits to on_rows(first_position, rows) in chunks."""
+    next token), hand their logits to on_rows(first_position, rows) in chunks. `stage`: its name for the tests'
+    hook (`ctxq.stages`), reached after the first batch."""
+    from ..stages import reached
+
     ctx, n_vocab = llm.ctx, llm.n_vocab()
     n_batch = llm.n_batch
     batch = lc.llama_batch_init(n_batch, 0, 1)
@@ -75,6 +78,8 @@ def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows) -> None:
                 for r in range(0, k, ROWS):
                     on_rows(first + r, logits[r:r + ROWS])
             print(f"progress {b1} {n}", flush=True)
+            if b0 == 0:
+                reached(stage)
     finally:
         lc.llama_batch_free(batch)
 
@@ -106,7 +111,7 @@ def run(job: dict) -> dict:
                 i = pos - score_from
                 parts.append(stats.score(ref.rows(i, i + len(rows)), lp, targets))
 
-        _evaluate(llm, lc, toks, score_from, on_rows)
+        _evaluate(llm, lc, toks, score_from, on_rows, "reference" if ref is None else "candidate")
     finally:
         llm.close()
     arrays = (stats.Compact if ref is None else stats.Scores).concat(parts).__dict__

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .. import stages
 from ..errors import ContextTooLong, CtxqError, InvalidOption
 from ..llama import backend
 from ..planning.plan import Plan
@@ -221,6 +222,7 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
             llm.eval(tokens[i:min(i + llm.n_batch, end)])
             if on_progress:
                 on_progress(Progress(min(i + llm.n_batch, end), total, time.perf_counter() - t0))
+            stages.reached("prefill")  # tests only (ctxq.stages)
         if end == keep and on_keep:
             on_keep(tokens[:keep])
     t1 = time.perf_counter()
