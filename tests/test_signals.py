@@ -1,14 +1,16 @@
 """A stop signal is a stop (issue 47): SIGTERM and SIGHUP end a one-shot command as Ctrl-C does, every child ctxq
-starts ends with it.
+starts ends with it, and a file given as text is refused from its first block when it is not text.
 
 Real processes throughout: the `ctxq` console script, its real children (the quantizer's and the quality measurement's
 workers, the dry runs, RPC workers). Each command is stopped at a named stage (`ctxq.stages`: the process at the
 stage says so on a FIFO and waits), never after a sleep; the children are the command's descendants seen at that
-moment.
+moment. Bytes read from a text are counted on the writing side of a FIFO: a writer cannot get further ahead of the
+reader than the pipe holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -20,6 +22,7 @@ import psutil
 import pytest
 
 from ctxq import tempfiles
+from ctxq.textfile import BLOCK, NotText, TextFile, byte_limit, check_text
 
 from .conftest import ctxq_exe
 
@@ -98,6 +101,36 @@ def wait_gone(procs: list[psutil.Process], guard_s: float = 120) -> list[psutil.
 
 def files_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+def fifo_writer(path: Path, payload: bytes) -> dict:
+    """Write `payload` into the FIFO `path` from a thread until the reader closes it; the result says how many bytes
+    went in and the pipe's capacity (what can sit written but unread)."""
+    os.mkfifo(path)
+    out = {"written": 0}
+
+    def write():
+        fd = os.open(path, os.O_WRONLY)  # waits for the reader
+        out["capacity"] = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        try:
+            for i in range(0, len(payload), 4096):
+                out["written"] += os.write(fd, payload[i:i + 4096])
+        except BrokenPipeError:
+            out["broken"] = True
+        finally:
+            os.close(fd)
+
+    out["thread"] = threading.Thread(target=write, daemon=True)
+    out["thread"].start()
+    return out
+
+
+def writer_done(w: dict, path: Path) -> None:
+    """Wait for `fifo_writer`'s thread; one still waiting for a reader (ctxq never opened the FIFO) is let go."""
+    w["thread"].join(0.5)
+    if w["thread"].is_alive() and "capacity" not in w:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    w["thread"].join()
 
 
 @pytest.fixture()
@@ -289,3 +322,100 @@ def test_the_lifeline_ends_a_child_whose_parent_is_killed(tmp_path):
     proc.kill()
     proc.wait()
     assert wait_gone([child]) == []
+
+
+# --- text inputs -----------------------------------------------------------------------------------------------
+
+def test_not_text_is_named_from_the_first_block(tmp_path):
+    for head, what in [(b"GGUF\x03\x00\x00\x00", "a GGUF model"), (b"%PDF-1.7\n", "a PDF document"),
+                       (b"\x89PNG\r\n\x1a\n\x00\x00", "a PNG image"), (b"\xff\xd8\xff\xe0\x00\x10JFIF", "a JPEG image"),
+                       (b"PK\x03\x04", "a ZIP archive"), (b"\xff\xfeh\x00i\x00", "UTF-16 text")]:
+        with pytest.raises(NotText, match=f"looks like {what}") as e:
+            check_text(head + b"more", "f", complete=True)
+        assert e.value.looks_like.startswith(what)
+    with pytest.raises(NotText, match="NUL byte at offset 5"):
+        check_text(b"hello\x00world", "f", complete=True)
+    with pytest.raises(NotText, match="byte 0xe9 at offset 3"):
+        check_text("café".encode("latin-1"), "f", complete=True)
+    euro = "price: €".encode()
+    check_text(euro[:-1], "f", complete=False)  # a character cut by the block's end is text
+    with pytest.raises(NotText):
+        check_text(euro[:-1], "f", complete=True)  # ... but not at the file's end
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"plain " * (BLOCK // 3) + "é".encode())
+    text, whole = TextFile(path).text()
+    assert whole and text.endswith("é")
+    data, whole = TextFile(path).read(100)
+    assert not whole and data == (b"plain " * 17)[:100]
+
+
+@pytest.mark.parametrize("command", ["run", "quality"])
+def test_a_binary_file_is_refused_after_its_first_block(smollm2, tmp_path, command):
+    """A GGUF given as the text (-f): one line naming it, after reading no more than the first block; the rest of the
+    8 MiB is never read (the FIFO's writer is stopped by the reader closing it)."""
+    payload = smollm2.read_bytes()[:8 << 20]
+    w = fifo_writer(tmp_path / "model-as-text", payload)
+    args = ["run", str(smollm2), "-f", str(tmp_path / "model-as-text"), "-p", "hi", "--ctx", "1024"] \
+        if command == "run" else ["quality", str(smollm2), "--ctx", "1024", "-f", str(tmp_path / "model-as-text")]
+    r = subprocess.run([ctxq_exe(), *args], capture_output=True, text=True,
+                       env={**os.environ, "CTXQ_HOME": str(tmp_path / "home")})
+    writer_done(w, tmp_path / "model-as-text")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"Error: {tmp_path / 'model-as-text'} is not text: it looks like a GGUF "
+                                             "model; give a UTF-8 text file"]
+    assert w.get("broken") and w["written"] <= BLOCK + w["capacity"], w
+
+
+def test_run_reads_a_long_text_only_as_far_as_the_context(smollm2, tmp_path):
+    """A 16 MiB text for a 1,024-token context: refused as too long after at most the bytes 1,024 tokens of this
+    vocabulary can hold (byte_limit), plus one."""
+    limit = byte_limit(smollm2, 1024)
+    assert BLOCK < limit < 1 << 20
+    w = fifo_writer(tmp_path / "long", TEXT.encode() * ((16 << 20) // len(TEXT)))
+    r = subprocess.run([ctxq_exe(), "run", str(smollm2), "-f", str(tmp_path / "long"), "-p", "hi", "--ctx", "1024"],
+                       capture_output=True, text=True, env={**os.environ, "CTXQ_HOME": str(tmp_path / "home")})
+    writer_done(w, tmp_path / "long")
+    assert r.returncode == 1
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith(f"Error: {tmp_path / 'long'} is longer than {limit:,} bytes") and "--ctx" in line, line
+    assert w.get("broken") and w["written"] <= limit + 1 + w["capacity"], w
+
+
+def test_a_text_within_the_limit_is_read_whole(smollm2, tmp_path):
+    """The same text cut to fit runs as before: the input's tokens are the whole file's."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT)
+    r = subprocess.run([ctxq_exe(), "run", str(smollm2), "-f", str(doc), "-p", "hi", "--ctx", "1024", "--dry-run",
+                        "--json"], capture_output=True, text=True,
+                       env={**os.environ, "CTXQ_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    import json
+
+    from ctxq.runtime.generate import input_tokens
+
+    assert json.loads(r.stdout)["n_prompt"] == len(input_tokens(smollm2, "hi", document=TEXT)[0])
+
+
+def test_quality_reads_a_long_text_only_as_far_as_its_tokens(smollm2, tmp_path):
+    """`ctxq quality -f` on a 16 MiB text at --ctx 64 reads no more than its first 65 tokens' worth (and a block for
+    the word the limit cuts), and measures what the whole text's first 64 tokens give: the same perplexity as a
+    shorter file of the same text, read whole."""
+    import json
+
+    from ctxq.quality.measurement import _text_limit
+
+    limit = _text_limit(str(smollm2), str(smollm2), 64)
+    data = TEXT.encode() * ((16 << 20) // len(TEXT))
+    short = tmp_path / "short.txt"
+    short.write_bytes(data[:limit - 4096])  # under the limit: read whole
+    w = fifo_writer(tmp_path / "long", data)
+    env = {**os.environ, "CTXQ_HOME": str(tmp_path / "home")}
+    args = ["quality", str(smollm2), "--ctx", "64", "--kv", "q8_0", "--json", "-f"]
+    r = subprocess.run([ctxq_exe(), *args, str(tmp_path / "long")], capture_output=True, text=True, env=env)
+    writer_done(w, tmp_path / "long")
+    assert r.returncode == 0, r.stderr
+    assert w.get("broken") and w["written"] <= limit + 1 + w["capacity"], w
+    whole = subprocess.run([ctxq_exe(), *args, str(short)], capture_output=True, text=True, env=env)
+    assert whole.returncode == 0, whole.stderr
+    got, want = (json.loads(x.stdout)["results"][-1] for x in (r, whole))
+    assert got["ppl"] == want["ppl"] and got["mean_kl"] == want["mean_kl"] and not got["cached"] and not want["cached"]
