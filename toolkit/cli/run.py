@@ -13,15 +13,12 @@ from .plan import render_plan
 
 
 def _read_input(prompt, file):
-    """(document, prompt): -f FILE is the document and -p TEXT follows it; stdin when neither is given."""
+    """(document, prompt): -f FILE is the document and -p TEXT follows it; stdin when neither is given. The file is
+    checked from its first block and read later, only as far as the plan's context can use (`ctxq.textfile`)."""
     if file is not None:
-        try:
-            with open(file, encoding="utf-8", errors="replace") as fh:
-                return fh.read(), prompt
-        except OSError as e:
-            from ..errors import CtxqError
+        from ..textfile import TextFile
 
-            raise CtxqError(f"cannot read {file}: {e.strerror}") from None
+        return TextFile(file), prompt
     if prompt is not None:
         return None, prompt
     if not sys.stdin.isatty():
@@ -136,6 +133,7 @@ def _run_many(model, document, questions, *, options, n_threads, seed, session, 
         from ..models import resolve_model
 
         with runner.local_workers(options) as opts:
+            document = runner.document_text(document, model, opts.n_ctx)
             tokens, keep = many.question_tokens(resolve_model(model), document, questions, chat=chat, system=system)
             need = many.cells_needed(tokens, keep, max(n_predict, 0))
             p = runner.make_plan(model, options=opts if opts.n_ctx is not None else opts.updated(

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import children
 from ..errors import ConversionError
 from ..llama.backend import lib_dir, llama_log
 
@@ -48,8 +49,8 @@ class Worker:
             argv = [sys.executable, "-I", "-S", str(Path(__file__).with_name("quantize_worker.py")), "--lean", *lib]
         else:
             argv = [sys.executable, "-m", "ctxq.conversion.quantize_worker", *lib]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True, **children.lifeline())
 
     def __enter__(self) -> "Worker":
         return self

@@ -12,7 +12,8 @@ from Python, so ctxq runs it here and the parent only watches. The worker
 4. writes a JSON result to `result` (never to stdout, where C code may print).
 
 It exits 0 on success, 2 with {"error": ...} in the result when llama.cpp refused the job, and
-dies with the parent (PR_SET_PDEATHSIG), so a killed `ctxq` leaves no quantizer running.
+dies with the parent (its lifeline, `ctxq.children`, and PR_SET_PDEATHSIG), so a killed `ctxq` leaves no quantizer
+running.
 
 Its start-up is on the critical path of every quantization, so a plain job (no quality gate, no
 imatrix) runs lean: `python -I -S quantize_worker.py --lean --lib DIR` imports only the standard
@@ -98,6 +99,19 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:  # the parent died before prctl took effect
             os._exit(1)
+    _sibling("children").watch_parent()  # PR_SET_PDEATHSIG follows the spawning thread; the lifeline the process
+
+
+def _sibling(name: str):
+    """A standard-library-only module of ctxq (`children`, `stages`) loaded by its path: a lean worker runs with
+    `-I -S` and imports nothing of ctxq."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_ctxq_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load_imatrix(path: str) -> tuple[dict[str, "object"], dict]:
@@ -239,9 +253,13 @@ def main(argv: list[str]) -> int:
         import llama_cpp  # noqa: F401  (the quality gate's `Llama`; it sets a log callback, replaced below)
     lib = bind(argv[argv.index("--lib") + 1])
 
+    stop_at_first_tensor = os.environ.get("CTXQ_TEST_STAGE", "").startswith("quantize:")  # tests (ctxq.stages)
+
     @LogCallback
     def on_log(level, text, user_data):
         os.write(2, text)
+        if stop_at_first_tensor and text.lstrip().startswith(b"[") and text.lstrip()[1:].lstrip().startswith(b"1/"):
+            _sibling("stages").reached("quantize")  # inside llama_model_quantize, its first tensor under way
 
     lib.llama_log_set(on_log, None)
     lib.llama_backend_init()

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import tempfiles
+from .. import stages, tempfiles
 from ..errors import ConversionError
 from ..gguf.reader import read_gguf
 from ..paths import ctxq_home
@@ -298,6 +298,7 @@ def _sensitivities(table: Table, src: Path, errors: dict, tmp: Path, text: Path,
             continue
         probe = tmp / "probe.gguf"
         _quantize(src, probe, BASE, {t: PROBE for t in g.tensors})
+        stages.reached("fit-probe")  # tests only (ctxq.stages)
         d_kl = kl(probe) - base_kl
         probe.unlink()
         # below the noise of the measurement the group still costs something: a floor of 1 % of the base's KL

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import CtxqError
 from ..paths import ctxq_home
-from .. import tempfiles
+from .. import children, tempfiles
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def sdist(version: str) -> Path:
         try:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                             "-d", str(tmp), f"llama-cpp-python=={version}"], check=True,
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, preexec_fn=children.die_with_parent)
         except subprocess.CalledProcessError as e:
             last = (e.stderr or e.stdout or "").strip().splitlines()[-1:] or ["pip failed"]
             raise CtxqError(f"could not fetch the llama-cpp-python {version} sdist from PyPI ({last[0]}): "
@@ -120,7 +120,7 @@ def run_converter(model_dir: str | os.PathLike, outfile: str | os.PathLike, outt
     cmd = [sys.executable, str(folder / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", outtype,
            "--outfile", str(outfile), *(extra or [])]
     p = subprocess.run(cmd, env=converter_env(folder), cwd=folder, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, preexec_fn=children.die_with_parent)  # this thread waits: PDEATHSIG fits
     if p.returncode:
         lines = [ln for ln in (p.stderr + p.stdout).strip().splitlines() if ln.strip()]
         reason = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")

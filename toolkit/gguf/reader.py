@@ -205,6 +205,23 @@ class _Cursor:
                 raise self._truncated()
         self.pos = pos
 
+    def longest_string(self, count: int) -> int:
+        """Step over `count` strings like `skip_strings`; the longest one's length in bytes."""
+        buf, pos, size, u64 = self.buf, self.pos, self.size, _U64.unpack_from
+        longest = 0
+        for _ in range(count):
+            if pos + 8 > len(buf):
+                if pos + 8 > size:
+                    raise self._truncated()
+                self._fill(pos + 8)
+            n = u64(buf, pos)[0]
+            longest = max(longest, n)
+            pos += 8 + n
+            if pos > size:
+                raise self._truncated()
+        self.pos = pos
+        return longest
+
     def value(self, vtype: int, depth: int = 0, *, skip: bool = False):
         """The value of type `vtype` at the cursor; with `skip`, an array's length instead of its items."""
         if vtype in _SCALAR:
@@ -253,6 +270,33 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
         raise GGUFError(f"{path}: cannot open ({e.strerror})") from None
     with f:
         return parse_gguf(f, os.fstat(f.fileno()).st_size, path, skip_arrays=skip_arrays)
+
+
+def vocabulary_bound(path: str | os.PathLike) -> tuple[str | None, int]:
+    """(tokenizer.ggml.model, the longest entry of tokenizer.ggml.tokens in bytes), the header read only as far as
+    both: what bounds the bytes of text one token can stand for (`ctxq.textfile`). (None, 0) without a vocabulary."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        cur = _Cursor(f, size, path)
+        if size < 4 or cur.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (wrong magic); expected a llama.cpp .gguf model")
+        cur.unpack("I")  # version
+        cur.unpack("Q")  # tensors
+        model, longest = None, None
+        for _ in range(cur.unpack("Q")):
+            key = cur.string()
+            vtype = cur.unpack("I")
+            if key == "tokenizer.ggml.tokens" and vtype == _ARRAY and cur.peek_u32() == _STRING:
+                cur.unpack("I")
+                longest = cur.longest_string(cur.unpack("Q"))
+            elif key == "tokenizer.ggml.model" and vtype == _STRING:
+                model = cur.string()
+            else:
+                cur.value(vtype, skip=True)
+            if model is not None and longest is not None:
+                break
+    return model, longest or 0
 
 
 def parse_gguf(f, size: int, path: Path, *, skip_arrays: bool = False, limit: int | None = None) -> GGUFFile:

@@ -26,6 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .. import children
 from ..errors import CtxqError, LlamaAborted
 
 log = logging.getLogger(__name__)
@@ -60,8 +61,10 @@ class _Child:
             os.close(fd)
         env = dict(os.environ, GGML_NO_BACKTRACE="1")  # ggml_print_backtrace would run gdb on the child
         try:
+            # the lifeline, not PR_SET_PDEATHSIG: the child outlives a load thread that started it (ctxq.children)
             self.proc = subprocess.Popen([sys.executable, "-m", "ctxq.llama.dry"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+                                         stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                                         **children.lifeline(env))
         finally:
             os.close(err)
         self.owner = os.getpid()
@@ -159,8 +162,10 @@ def _main() -> int:
     """The child: one JSON job a line on stdin, one JSON answer a line on stdout, llama.cpp's log on stderr."""
     import resource
 
+    from ..children import watch_parent
     from .measure import measure
 
+    watch_parent()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # an abort leaves no core file behind
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))

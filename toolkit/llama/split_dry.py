@@ -27,6 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .. import children, stages
 from ..errors import CtxqError
 from ..units import last_error_line
 
@@ -109,8 +110,8 @@ def split_dry_run(path: str, workers, *, n_ctx: int, n_gpu_layers: int, tensor_s
     job = dict(path=str(path), endpoints=list(workers.endpoints), resid=resid, kw=kw)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GGML_SCHED_DEBUG="2", GGML_NO_BACKTRACE="1")
     try:
-        r = subprocess.run([sys.executable, "-m", "ctxq.llama.split_dry"], input=json.dumps(job), env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run([sys.executable, "-m", "ctxq.llama.split_dry"], input=json.dumps(job),
+                           capture_output=True, text=True, timeout=timeout, **children.lifeline(env))
     except subprocess.TimeoutExpired:
         raise CtxqError(f"llama.cpp's dry run of the split took over {timeout:.0f} s") from None
     if r.returncode != 0:
@@ -129,7 +130,9 @@ def split_dry_run(path: str, workers, *, n_ctx: int, n_gpu_layers: int, tensor_s
 
 def _main() -> int:
     """The dry run's process: a job on stdin (split_dry_run), its compute buffers and lost pins on stdout."""
+    children.watch_parent()
     job = json.loads(sys.stdin.read())
+    stages.reached("split-dry-run")
     try:
         from ..rpc.client import add_servers
         from .measure import measure

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import tempfiles
+from .. import children, tempfiles
 from ..errors import CtxqError, InvalidOption
 from ..units import default_threads, last_error_line
 from . import stats
@@ -91,10 +91,10 @@ class _Child:
     def __init__(self, job: dict, workdir: Path, progress, label: str):
         self.job, self.progress, self.label = job, progress, label
         self.err = workdir / "stderr.txt"
-        env = dict(os.environ, CTXQ_QUALITY_PARENT=str(os.getpid()))
-        with open(self.err, "wb") as err:
+        with open(self.err, "wb") as err:  # the lifeline: it ends at once when ctxq does (ctxq.children)
             self.proc = subprocess.Popen([sys.executable, "-m", "ctxq.quality.worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True)
+                                         stdout=subprocess.PIPE, stderr=err, start_new_session=True,
+                                         **children.lifeline())
 
     def run(self) -> dict:
         try:
@@ -137,13 +137,19 @@ class Measurement:
     keep_results: bool = True  # False: candidates' results neither read from nor written to the cache (temporary
     # files, such as `ctxq convert fit`'s probes); the reference is cached as `use_cache` says
 
-    def text_bytes(self) -> bytes:
+    def open_text(self):
+        """The text file, open and its first block checked (`ctxq.textfile.TextFile`: NotText for a binary);
+        None for the built-in text."""
+        from ..textfile import TextFile
+
+        return None if self.text is None else TextFile(self.text)
+
+    def text_bytes(self, opened=None, limit: int | None = None) -> bytes:
+        """The text (from `opened`, `open_text()`'s file, when given), at most `limit` bytes of it."""
         if self.text is None:
             return builtin_text()
-        try:
-            return Path(self.text).read_bytes()
-        except OSError as e:
-            raise QualityError(f"cannot read the text {self.text}: {e.strerror}") from None
+        opened = opened or self.open_text()
+        return opened.read(limit)[0]
 
     @property
     def text_name(self) -> str:
@@ -194,8 +200,7 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
     if m.n_ctx < 16:
         raise InvalidOption(f"a quality measurement needs a context of 16 tokens or more, not {m.n_ctx}",
                             option="n_ctx", value=m.n_ctx, limit=16)
-    data = m.text_bytes()
-    sha = hashlib.sha256(data).hexdigest()
+    opened = m.open_text()  # a file that is not text is refused here, from its first block
     mode = "weights" if against else "kv"
     if against is not None and Path(against).is_dir():  # a Hugging Face folder: its f16 GGUF (cached by convert)
         from ..conversion.convert import convert
@@ -204,6 +209,8 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
     ref_model = str(resolve_model(against)) if against else model
     if against:
         _same_model(model, ref_model)
+    data = m.text_bytes(opened, None if opened is None else _text_limit(model, ref_model, m.n_ctx))
+    sha = hashlib.sha256(data).hexdigest()
     if mode == "kv":
         pairs = pairs or [("f16", "f16"), ("q8_0", "q8_0")]
     else:
@@ -248,6 +255,15 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
                 _save(dest, r)
             out.append(r)
     return out
+
+
+def _text_limit(model: str, ref_model: str, n_ctx: int) -> int | None:
+    """Bytes of the text that hold its first n_ctx tokens under both vocabularies (`ctxq.textfile.byte_limit`), and
+    a block more for the word the limit cuts, which may tokenize otherwise than in the whole text. None: all of it."""
+    from ..textfile import BLOCK, byte_limit
+
+    limits = [byte_limit(path, n_ctx + 1) for path in {model, ref_model}]
+    return None if None in limits else max(limits) + BLOCK
 
 
 def _same_model(model: str, ref: str) -> None:

@@ -16,7 +16,6 @@ that the text gives those tokens under this model's vocabulary (the same model a
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import sys
 
@@ -46,11 +45,13 @@ def _tokens(llm, job: dict) -> np.ndarray:
     return toks
 
 
-def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows) -> None:
+def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows, stage: str) -> None:
     """Decode `toks` in order, in batches of n_batch; for the positions from `score_from` on (each predicts the
-    next token), hand their logits to on_rows(first_position, rows) in chunks."""
+    next token), hand their logits to on_rows(first_position, rows) in chunks. `stage`: its name for the tests'
+    hook (`ctxq.stages`), reached after the first batch."""
+    from ..stages import reached
+
     ctx, n_vocab = llm.ctx, llm.n_vocab()
-    parent = int(os.environ.get("CTXQ_QUALITY_PARENT") or 0)
     n_batch = llm.n_batch
     batch = lc.llama_batch_init(n_batch, 0, 1)
     try:
@@ -77,8 +78,8 @@ def _evaluate(llm, lc, toks: np.ndarray, score_from: int, on_rows) -> None:
                 for r in range(0, k, ROWS):
                     on_rows(first + r, logits[r:r + ROWS])
             print(f"progress {b1} {n}", flush=True)
-            if parent and os.getppid() != parent:  # ctxq was killed: stop rather than compute for nobody
-                sys.exit(3)
+            if b0 == 0:
+                reached(stage)
     finally:
         lc.llama_batch_free(batch)
 
@@ -110,7 +111,7 @@ def run(job: dict) -> dict:
                 i = pos - score_from
                 parts.append(stats.score(ref.rows(i, i + len(rows)), lp, targets))
 
-        _evaluate(llm, lc, toks, score_from, on_rows)
+        _evaluate(llm, lc, toks, score_from, on_rows, "reference" if ref is None else "candidate")
     finally:
         llm.close()
     arrays = (stats.Compact if ref is None else stats.Scores).concat(parts).__dict__
@@ -120,8 +121,10 @@ def run(job: dict) -> dict:
 
 
 def main() -> int:
+    from ..children import watch_parent
     from ..errors import CtxqError
 
+    watch_parent()  # ctxq killed: stop at once rather than compute for nobody
     job = json.loads(sys.stdin.read())
     try:
         result = run(job)

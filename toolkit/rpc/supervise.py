@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ..errors import CtxqError, WorkerLost, WorkerUnreachable
 from .client import add_servers, ggml_words, parse_rpc, probe_devices
-from .workers import Workers, die_with_parent
+from .. import children
+from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ def report(obj) -> None:
         _report_conn.send(("msg", obj))
 
 
-def _child(conn, stderr_path, rpc, fn, args, kwargs):
+def _child(conn, lifeline, stderr_path, rpc, fn, args, kwargs):
     global _report_conn
-    die_with_parent(signal.SIGKILL)
+    children.watch(lifeline)  # not PR_SET_PDEATHSIG: the caller may be a thread that ends first
     os.environ["GGML_NO_BACKTRACE"] = "1"  # ggml_abort would otherwise try gdb on itself
     fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 2)  # ggml's abort message, for the parent's one-line error
@@ -70,9 +71,13 @@ def run_supervised(fn, *args, rpc=(), workers: Workers | None = None, timeout: f
     recv, send = ctx.Pipe(duplex=False)
     errfile = tempfile.NamedTemporaryFile(prefix="ctxq-run-", suffix=".log", delete=False)
     errfile.close()
-    proc = ctx.Process(target=_child, args=(send, errfile.name, eps, fn, args, kwargs), daemon=True)
+    lifeline = children.spawn_lifeline()
+    proc = ctx.Process(target=_child, args=(send, lifeline, errfile.name, eps, fn, args, kwargs), daemon=True)
     start = time.monotonic()
-    proc.start()
+    try:
+        proc.start()
+    finally:
+        lifeline.close()
     send.close()
     lost_at = None
     last_msg = None  # the stall watchdog starts with the first report (loading can take long)

@@ -5,9 +5,9 @@ Part of the `ctxq.rpc` API (import these names from there):
 - `start_workers(n_or_sizes, threads=None, host="127.0.0.1")` -> `Workers`, a context manager over
   worker child processes (`python -m ctxq.rpc`, CPU device, port chosen by the kernel). Each
   worker is stopped on exit from the block, on exceptions, on SIGINT and SIGTERM, at interpreter
-  exit, and, through `PR_SET_PDEATHSIG`, when this process dies without cleaning up (SIGKILL).
-  The kernel signals a worker when the *thread* that started it ends: start workers from a
-  thread that outlives them (the main thread, normally).
+  exit, and, through its lifeline (`ctxq.children`), when this process dies without cleaning up (SIGKILL).
+  `PR_SET_PDEATHSIG` is set too; the kernel sends it when the *thread* that started the worker ends:
+  start workers from a thread that outlives them (the main thread, normally).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import children
 from ..errors import CtxqError, InvalidOption
 from ..llama import backend
 from ..units import GiB, default_threads
@@ -107,7 +108,7 @@ class Workers:
                        "--device", "CPU", "--threads", str(self.threads)]
                 # Own session: the terminal's Ctrl-C reaches only us, and we stop them in order.
                 self.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                                   env=env, start_new_session=True))
+                                                   start_new_session=True, **children.lifeline(env)))
                 logf.close()
             self.endpoints = [self._wait_ready(i, p) for i, p in enumerate(self.procs)]
         except BaseException:
@@ -213,6 +214,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         die_with_parent()
         if os.getppid() != int(parent):  # the parent died before prctl took effect
             return 1
+        children.watch_parent()
     try:
         server = ServerThread(check_bind_host(a.host), a.port, worker_devices(a.device),
                               a.threads or default_threads())

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import ContextTooLong, CtxqError, InvalidOption
+from .. import stages
+from ..errors import ContextTooLong, CtxqError, InputTooLong, InvalidOption
 from ..llama import backend
 from ..planning.plan import Plan
 
@@ -115,6 +116,22 @@ def input_text(prompt: str | None, document: str | None = None) -> str | None:
     if document is None:
         return prompt
     return document + SEPARATOR + prompt if prompt else document
+
+
+def document_text(document, model, n_ctx: int | None) -> str | None:
+    """A document given as a file (`ctxq.textfile.TextFile`, its first block already checked) read only as far as a
+    context of `n_ctx` tokens of `model`'s vocabulary can use: `InputTooLong` when there is more (n_ctx None: read
+    whole). A str (or None) is returned as it is."""
+    from ..models import resolve_model
+    from ..textfile import TextFile, byte_limit
+
+    if not isinstance(document, TextFile):
+        return document
+    limit = None if n_ctx is None else byte_limit(resolve_model(model), n_ctx)
+    text, whole = document.text(limit)
+    if not whole:
+        raise InputTooLong(str(document.path), limit, limit // n_ctx, n_ctx)
+    return text
 
 
 @contextlib.contextmanager
@@ -221,6 +238,7 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
             llm.eval(tokens[i:min(i + llm.n_batch, end)])
             if on_progress:
                 on_progress(Progress(min(i + llm.n_batch, end), total, time.perf_counter() - t0))
+            stages.reached("prefill")  # tests only (ctxq.stages)
         if end == keep and on_keep:
             on_keep(tokens[:keep])
     t1 = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Callable
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
-from .generate import DeviceMemory, check_n_predict, input_tokens
+from .generate import DeviceMemory, check_n_predict, document_text, input_tokens
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
                             "a question's)", option="parallel", value=given)
     if hasattr(model_or_llm, "_model"):  # a loaded Llama
         llm = model_or_llm
+        document = document_text(document, llm.model_path, n_ctx or llm.n_ctx())
         tokens, keep = question_tokens(llm.model_path, document, questions, chat=chat, system=system)
         with Engine(llm, n_seq_max=given or _n_seq(questions), n_ctx=n_ctx or llm.n_ctx()) as e:
             _check_fits(tokens, keep, max_tokens, e.n_ctx)
@@ -161,11 +162,13 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
     with local_workers((options or PlanOptions()).updated(**settings)) as opts:
         path = resolve_model(model_or_llm) if opts.n_ctx is None and n_ctx is None else None
         if path is not None:  # the context is sized from the input: tokenize before planning
+            document = document_text(document, path, None)
             tokens, keep = question_tokens(path, document, questions, chat=chat, system=system)
             n_ctx = -(-cells_needed(tokens, keep, max_tokens) // CELL_ROUND) * CELL_ROUND
         # the plan is the engine's context: one sequence per question and the document's (unless given)
         plan = make_plan(model_or_llm, options=opts.updated(n_ctx=n_ctx, parallel=opts.parallel or _n_seq(questions)))
         if path is None:
+            document = document_text(document, plan.model, plan.n_ctx)
             tokens, keep = question_tokens(resolve_model(plan.model), document, questions, chat=chat, system=system)
         _check_fits(tokens, keep, max_tokens, plan.n_ctx)
         if on_plan:
@@ -197,11 +200,11 @@ def _check_fits(tokens: list[list[int]], keep: int, max_tokens: int, n_ctx: int)
 
 
 def read_questions(path: str | Path) -> list[str]:
-    """A file of questions, one per line (blank lines skipped)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as e:
-        raise CtxqError(f"cannot read {path}: {e.strerror}") from None
+    """A file of questions, one per line (blank lines skipped). A file that is not text is refused from its first
+    block (`ctxq.textfile`); the rest is read whole: every question in it is asked, whatever the context."""
+    from ..textfile import TextFile
+
+    lines = TextFile(path).text()[0].splitlines()
     qs = [l.strip() for l in lines if l.strip()]
     if not qs:
         raise CtxqError(f"{path} holds no questions (one per line)", option="questions")

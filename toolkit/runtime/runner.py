@@ -26,8 +26,8 @@ from ..planning.plan import Plan
 from ..units import default_threads
 from ..models import resolve_model
 from .session import restore_session, save_for_run, session_path
-from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, check_n_predict, generate,  # noqa: F401
-                       input_tokens, tokenize)
+from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, check_n_predict,  # noqa: F401
+                       document_text, generate, input_tokens, tokenize)
 
 log = logging.getLogger(__name__)
 
@@ -263,12 +263,14 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
     """Plan (or take `plan`), then tokenize the input (`document`, then `prompt` after a blank line; or
     take `tokens`) and check it fits with `n_predict` more: nothing loads. `settings` are `PlanOptions`
     fields (n_ctx, kv, gpus, ...). `session`: a file (or "auto") that holds, or will hold, the state
-    of the input up to the end of the document (`generate.input_tokens`)."""
+    of the input up to the end of the document (`generate.input_tokens`). `document` may be a
+    `ctxq.textfile.TextFile`: it is read only as far as the plan's context can use."""
     check_n_predict(n_predict)
     opts = (options or PlanOptions()).updated(**settings)
     if plan is None:  # a Hub model is planned from its headers: one that does not fit is never downloaded
         plan = make_plan(model, options=opts)
     keep = None
+    document = document_text(document, plan.model, plan.n_ctx)
     if tokens is None and (prompt is not None or document is not None):
         # the vocabulary needs the file: a Hub model is downloaded here, after its plan
         tokens, keep = input_tokens(resolve_model(plan.model), prompt, document=document, chat=chat, system=system)
