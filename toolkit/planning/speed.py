@@ -21,12 +21,12 @@ from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, block_of, is_expert, kv_bytes
 from ..gguf.reader import GGUFFile, read_gguf
 from .devices import Device
+from .options import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
 
 GGML_SCHED_MAX_COPIES = 4  # micro-batches in flight with pipeline parallelism (ggml/src/ggml-backend.cpp)
 OP_OFFLOAD_MIN_BATCH = 32  # weights in CPU memory go to the GPU for batches of 32+ tokens (ggml-cuda.cu)
 ACT_BYTES = 4  # activations between layers and in the generic all-reduce are f32 (ggml's residual stream)
 DEFAULT_GEN_TOKENS = 128  # llama-bench's tg128: the generation figure the published rows use
-N_UBATCH, N_BATCH = 512, 2048  # llama.cpp's -ub and -b defaults (common/common.h)
 # NCCL's path reduces f32 below these element counts and bf16 above them, by the number of cards
 # (ggml_backend_cuda_comm_allreduce_nccl, ggml-cuda.cu; tuned there on RTX 4090s over PCIe 4.0 x16).
 NCCL_F32_BELOW = {2: 32768, 3: 131072, 4: 262144}
@@ -119,8 +119,8 @@ class Workload:
     gen_tokens: int = DEFAULT_GEN_TOKENS
     depth: int | None = None  # tokens in the cache while decoding; None: prompt_depth + prompt_tokens
     prompt_depth: int = 0  # tokens already cached before the prompt (llama-bench -d for a pp test)
-    n_ubatch: int = N_UBATCH
-    n_batch: int = N_BATCH
+    n_ubatch: int = DEFAULT_N_UBATCH
+    n_batch: int = DEFAULT_N_BATCH
 
     @property
     def decode_depth(self) -> int:
