@@ -21,6 +21,14 @@ class NvidiaGpu:
     name: str
     total: int  # bytes
     free: int  # bytes
+    # for the speed estimate (planning/devices.py); None where NVML did not say
+    pcie_gen: int | None = None  # the highest PCIe generation this card and its slot can run
+    pcie_width: int | None = None  # lanes at that generation
+    nvlinks: int = 0  # NVLink links up
+    p2p: bool | None = None  # peer-to-peer reads to every other card (NVML's P2P status)
+    sm_count: int | None = None
+    sm_clock_hz: float | None = None  # the SMs' highest clock
+    compute_capability: tuple[int, int] | None = None
 
 
 @dataclass
@@ -57,14 +65,41 @@ def nvidia_gpus() -> tuple[list[NvidiaGpu], str | None]:
         return [], f"NVML unavailable ({e})"
     try:
         out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        for i, h in enumerate(handles):
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             name = pynvml.nvmlDeviceGetName(h)
-            out.append(NvidiaGpu(i, name.decode() if isinstance(name, bytes) else name, int(mem.total), int(mem.free)))
+            out.append(NvidiaGpu(i, name.decode() if isinstance(name, bytes) else name, int(mem.total), int(mem.free),
+                                 **link_facts(pynvml, h, [o for o in handles if o is not h])))
         return out, None
     finally:
         pynvml.nvmlShutdown()
+
+
+def link_facts(nvml, h, others: list) -> dict:
+    """PCIe, NVLink, peer-to-peer, SMs and clock of one card, each None (nvlinks 0) where NVML cannot say:
+    an older driver or card lacks some of these queries."""
+    def ask(f, *args):
+        try:
+            return f(*args)
+        except Exception:  # NVMLError_NotSupported and friends, or a function this nvidia-ml-py lacks
+            return None
+
+    nvlinks = 0
+    for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 0)):
+        state = ask(nvml.nvmlDeviceGetNvLinkState, h, link)
+        if state is None:
+            break
+        nvlinks += state == nvml.NVML_FEATURE_ENABLED
+    p2p = [ask(nvml.nvmlDeviceGetP2PStatus, h, o, nvml.NVML_P2P_CAPS_INDEX_READ) for o in others]
+    attrs = ask(nvml.nvmlDeviceGetAttributes, h)
+    clock = ask(nvml.nvmlDeviceGetMaxClockInfo, h, nvml.NVML_CLOCK_SM)  # MHz
+    cc = ask(nvml.nvmlDeviceGetCudaComputeCapability, h)
+    return dict(pcie_gen=ask(nvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                pcie_width=ask(nvml.nvmlDeviceGetMaxPcieLinkWidth, h), nvlinks=nvlinks,
+                p2p=None if not others or None in p2p else all(s == nvml.NVML_P2P_STATUS_OK for s in p2p),
+                sm_count=getattr(attrs, "multiprocessorCount", None), sm_clock_hz=clock * 1e6 if clock else None,
+                compute_capability=tuple(cc) if cc else None)
 
 
 def _cpu_model() -> str:

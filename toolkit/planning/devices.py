@@ -29,6 +29,61 @@ DEFAULT_GPU_BANDWIDTH = 288e9
 # CPU RAM bandwidth assumed for the estimate: dual-channel DDR4-3200 (51.2 GB/s), at the
 # ~60 % a decode loop reaches.
 DEFAULT_CPU_BANDWIDTH = 30e9
+# CPU compute assumed for the speed estimate, per physical core: one AVX2 FMA unit of 8 f32 lanes (16 FLOP per
+# cycle, half of the two units recent x86 cores have) at 2.5 GHz. Conservative on purpose: only host layers use it.
+CPU_FLOPS_PER_CORE = 16 * 2.5e9
+
+# The link between cards, for the speed estimate. PCIe bandwidth per lane and direction, as NCCL's topology
+# model counts it (src/graph/topo.h: PCI_BW 12 GB/s for Gen3 x16; its log shows PCI[24.0] for Gen4 x16,
+# NVIDIA/nccl-tests issue 307), doubling with each generation.
+PCIE_BYTES_PER_LANE = {3: 12e9 / 16, 4: 24e9 / 16, 5: 48e9 / 16, 6: 96e9 / 16}
+# NVLink 3 and 4: 25 GB/s per link and direction (A100: 12 links, 600 GB/s both ways; H100: 18, 900).
+NVLINK_BYTES_PER_LINK = 25e9
+# One CUDA copy's start-up: 5-7 us per cudaMemcpyAsync measured (DualPath, arXiv 2602.21548, section 5.2).
+CUDA_CALL_S = 6e-6
+# A step of an exchange between two cards: the copy, then the reduction kernel's launch (2 calls) with
+# peer-to-peer; without it the driver stages the copy through host memory, a second DMA start-up (3 calls).
+# GeForce cards have peer-to-peer off (RTX 40: disabled by NVIDIA; RTX 30: over an NVLink bridge only).
+LINK_LATENCY_P2P = 2 * CUDA_CALL_S
+LINK_LATENCY_NO_P2P = 3 * CUDA_CALL_S
+
+
+@dataclass(frozen=True)
+class CardFacts:
+    """What the speed estimate needs of a known card: memory bandwidth (bytes/s), dense FP16 tensor throughput
+    with FP32 accumulate (FLOP/s; llama.cpp's matrix kernels accumulate in FP32), peer-to-peer over PCIe."""
+
+    bandwidth: float
+    flops: float
+    p2p: bool
+
+
+# Known NVIDIA cards, matched against the name NVML and ggml report ("NVIDIA GeForce RTX 4090"), longest key
+# first. Sources: the NVIDIA Ampere GA102 and Ada Lovelace whitepapers' appendix tables ("Peak FP16 Tensor TFLOPS
+# with FP32 Accumulate", dense), the A100 / H100 / H200 / RTX A4000 datasheets (dense = half the sparse figure);
+# cards missing from the whitepapers: SMs x boost clock x 512 FLOP per SM and cycle (the GeForce Ampere/Ada rate:
+# 165.2e12 / (128 SMs x 2.52 GHz) for the RTX 4090).
+KNOWN_CARDS: dict[str, CardFacts] = {
+    "RTX 5090": CardFacts(1792e9, 209.5e12, False),  # Blackwell GB202 whitepaper
+    "RTX 4090": CardFacts(1008e9, 165.2e12, False),  # Ada whitepaper
+    "RTX 4080": CardFacts(716.8e9, 97.5e12, False),  # Ada whitepaper (RTX 4080 16GB)
+    "RTX 4060 TI": CardFacts(288e9, 34 * 2.535e9 * 512, False),  # 34 SMs, 2.535 GHz: 44.1 TFLOPS
+    "RTX 4060": CardFacts(272e9, 24 * 2.46e9 * 512, False),  # 24 SMs, 2.46 GHz: 30.2 TFLOPS
+    "RTX 3090": CardFacts(936e9, 71e12, False),  # GA102 whitepaper
+    "RTX 3080": CardFacts(760e9, 59.5e12, False),  # GA102 whitepaper (10 GB)
+    "RTX 3060": CardFacts(360e9, 28 * 1.777e9 * 512, False),  # 28 SMs, 1.777 GHz: 25.5 TFLOPS (12 GB)
+    "RTX A4000": CardFacts(448e9, 76.7e12, True),  # datasheet: 153.4 TFLOPS with sparsity
+    "A100": CardFacts(1555e9, 312e12, True),  # A100 40GB datasheet
+    "A100 80GB PCIE": CardFacts(1935e9, 312e12, True),  # A100 datasheet
+    "A100-SXM4-80GB": CardFacts(2039e9, 312e12, True),  # A100 datasheet
+    "H100 PCIE": CardFacts(2.0e12, 756e12, True),  # H100 datasheet: 1,513 TFLOPS with sparsity
+    "H100": CardFacts(3.35e12, 989.5e12, True),  # H100 SXM datasheet: 1,979 TFLOPS with sparsity
+    "H100 NVL": CardFacts(3.9e12, 835e12, True),  # H100 datasheet: 1,671 TFLOPS with sparsity
+    "H200": CardFacts(4.8e12, 989.5e12, True),  # H200 datasheet
+}
+# FP16 dense tensor FLOP per SM and cycle with FP32 accumulate, by compute capability, for a card missing from
+# KNOWN_CARDS (NVML gives its SMs and clock): the GeForce rate where GeForce and data-centre parts differ.
+FLOP_PER_SM_CYCLE = {(7, 0): 1024, (7, 5): 512, (8, 0): 2048, (8, 6): 512, (8, 9): 512, (9, 0): 4096, (12, 0): 512}
 
 
 @dataclass
@@ -51,6 +106,10 @@ class Device:
     endpoint: str | None = None  # host:port for RPC devices
     backend: str = ""  # "" means: "cuda" for a GPU, else the kind
     reserve: int | None = None  # bytes
+    # for the speed estimate (planning/speed.py); None: unknown, and the estimate says so
+    flops: float | None = None  # FLOP/s: dense FP16 tensor throughput with FP32 accumulate
+    link_bandwidth: float | None = None  # bytes/s, one direction, to the other cards (PCIe, NVLink)
+    link_latency: float | None = None  # seconds per exchange step between cards (see LINK_LATENCY_*)
 
     def __post_init__(self):
         if not self.backend:
@@ -82,13 +141,65 @@ def parse_gpus(spec: str | list[float] | tuple[float, ...]) -> list[Device]:
                    bandwidth=DEFAULT_GPU_BANDWIDTH) for i, s in enumerate(sizes)]
 
 
+# Words after a card's name that make it another card ("RTX 4080 SUPER", "RTX 4090 D", "RTX 3060 Ti").
+_VARIANTS = {"TI", "SUPER", "D", "LAPTOP", "MOBILE", "MAX"}
+
+
+def card_facts(name: str) -> CardFacts | None:
+    """KNOWN_CARDS' entry for a card name as NVML or ggml gives it, or None: the longest key found in the name
+    as whole words (split at spaces and hyphens) and not followed by a variant word."""
+    words = re.split(r"[\s-]+", name.strip().upper())
+    best: str | None = None
+    for key in KNOWN_CARDS:
+        k = re.split(r"[\s-]+", key)
+        for i in range(len(words) - len(k) + 1):
+            if words[i:i + len(k)] == k and (i + len(k) == len(words) or words[i + len(k)] not in _VARIANTS):
+                if best is None or len(key) > len(best):
+                    best = key
+    return KNOWN_CARDS[best] if best else None
+
+
+def pcie_bandwidth(gen: int | None, width: int | None) -> float | None:
+    """Bytes/s one direction over a PCIe link (NCCL's figures, PCIE_BYTES_PER_LANE), None if unknown."""
+    if not gen or not width:
+        return None
+    per_lane = PCIE_BYTES_PER_LANE.get(gen) or PCIE_BYTES_PER_LANE[max(PCIE_BYTES_PER_LANE)]
+    return per_lane * width
+
+
+def gpu_speed_facts(name: str, nvml=None) -> dict:
+    """flops, bandwidth, link_bandwidth and link_latency of a present GPU: the known-card table by name, then
+    NVML (`doctor.NvidiaGpu`): its PCIe generation and width (or NVLink links), peer-to-peer, and SMs x clock for a
+    card the table lacks. A fact neither gives is left out (the Device keeps its default)."""
+    out: dict = {}
+    known = card_facts(name)
+    if known:
+        out.update(flops=known.flops, bandwidth=known.bandwidth)
+    if nvml is None:
+        return out
+    per_sm = FLOP_PER_SM_CYCLE.get(tuple(nvml.compute_capability or ()))
+    if not known and per_sm and nvml.sm_count and nvml.sm_clock_hz:
+        out["flops"] = nvml.sm_count * nvml.sm_clock_hz * per_sm
+    link = nvml.nvlinks * NVLINK_BYTES_PER_LINK if nvml.nvlinks else pcie_bandwidth(nvml.pcie_gen, nvml.pcie_width)
+    if link:
+        p2p = nvml.p2p if nvml.p2p is not None else bool(nvml.nvlinks) or bool(known and known.p2p)
+        out.update(link_bandwidth=link, link_latency=LINK_LATENCY_P2P if p2p else LINK_LATENCY_NO_P2P)
+    return out
+
+
+def default_cpu_flops() -> float:
+    """The host's FLOP/s for the speed estimate: physical cores x CPU_FLOPS_PER_CORE (read when used)."""
+    return (psutil.cpu_count(logical=False) or os.cpu_count() or 1) * CPU_FLOPS_PER_CORE
+
+
 def list_profiles() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in resources.files("ctxq.profiles").iterdir()
                   if p.name.endswith(".toml"))
 
 
 _PROFILE_KEYS = {"name", "description", "device", "cpu"}
-_DEVICE_KEYS = {"name", "memory_gib", "usable_gib", "bandwidth_gbs", "count", "backend", "reserve_gib"}
+_DEVICE_KEYS = {"name", "memory_gib", "usable_gib", "bandwidth_gbs", "count", "backend", "reserve_gib",
+                "tflops_f16", "link_gbs", "link_latency_us"}
 _CPU_KEYS = {"memory_gib", "bandwidth_gbs"}
 
 
@@ -126,7 +237,12 @@ def load_profile(name_or_path: str) -> tuple[list[Device], dict]:
                 kind="gpu", total=total, usable=int(float(d.get("usable_gib", d["memory_gib"])) * GiB),
                 bandwidth=float(d["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in d else DEFAULT_GPU_BANDWIDTH,
                 backend=str(d.get("backend", "cuda")).lower(),
-                reserve=int(float(d["reserve_gib"]) * GiB) if "reserve_gib" in d else None))
+                reserve=int(float(d["reserve_gib"]) * GiB) if "reserve_gib" in d else None,
+                flops=float(d["tflops_f16"]) * 1e12 if "tflops_f16" in d else None,
+                link_bandwidth=float(d["link_gbs"]) * 1e9 if "link_gbs" in d else None,
+                # a link without a stated latency: the slower case, no peer-to-peer
+                link_latency=(float(d["link_latency_us"]) * 1e-6 if "link_latency_us" in d
+                              else LINK_LATENCY_NO_P2P if "link_gbs" in d else None)))
     if not devices:
         raise CtxqError(f"profile {name_or_path}: no [[device]] entries")
     cpu = data.get("cpu", {})
@@ -140,7 +256,7 @@ def cpu_device(memory: int | None = None, bandwidth: float | None = None) -> Dev
     """Host RAM: available memory now (psutil) unless given."""
     vm = psutil.virtual_memory()
     return Device(name="CPU", kind="cpu", total=memory or vm.total, usable=memory or vm.available,
-                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH)
+                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH, flops=default_cpu_flops())
 
 
 def detect_gpus() -> list[Device]:
@@ -149,8 +265,9 @@ def detect_gpus() -> list[Device]:
     Free memory comes from ggml (the CUDA backend asks the driver); `CUDA_VISIBLE_DEVICES`
     is honoured because the CUDA runtime applies it.
     """
-    from ..llama import backend
+    from ..llama import backend, doctor
 
+    nvml = doctor.nvidia_gpus()[0]
     out = []
     for d in backend.ggml_devices():
         if d.type in ("gpu", "igpu") or d.name.startswith("RPC"):
@@ -160,9 +277,17 @@ def detect_gpus() -> list[Device]:
                 m = re.search(r"\[(.+?)\]", d.name)
                 endpoint = m.group(1) if m else None
             # ggml names devices after their backend: CUDA0, Vulkan0, ROCm0, Metal, RPC0[host:port]
-            out.append(Device(name=d.name, kind="rpc" if rpc else "gpu", total=d.total, usable=d.free,
-                              bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH, endpoint=endpoint,
-                              backend="rpc" if rpc else re.match(r"[A-Za-z]*", d.name).group(0).lower() or "gpu"))
+            dev = Device(name=d.name, kind="rpc" if rpc else "gpu", total=d.total, usable=d.free,
+                         bandwidth=DEFAULT_CPU_BANDWIDTH if rpc else DEFAULT_GPU_BANDWIDTH, endpoint=endpoint,
+                         backend="rpc" if rpc else re.match(r"[A-Za-z]*", d.name).group(0).lower() or "gpu")
+            if dev.backend == "cuda":
+                # NVML's cards in its order, matched by name (CUDA's order may differ; cards of one name share facts)
+                same = next((g for g in nvml if g.name == d.description), None)
+                if same is not None:
+                    nvml.remove(same)
+                for k, v in gpu_speed_facts(d.description, same).items():
+                    setattr(dev, k, v)
+            out.append(dev)
     log.debug("detected devices: %s (CUDA_VISIBLE_DEVICES=%s)", [d.name for d in out],
               os.environ.get("CUDA_VISIBLE_DEVICES"))
     return out
