@@ -11,7 +11,7 @@ import re
 # keyword -> flag, for every keyword a library message may name
 FLAGS = {
     "n_ctx": "--ctx", "n_batch": "-b", "n_ubatch": "-ub", "type_k": "-ctk", "type_v": "-ctv",
-    "flash_attn": "-fa", "split": "-ts", "tensor_split": "-ts", "gpus": "--gpus", "profile": "--profile",
+    "flash_attn": "-fa", "split": "-ts", "tensor_split": "-ts", "split_mode": "-sm", "gpus": "--gpus", "profile": "--profile",
     "rpc": "--rpc", "simulate": "--simulate", "reserve": "--reserve", "kv": "--kv", "prefer": "--prefer",
     "cpu_memory": "--cpu-memory", "n_predict": "-n", "n_threads": "-t", "force": "--force", "output": "-o",
     "imatrix": "--imatrix", "pre": "--pre", "host": "--host", "port": "--port", "device": "--device",

@@ -43,6 +43,9 @@ def render_plan(p, *, title: str | None = None) -> str:
                  "memory beyond the CPU backend's buffers:\n f16 K/V copies, offload copies, pool; reserve: kept free "
                  "outside every buffer; free: what is left)")
     lines.append(f"llama.cpp flags: {p.llama_flags()}")
+    if p.split_mode == "tensor":
+        lines.append("split: tensor mode (-sm tensor, marked experimental by llama.cpp): each card holds its share of "
+                     "every layer listed, the mirrored tensors and a whole compute buffer")
     if p.device_order:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
     lines.append(f"why: {p.reason}")

@@ -23,6 +23,8 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h): llama_context refuses
 DEFAULT_PREFER = "quality"
 DEFAULT_KV = "auto"
 PREFER = ("quality", "speed")
+SPLIT_MODES = ("layer", "tensor", "auto")  # llama.cpp's -sm layer / -sm tensor; auto: both planned, compared
+DEFAULT_SPLIT_MODE = "layer"
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class PlanOptions:
     parallel: sequences decoded together in one context (llama.cpp's -np with a unified KV cache, -kvu):
     n_ctx cells shared by all, one output row and one recurrent state per sequence. None: one sequence
     and llama.cpp's defaults (what `Llama` makes).
+    split_mode: "layer" (llama.cpp's -sm layer: whole layers per card, the default), "tensor" (-sm tensor: every
+    layer cut across the cards, proportions searched; planning/tensor.py) or "auto" (both planned, their speeds
+    estimated side by side; layer mode kept unless tensor mode was measured faster on these devices).
     """
 
     n_ctx: int | None = None
@@ -72,6 +77,7 @@ class PlanOptions:
     n_cpu_moe: int | None = None
     expert_offload: bool | None = None
     parallel: int | None = None
+    split_mode: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -96,7 +102,11 @@ class PlanOptions:
                     n_ubatch=self.n_ubatch or DEFAULT_N_UBATCH, kv=kv, prefer=prefer,
                     flash_attn=True if self.flash_attn is None else self.flash_attn,
                     split=None if self.split in (None, "auto") else self.split,
-                    reorder=True if self.reorder is None else self.reorder)
+                    reorder=True if self.reorder is None else self.reorder,
+                    split_mode=str(self.split_mode or DEFAULT_SPLIT_MODE).lower())
+        if r.split_mode not in SPLIT_MODES:
+            raise InvalidOption(f"`split_mode` {self.split_mode!r}: choose layer, tensor or auto", option="split_mode",
+                                value=self.split_mode)
         for name in ("n_ctx", "n_batch", "n_ubatch"):
             value = getattr(self, name)
             if value is not None and value <= 0:

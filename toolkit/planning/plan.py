@@ -72,7 +72,8 @@ class Plan:
     type_v: str
     flash_attn: bool
     n_gpu_layers: int
-    tensor_split: list[int]  # integer layer counts per GPU device, in llama.cpp's device order
+    # as llama.cpp receives it: layer counts per GPU device in layer mode, proportions in tensor mode
+    tensor_split: list
     gpus: list[DevicePlan]  # in llama.cpp's order (after any reordering)
     host: DevicePlan
     n_layer: int
@@ -91,6 +92,10 @@ class Plan:
     n_seq_max: int = 1
     kv_unified: bool = False
     n_outputs_max: int = 0
+    # "layer" (-sm layer: whole layers per device) or "tensor" (-sm tensor: every offloaded layer cut across the
+    # cards in tensor_split's proportions; planning/tensor.py)
+    split_mode: str = "layer"
+    speed: dict = field(default_factory=dict)  # estimates by mode (planning/speed.py), where the devices say enough
 
     @property
     def devices(self) -> list[DevicePlan]:
@@ -120,7 +125,9 @@ class Plan:
         from gguf.constants import GGMLQuantizationType as T
 
         kw = dict(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
-                  n_gpu_layers=self.n_gpu_layers, split_mode=llama_cpp.LLAMA_SPLIT_MODE_LAYER,
+                  n_gpu_layers=self.n_gpu_layers,
+                  split_mode=llama_cpp.LLAMA_SPLIT_MODE_TENSOR if self.split_mode == "tensor"
+                  else llama_cpp.LLAMA_SPLIT_MODE_LAYER,
                   type_k=int(T[self.type_k.upper()]), type_v=int(T[self.type_v.upper()]),
                   flash_attn=self.flash_attn, offload_kqv=True, swa_full=self.swa_full)
         if self.gpus:
@@ -132,7 +139,7 @@ class Plan:
         """The same plan as llama.cpp command-line flags."""
         flags = f"-c {self.n_ctx} -b {self.n_batch} -ub {self.n_ubatch} -ngl {self.n_gpu_layers}"
         if self.gpus:
-            flags += " -sm layer -ts " + ",".join(str(c) for c in self.tensor_split)
+            flags += f" -sm {self.split_mode} -ts " + ",".join(str(c) for c in self.tensor_split)
         flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
         if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
             flags += " --swa-full"
@@ -158,6 +165,10 @@ class Plan:
         out = []
         cpu = set(self.cpu_expert_layers)
         has = set(self.expert_layers)
+        if self.split_mode == "tensor" and self.gpus:  # every card holds its cut of each offloaded layer
+            cards = "+".join(g.device.name for g in self.gpus)
+            return [{"layer": il, "device": cards if il in self.gpus[0].layers else self.host.device.name}
+                    for il in range(self.n_layer + 1)]
         for dp in self.devices:
             for il in dp.layers:
                 row = {"layer": il, "device": dp.device.name}

@@ -16,6 +16,7 @@ from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer, slots_key
 from . import kvpairs
+from . import tensor as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts
@@ -207,6 +208,10 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
         if not opts.flash_attn and fixed[1] != "f16":  # llama_init_from_model refuses a quantized V without it
             raise InvalidOption(f"type_v={fixed[1]} needs flash attention; drop flash_attn=False or use type_v=f16",
                                 option="type_v", value=fixed[1])
+    tensor = opts.split_mode == "tensor"
+    if tensor:
+        tensor_mod.check(info, src.arch, opts, devices, bool(experts.cpu_layers))
+        auto_experts = False  # whole layers only (tensor.check)
     pairs = [fixed] if fixed else [(k, v) for k, v in kvpairs.at_speed(cuda) if k in usable and v in usable]
     cands = kvpairs.ranked(pairs, kvpairs.measurements(path, opts.n_ctx))
     allowed = kvpairs.limited(cands, opts.max_kl, path, opts.n_ctx, fixed is not None)
@@ -214,12 +219,15 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     if opts.split is not None:
         c0 = (allowed or cands)[0]
         c = costs(info, src, opts, *c0.pair, cuda).with_cpu_experts(experts.cpu_layers)
-        p = _evaluate_split(c, str(path), devices, cpu, opts, *c0.pair)
+        p = (tensor_mod.evaluate(c, src, str(path), devices, cpu, opts, *c0.pair, tensor_mod.ratios(opts.split, devices))
+             if tensor else _evaluate_split(c, str(path), devices, cpu, opts, *c0.pair))
         p.kv_quality = kvpairs.quality_line(c0, path, opts.n_ctx)
         return _settle(experts.apply(p), opts)
 
     def find(tk: str, tv: str):
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
+        if tensor:
+            return tensor_mod.search(c, src, str(path), devices, cpu, opts, tk, tv)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
         if auto_experts and devices and (p is None or p.cpu_layers):
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
@@ -238,8 +246,11 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                     opts.n_ctx)
         raise does_not_fit(cpu, hosts, opts.n_ctx)
     chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands)
-    p.reason = why + _kv_why(chosen, found, fixed is None and len(pairs) > 1, kv_size, opts.n_ctx)
+    p.reason = (p.reason + "; " if tensor else "") + why + _kv_why(chosen, found, fixed is None and len(pairs) > 1,
+                                                                   kv_size, opts.n_ctx)
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
+    if opts.split_mode == "auto" and len(devices) > 1:
+        tensor_mod.compare(p, src, info, str(path), devices, cpu, opts, cuda, experts)
     return _settle(experts.apply(p), opts)
 
 

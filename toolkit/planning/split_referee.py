@@ -46,7 +46,10 @@ def model_file(p, info: ModelInfo) -> Path | None:
 
 
 def applies(p, info: ModelInfo) -> bool:
+    # tensor mode: a metadata-only load prints one Meta() figure (NOTES-llama-cpp.md); its cards' buffers come from
+    # planning/tensor.py, checked against real loads in scripts/accuracy.py
     return (os.environ.get("CTXQ_SPLIT_CHECK", "1") != "0" and any(g.layers for g in p.gpus)
+            and getattr(p, "split_mode", "layer") == "layer"
             and model_file(p, info) is not None)
 
 

@@ -185,7 +185,13 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
     host_names = [n for n in names if n.startswith("CPU") or n.endswith("_Host")]
     dev_names = [n for n in names if n not in host_names]
     out = []
-    for i, dp in enumerate(p.gpus):
+    if getattr(p, "split_mode", "layer") == "tensor" and p.gpus:
+        # llama.cpp logs one Meta() device whose buffers are each the largest card's (ggml-backend-meta.cpp):
+        # compared with the largest card's planned buffers, term by term
+        planned = sum(max(getattr(dp, t) for dp in p.gpus) for t in ("weights", "kv", "state", "compute", "cuda_copies"))
+        out.append(DeviceMemory("+".join(dp.device.name for dp in p.gpus) + " (largest card)", planned,
+                                sum(alloc.total(n) for n in dev_names)))
+    for i, dp in enumerate(p.gpus if not out else []):
         # RPC buffers are named "RPC<device on that worker>[host:port]": match the endpoint first
         by_ep = [n for n in dev_names if dp.device.endpoint and n.endswith(f"[{dp.device.endpoint}]")]
         name = by_ep[0] if by_ep else dp.device.name if dp.device.name in dev_names else (

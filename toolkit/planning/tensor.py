@@ -1,0 +1,290 @@
+"""Tensor mode (`-sm tensor`): every offloaded layer cut across all the cards, planned card by card.
+
+llama.cpp makes one meta device of the cards and cuts each tensor by `tensor_split` (`tensor_split.py`: axes,
+granularity, rotation, the mirrored tensors every card holds whole). What each card allocates, checked against
+real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accuracy.py's tensor section):
+
+- weights and KV: its cut of each offloaded tensor and cache (`tensor_split.CardBytes`), exact to the byte in the
+  loads tried (SmolLM2 Q4_1 and F16, 2 and 3 cards, f16/q8_0/q4_0 caches, splits 2:1, 1:1, 3:1, 5:3:2);
+- compute: the meta device's buffer is sized on the whole tensors and allocated at that size on every card
+  (ggml_backend_meta_buffer_type_alloc_buffer), so each card holds the compute buffer of one device holding every
+  offloaded layer (97.12 MiB on each card for SmolLM2 at 4k and 8k, as the one-device layer plan);
+- all-reduce: ceil(log2(cards)) scratch buffers per card, each the largest partial result (the residual stream of
+  one micro-batch, f32 [n_embd, n_ubatch], times the experts used for a MoE), allocated at the first batch;
+- CUDA's own memory and the reserve per card as for one device holding every offloaded layer (an over-estimate:
+  each card converts only its own heads);
+- the host: token embeddings, the layers left on the CPU with their KV, its compute buffer, as in layer mode.
+
+The proportions are searched: each card's share of the cut bytes follows its speed (memory bandwidth, else its
+memory) but never beyond what it can hold at the context after its whole part (mirrored tensors, compute
+buffer, reserve); the exact cut is then checked and a card over its room gives up share until every card fits.
+Layers the cards cannot hold go to the CPU, as in layer mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import InvalidOption
+from ..gguf.info import kv_cells
+from .devices import Device
+from .memory import Costs, costs, device_cost, host_cost
+from .plan import DevicePlan, Plan
+from .tensor_split import TensorSplit, not_planned
+
+SCALE = 1000  # proportions passed to llama.cpp as integers out of SCALE (exact in its float32 scan)
+
+
+def check(info, arch: str, opts, devices: list[Device], experts_fixed: bool) -> None:
+    """InvalidOption (one line) when tensor mode cannot run this model with these options."""
+    why = not_planned(arch, info)
+    if why:
+        raise InvalidOption(why, option="split_mode", value="tensor")
+    if not devices:
+        raise InvalidOption("tensor mode splits layers across GPUs or RPC workers, and none is given or found "
+                            "(llama.cpp skips the CPU): give `gpus`, `profile`, `rpc` or `simulate`, or use split_mode=layer", option="split_mode", value="tensor")
+    if opts.flash_attn is False:
+        raise InvalidOption("tensor mode needs flash attention (llama.cpp refuses SPLIT_MODE_TENSOR without it): "
+                            "use flash_attn=True or split_mode=layer", option="split_mode", value="tensor")
+    if experts_fixed:
+        raise InvalidOption("ctxq does not plan experts in CPU memory in tensor mode (cpu_moe, n_cpu_moe): "
+                            "use split_mode=layer for that", option="split_mode", value="tensor")
+
+
+def meta_order(devices: list[Device]) -> list[Device]:
+    """The cards in the meta device's order: every non-CPU device in ggml's registry order (llama.cpp's
+    llama_prepare_model_devices), the process's own GPUs before RPC workers registered later; layer mode instead
+    puts RPC devices first."""
+    return sorted(devices, key=lambda d: d.kind == "rpc")
+
+
+class _Cards:
+    """What each card needs for a given number of offloaded layer slots and proportions."""
+
+    def __init__(self, c: Costs, g, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
+        devices = meta_order(devices)
+        self.c, self.devices, self.cpu, self.opts = c, devices, cpu, opts
+        self.info = c.info
+        self.ts = TensorSplit(g, c.info, len(devices), tk, tv)
+        self.n_ctx, self.n_ubatch = opts.n_ctx, opts.n_ubatch
+        n = len(devices)
+        steps = math.ceil(math.log2(n)) if n > 1 else 0
+        self.allreduce = steps * self.info.n_embd * opts.n_ubatch * 4 * max(1, self.info.n_expert_used)
+
+    def cells(self, il: int) -> int:
+        return kv_cells(self.info, self.n_ctx, self.n_ubatch, il)
+
+    def slots_layers(self, slots: int) -> tuple[range, bool]:
+        n = self.info.n_layer
+        start = n + 1 - slots
+        return range(min(start, n), n), slots > 0
+
+    def whole(self, slots: int) -> list[DevicePlan]:
+        """Each card as one device holding every offloaded layer: its compute buffer, CUDA terms and margin."""
+        layers, has_out = self.slots_layers(slots)
+        n_cpu = self.info.n_layer + 1 - slots
+        first = next((i for i, d in enumerate(self.devices) if d.backend == "cuda"), None)
+        return [device_cost(self.c, layers, has_out, 1, d, first_cuda=i == first, n_cpu_slots=n_cpu)
+                for i, d in enumerate(self.devices)]
+
+    def cards(self, slots: int, proportions, whole: list[DevicePlan] | None = None) -> list[DevicePlan]:
+        layers, has_out = self.slots_layers(slots)
+        cb = self.ts.at(proportions)
+        weights = cb.card_weights(layers, has_out)
+        kv = cb.card_kv(layers, self.cells)
+        out = []
+        for j, w1 in enumerate(whole or self.whole(slots)):
+            dp = DevicePlan(w1.device, list(layers) + ([self.info.n_layer] if has_out else []))
+            dp.weights, dp.kv = weights[j], kv[j]
+            dp.compute = w1.compute + (self.allreduce if slots else 0)
+            dp.cuda_copies, dp.cuda_pool, dp.margin = w1.cuda_copies, w1.cuda_pool, w1.margin
+            out.append(dp)
+        return out
+
+    def host(self, slots: int) -> DevicePlan:
+        return host_cost(self.c, self.info.n_layer + 1 - slots, 1 if slots else 0, self.cpu)
+
+    def proportions(self, slots: int) -> tuple[list[int], list[DevicePlan]] | None:
+        """Integer proportions (out of SCALE) with which every card holds its cut of `slots` offloaded
+        slots, and the cards' plans; None when no proportions do."""
+        n = len(self.devices)
+        whole = self.whole(slots)
+        even = self.cards(slots, [1] * n, whole)
+        mirrored = self._mirrored(slots)
+        fixed = [w.compute + (self.allreduce if slots else 0) + w.cuda_copies + w.cuda_pool + w.margin + mirrored
+                 for w in whole]
+        cut = sum(dp.weights + dp.kv for dp in even) - n * mirrored  # the bytes shared out
+        room = [d.usable - f for d, f in zip(self.devices, fixed)]
+        if any(r < 0 for r in room):
+            return None
+        if cut <= 0:
+            return [SCALE // n] * n, even
+        speed = [d.bandwidth or 0 for d in self.devices]
+        if not all(speed):
+            speed = [max(r, 1) for r in room]
+        caps = [r / cut for r in room]
+        for _ in range(40):
+            shares = _water_fill(speed, caps)
+            if shares is None:
+                return None
+            props = _integers(shares, caps)
+            if props is None:
+                return None
+            plans = self.cards(slots, props, whole)
+            over = [dp.total - dp.device.usable for dp in plans]
+            if all(o <= 0 for o in over):
+                return props, plans
+            for j, o in enumerate(over):
+                if o > 0:  # give up that much share, and one granule more
+                    caps[j] = max(0.0, min(caps[j], props[j] / SCALE) - (o + self._granule(slots)) / cut)
+        return None
+
+    def _mirrored(self, slots: int) -> int:
+        layers, has_out = self.slots_layers(slots)
+        return sum(self.ts.fixed_layer[il] for il in layers) + (self.ts.fixed_out if has_out else 0)
+
+    def _granule(self, slots: int) -> int:
+        """About one step of the cut (a KV head of every offloaded layer's cache): what a card gives up
+        beyond its overflow per round."""
+        layers, _ = self.slots_layers(slots)
+        return sum(1 for il in layers if self.info.layers[il].attention) * 4096
+
+
+def _water_fill(speed: list[float], caps: list[float]) -> list[float] | None:
+    """Shares in proportion to speed, each at most its cap, summing to 1; None when the caps sum below 1."""
+    if sum(caps) < 1:
+        return None
+    shares = [0.0] * len(speed)
+    free = set(range(len(speed)))
+    left = 1.0
+    while free:
+        total = sum(speed[j] for j in free)
+        capped = [j for j in free if left * speed[j] / total > caps[j]]
+        if not capped:
+            for j in free:
+                shares[j] = left * speed[j] / total
+            break
+        for j in capped:
+            shares[j] = caps[j]
+            left -= caps[j]
+            free.discard(j)
+    return shares
+
+
+def _integers(shares: list[float], caps: list[float]) -> list[int] | None:
+    """Shares as integers out of SCALE, never above a cap, summing to SCALE where the caps allow."""
+    props = [min(int(s * SCALE), int(c * SCALE)) for s, c in zip(shares, caps)]
+    short = SCALE - sum(props)
+    for j in sorted(range(len(props)), key=lambda j: shares[j] * SCALE - props[j], reverse=True):
+        if short <= 0:
+            break
+        extra = min(short, int(caps[j] * SCALE) - props[j])
+        if extra > 0:
+            props[j] += extra
+            short -= extra
+    return props if short <= 0 and sum(props) > 0 else None
+
+
+def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
+    """(the tensor-mode plan with these KV types, or None when the host cannot hold what is left; the host's plan)."""
+    cards = _Cards(c, g, devices, cpu, opts, tk, tv)
+    n = c.info.n_layer
+    best = cards.proportions(0)
+    lo, hi = (0 if best is not None else -1), n + 1
+    while lo < hi:  # the most slots the cards hold
+        mid = (lo + hi + 1) // 2
+        got = cards.proportions(mid)
+        if got is not None:
+            lo, best = mid, got
+        else:
+            hi = mid - 1
+    slots = max(lo, 0)
+    host = cards.host(slots)
+    if best is None or host.total > host.device.usable:
+        return None, host
+    props, plans = best
+    return _make(c, g, path, opts, tk, tv, slots, props, plans, host), host
+
+
+def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str,
+             ratios: list[float]) -> Plan:
+    """The plan for proportions the user gave (`--split` with `--split-mode tensor`), every layer offloaded."""
+    cards = _Cards(c, g, devices, cpu, opts, tk, tv)  # ratios in the meta device's order (meta_order)
+    slots = c.info.n_layer + 1
+    plans = cards.cards(slots, ratios)
+    p = _make(c, g, path, opts, tk, tv, slots, ratios, plans, cards.host(slots))
+    p.reason = "tensor mode, the proportions you gave"
+    over = [g for g in plans if g.total > g.device.usable]
+    if over:
+        p.notes.append("does not fit: " + ", ".join(
+            f"{g.device.name} needs {g.total / 2**30:.2f} GiB of {g.device.usable / 2**30:.2f}" for g in over))
+    return p
+
+
+def _make(c: Costs, g, path: str, opts, tk: str, tv: str, slots: int, props, plans, host) -> Plan:
+    from . import speed
+
+    n = c.info.n_layer
+    p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
+             flash_attn=True, n_gpu_layers=slots, tensor_split=[_num(x) for x in props], gpus=plans, host=host,
+             n_layer=n, split_mode="tensor", expert_layers=c.info.expert_layers)
+    total = sum(p.tensor_split) or 1
+    p.reason = (f"tensor mode: {'every layer' if slots == n + 1 else f'{max(slots - 1, 0)} of {n} layers'} cut "
+                f"across {len(plans)} cards, " + ":".join(f"{x / total:.0%}" for x in p.tensor_split)
+                + " of each (by speed, within each card's memory)")
+    est = speed.estimate(speed.model_shape(c.info, tk, tv, g), speed.placement_from_plan(p),
+                         speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch))
+    p.est_decode_tps = est.decode_tps
+    return p
+
+
+def _num(x):
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, opts, cuda: bool, experts) -> None:
+    """`--split-mode auto`: the tensor-mode plan for the chosen KV pair beside the layer plan, both speeds
+    estimated (planning/speed.py) in `p.speed`; the layer plan stays the plan: llama.cpp marks tensor mode
+    experimental and which mode is faster has to be measured on the devices (docs/planner.md)."""
+    from . import speed
+
+    why = None
+    try:
+        check(info, src.arch, opts, devices, bool(experts.cpu_layers))
+    except InvalidOption as e:
+        why = str(e)
+    t = None
+    if why is None:
+        c = costs(info, src, opts, p.type_k, p.type_v, cuda)
+        t, _ = search(c, src, path, devices, cpu, opts, p.type_k, p.type_v)
+        if t is None:
+            why = "tensor mode does not fit these devices at this context"
+    shape = speed.model_shape(info, p.type_k, p.type_v, src)
+    work = speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
+    ests = [speed.estimate(shape, speed.placement_from_plan(p), work)]
+    if t is not None:
+        ests.append(speed.estimate(shape, speed.placement_from_plan(t), work))
+        if t.cpu_layers > p.cpu_layers:
+            why = f"tensor mode keeps {t.cpu_layers} layer slots on the CPU, layer mode {p.cpu_layers}"
+    choice = speed.choose(ests)
+    p.speed = {"layer": ests[0].to_dict(), "tensor": ests[1].to_dict() if t is not None else None,
+               "tensor_split": t.tensor_split if t is not None else None, "estimated": choice.reason,
+               "tensor_refused": why}
+    p.notes.append(f"split mode: {choice.reason}" + (f"; tensor mode: {why}" if why else "")
+                   + "; the plan stays in layer mode until tensor mode is measured faster here: "
+                   + (f"ctxq plan ... --split-mode tensor shows it (-sm tensor -ts {','.join(map(str, t.tensor_split))})"
+                      if t is not None else "layer mode is the only one planned"))
+
+
+def ratios(split, devices: list[Device]) -> list[float]:
+    """A `split` in tensor mode: proportions, one per card."""
+    parts = split if isinstance(split, (list, tuple)) else str(split).replace(":", ",").split(",")
+    try:
+        vals = [float(x) for x in parts]
+    except ValueError:
+        raise InvalidOption(f"`split` {split!r}: give proportions like 60,40 or 16:16:8", option="split",
+                            value=split) from None
+    if len(vals) != len(devices) or any(v < 0 for v in vals) or not any(vals):
+        raise InvalidOption(f"`split` {split!r}: give {len(devices)} proportions, not all zero", option="split",
+                            value=split, limit=len(devices))
+    return vals
