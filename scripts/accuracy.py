@@ -41,6 +41,15 @@ types and pairs beyond f16/q8_0/q4_0 over Llama-3-8B (head 128), Phi-3-mini (hea
 judged by the tiny target, 3 % or 2 MiB), on the CPU and 2 RPC devices, at 4k and 32k with flash attention:
 
     .venv/bin/python scripts/accuracy.py --kv-pairs --out docs/accuracy-table.md
+
+`--tensor` (section tensor) takes tensor mode (`split_mode="tensor"`, llama.cpp's `-sm tensor`): SmolLM2 Q4_1 at 8192
+q8_0 split 2:1, 1:1 and at the proportions the planner searches for `simulate="0.3,0.2"`, and SmolLM2 F16 at 4096 f16
+on 3 cards 5:3:2 (skipped, with the reason, where that file is absent). Each load runs over local RPC workers with
+GGML_RPC_DEBUG=1 in a child process (scripts/tensor_truth.py), and each card's held buffers (weights, KV, compute and
+the all-reduce scratch of one full micro-batch) are compared with the plan's; a planned figure below the measured
+one is flagged UNDER (the never-under rule):
+
+    .venv/bin/python scripts/accuracy.py --tensor --out docs/accuracy-table.md
 """
 
 from __future__ import annotations
@@ -100,12 +109,16 @@ def main() -> int:
     ap.add_argument("--moe", action="store_true", help="issue 21's MoE cells: experts placed four ways")
     ap.add_argument("--arch", action="store_true", help="issue 28's checkpoints converted by llama.cpp's converter")
     ap.add_argument("--kv-pairs", action="store_true", help="issue 37's cache types and K/V pairs (section kv-pairs)")
+    ap.add_argument("--tensor", action="store_true", help="tensor mode per card against RPC workers' buffer logs "
+                    "(section tensor; scripts/tensor_truth.py)")
     ap.add_argument("--fa", default="on", help="flash attention: on, off or on,off")
     ap.add_argument("--parallel", default=None, help="sequences in one context, e.g. 1,4,16 (issue 29 part 5; models: "
                     "smollm2 and issue 22's tiny hybrids; section parallel)")
     ap.add_argument("--out", default=None, help="write the table as a Markdown section of this file")
     ap.add_argument("--section", default=None, help="the section of --out (default: by the matrix)")
     a = ap.parse_args()
+    if a.tensor:
+        return _tensor(a)
     if a.quick:
         a.models, a.devices, a.ctx, a.kv = "llama3-8b,gemma2-9b", "cpu,rpc5", "4096", "f16,q8_0"
     if a.hybrid:  # the defaults of the hybrid matrix where not given
@@ -282,9 +295,14 @@ def _write(out, section: str, rows, target: Target, argv, done: bool) -> None:
     tail = (f"{len(rows)} device rows{'' if done else ' so far (run in progress)'}; {under} under llama.cpp, {bad} outside "
             f"the target (within {target} per device, layers as llama.cpp assigns them); worst error {worst[7]:+.2f} MiB "
             f"({' '.join(map(str, worst[:5]))})." if worst else "")
+    _put_section(out, section, argv, f"{_table(rows, target)}\n\n{tail}")
+
+
+def _put_section(out, section: str, argv, text_: str) -> None:
+    """Write `text_` as section `section` of `out` (with the command that made it), keeping the rest of `out`."""
     start, end = f"<!-- section {section} -->", f"<!-- end {section} -->"
     body = (f"{start}\nWritten by `.venv/bin/python scripts/accuracy.py {' '.join(argv)}`.\n\n"
-            f"{_table(rows, target)}\n\n{tail}\n{end}")
+            f"{text_}\n{end}")
     path = Path(out)
     text = path.read_text() if path.exists() else ""
     if start in text and end in text:
@@ -292,6 +310,58 @@ def _write(out, section: str, rows, target: Target, argv, done: bool) -> None:
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + body + "\n"
     path.write_text(text)
+
+
+def _tensor(a) -> int:
+    """--tensor: the planner's per-card weights, KV and compute in tensor mode against real loads (tensor_truth)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tensor_truth as tt
+
+    section = a.section or "tensor"
+    rows, notes, bad, t0 = [], [], 0, time.time()
+
+    def write(done: bool) -> None:
+        if not a.out:
+            return
+        under = [r for r in rows if r.under()]
+        over = max(rows, key=lambda r: max(r.diff(k) for k in ("weights", "kv", "compute")), default=None)
+        tail = (f"{len(rows)} card rows{'' if done else ' so far (run in progress)'}; "
+                + (f"**{len(under)} UNDER the real allocation (the never-under rule is broken)**"
+                   if under else "0 under the real allocation")
+                + (f"; the most over: {max(over.diff(k) for k in ('weights', 'kv', 'compute')) / MiB:+.3f} MiB "
+                   f"({over.label}, card {over.card})" if over else "") + ".")
+        text_ = tt.table(rows) + "\n\n" + tail + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
+        _put_section(a.out, section, sys.argv[1:], text_)
+
+    for label, model, n_ctx, kv, split, sim in tt.CONFIGS:
+        if not Path(model).exists():
+            notes.append(f"{label}: skipped, {model.name} is absent (make it with `ctxq convert`)")
+            print(notes[-1], flush=True)
+            write(False)
+            continue
+        t1 = time.time()
+        try:
+            got = tt.compare(model, n_ctx, kv, split, sim, label=label, timeout=300)
+        except (tt.TruthError, CtxqError) as e:
+            notes.append(f"{label}: FAILS: {e}")
+            print(notes[-1], flush=True)
+            bad += 1
+            write(False)
+            continue
+        rows += got
+        bad += sum(1 for r in got if r.under() or r.warnings)
+        for r in got:
+            if r.warnings:
+                notes.append(f"{label} card {r.card}: " + "; ".join(r.warnings))
+        print(f"{label}: proportions {':'.join(f'{r.proportion:.0%}' for r in got)}, {time.time() - t1:.0f} s", flush=True)
+        write(False)
+    print(tt.table(rows))
+    for n in notes:
+        print(n)
+    print(f"\n{len(rows)} card rows, {bad} with a figure under the real one, a warning or a failed load; "
+          f"{time.time() - t0:.0f} s")
+    write(True)
+    return 0 if bad == 0 else 1
 
 
 if __name__ == "__main__":

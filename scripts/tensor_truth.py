@@ -1,0 +1,389 @@
+"""Ground truth for tensor mode (`split_mode=3`, LLAMA_SPLIT_MODE_TENSOR): what each card really allocates.
+
+llama.cpp is loaded in tensor mode over N local ggml RPC workers started with GGML_RPC_DEBUG=1 (CPU
+devices, one thread each). Each worker logs every buffer it is asked for
+(`[alloc_buffer] device: D, size: S -> remote_ptr: P`) and every one it frees (`[free_buffer] remote_ptr: P`);
+the buffers a worker still holds after a short eval are that card's allocations. They are classified by
+the order llama.cpp makes them, checked in each log:
+
+- weights: the buffers allocated before the first KV buffer (the model loads first);
+- KV: the buffers llama.cpp clears (`[buffer_clear]`: the cache is zeroed when the context is made);
+- compute: the buffers allocated after the last KV buffer, while the context is made (the scheduler's reserve);
+- all-reduce: the buffers allocated after the context is made, at the first batch (ceil(log2(cards)) scratch
+  buffers sized to the batch: the eval is one full micro-batch, `n_ubatch` tokens, so they reach the size the
+  plan counts).
+
+A buffer that fits none of these (allocated between KV buffers without being cleared) is reported as
+`other` with a warning rather than guessed. The load runs in a child process (llama.cpp can abort, and the
+process hangs at exit after an RPC load: the child ends with os._exit), under a timeout; the workers are the
+child's own children, killed with it.
+
+    .venv/bin/python scripts/tensor_truth.py              # a few configurations: planned vs measured per card
+    .venv/bin/python scripts/tensor_truth.py --quick      # SmolLM2 Q4_1, 8192 q8_0, split 2:1
+
+scripts/accuracy.py --tensor writes the same comparison as a section of docs/accuracy-table.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 2**20
+MODELS = Path.home() / ".cache" / "ctxq" / "models"
+Q4_1 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+F16 = MODELS / "SmolLM2-135M-Instruct.F16.gguf"
+GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+KINDS = ("weights", "kv", "compute", "allreduce", "other")
+WORKER = ("import logging, sys; logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format='%(message)s');"
+          "from ctxq.rpc.server import serve_forever; serve_forever('127.0.0.1', int(sys.argv[1]), ['CPU'], 1)")
+RESULT = "TENSOR_TRUTH_RESULT "
+_KEEP: list = []  # the child's Llama, alive until os._exit
+_ALLOC = re.compile(r"\[alloc_buffer\] device: (\S+), size: (\d+) -> remote_ptr: (\w+)")
+_FREE = re.compile(r"\[free_buffer\] remote_ptr: (\w+)")
+_CLEAR = re.compile(r"\[buffer_clear\] remote_ptr: (\w+)")
+
+
+class TruthError(RuntimeError):
+    """The load did not give an answer (llama.cpp failed, the child timed out or the logs did not parse)."""
+
+
+@dataclass
+class Buffer:
+    size: int
+    kind: str
+    order: int  # its place among the worker's allocations
+
+
+@dataclass
+class Card:
+    """What one worker holds after the eval, by kind (bytes)."""
+
+    buffers: list[Buffer]
+    warnings: list[str] = field(default_factory=list)
+
+    def bytes(self, kind: str) -> int:
+        return sum(b.size for b in self.buffers if b.kind == kind)
+
+    @property
+    def weights(self) -> int:
+        return self.bytes("weights")
+
+    @property
+    def kv(self) -> int:
+        return self.bytes("kv")
+
+    @property
+    def compute(self) -> int:
+        """The compute buffer and the all-reduce scratch (as the plan's `compute` counts them)."""
+        return self.bytes("compute") + self.bytes("allreduce")
+
+    @property
+    def allreduce(self) -> int:
+        return self.bytes("allreduce")
+
+
+# ---------------------------------------------------------------------------------------------- the parent
+
+
+def measure(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = None, n_ubatch: int = 512,
+            n_eval: int | None = None, timeout: float = 300, retries: int = 1) -> list[Card]:
+    """Load `model` in tensor mode over len(split) RPC workers in a child process; each card's held buffers,
+    classified. Raises TruthError (one line) when the child fails or runs past `timeout` seconds. A child
+    killed by a signal (llama.cpp aborted) is run again up to `retries` times, with a line on stderr naming its
+    saved output."""
+    for attempt in range(retries + 1):
+        try:
+            return _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout)
+        except _Crashed as e:
+            if attempt == retries:
+                raise TruthError(str(e)) from None
+            print(f"tensor_truth: {e}; loading again", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
+class _Crashed(TruthError):
+    """The child was killed by a signal before it answered."""
+
+
+def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout) -> list[Card]:
+    args = dict(model=str(model), n_ctx=int(n_ctx), split=[float(x) for x in split], type_k=type_k,
+                type_v=type_v or type_k, n_ubatch=int(n_ubatch), n_eval=int(n_eval or n_ubatch))
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        proc.communicate()
+        raise TruthError(f"the load did not finish in {timeout:.0f} s") from None
+    finally:
+        _kill_group(proc)  # the workers, should the child have left any
+    text = out.decode(errors="replace")
+    for line in text.splitlines():
+        if line.startswith(RESULT):
+            got = json.loads(line[len(RESULT):])
+            if "error" in got:
+                raise TruthError(got["error"])
+            return [Card([Buffer(**b) for b in c["buffers"]], c["warnings"]) for c in got["cards"]]
+    keep = Path(tempfile.mkstemp(prefix="ctxq-tensor-truth-", suffix=".log")[1])
+    keep.write_text(text)
+    lines = text.strip().splitlines()
+    why = [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT|error|failed|Aborted", ln, re.I)][:3] or lines[-3:]
+    error = _Crashed if proc.returncode < 0 else TruthError
+    raise error(f"the child ended (exit {proc.returncode}) without a result: {' | '.join(why)[-600:]} "
+                f"(its output: {keep})")
+
+
+def held_buffers(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = None,
+                 n_ubatch: int = 512, timeout: float = 300) -> list[list[int]]:
+    """Bytes of each buffer each worker holds after the load and one micro-batch, in allocation order."""
+    return [[b.size for b in sorted(c.buffers, key=lambda b: b.order)]
+            for c in measure(model, n_ctx, split, type_k, type_v, n_ubatch, timeout=timeout)]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the child's process group (the child and the workers it started), by the child's id."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------------------------- the child
+
+
+def _child(args: dict) -> None:
+    try:
+        cards = _load(**args)
+        print(RESULT + json.dumps({"cards": cards}), flush=True)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        print(RESULT + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+    finally:
+        os._exit(0)  # an RPC load hangs at interpreter exit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, n_ubatch: int, n_eval: int) -> list:
+    logdir = Path(tempfile.mkdtemp(prefix="ctxq-tensor-truth-"))
+    env = dict(os.environ, GGML_RPC_DEBUG="1")
+    ports, procs, logs = [], [], []
+    for i in range(len(split)):
+        port = _free_port()
+        ports.append(port)
+        logs.append(logdir / f"w{i}.log")
+        with open(logs[-1], "wb") as f:
+            procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(port)], env=env, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    try:
+        from ctxq.rpc.client import add_servers
+
+        t0 = time.time()
+        while True:  # the workers take a moment to listen
+            try:
+                add_servers([f"127.0.0.1:{p}" for p in ports])
+                break
+            except Exception:
+                if time.time() - t0 > 30 or any(p.poll() is not None for p in procs):
+                    raise
+                time.sleep(0.5)
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_gpu_layers=999, split_mode=3, tensor_split=split,
+                              type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v], flash_attn=True,
+                              n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1)
+        # never freed: llama_free would talk to workers the `finally` below has killed, and ggml-rpc aborts the
+        # child when a worker does not answer (seen: exit -6 in ~llama_context); the child ends with os._exit
+        _KEEP.append(llm)
+        time.sleep(0.5)  # the workers' last lines of the load reach their logs
+        made = [f.stat().st_size for f in logs]  # what follows is the first batch
+        text = b"The quick brown fox jumps over the lazy dog. " * (n_eval // 4 + 8)
+        tokens = llm.tokenize(text)[:min(n_eval, n_ctx)]
+        llm.eval(tokens)
+        time.sleep(0.5)
+        cards = [_classify(f.read_bytes(), cut) for f, cut in zip(logs, made)]
+        shutil.rmtree(logdir, ignore_errors=True)  # kept when the load fails
+        return [{"buffers": [b.__dict__ for b in c.buffers], "warnings": c.warnings} for c in cards]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _classify(log: bytes, made: int) -> Card:
+    """The buffers one worker holds, by kind (see the module's text), from its log; `made`: the log's size
+    when the context was made (later allocations are the first batch's)."""
+    allocs: dict[str, list] = {}  # ptr -> [size, order, offset, cleared]
+    order = 0
+    pos = 0
+    for raw in log.splitlines(keepends=True):
+        line = raw.decode(errors="replace")
+        if m := _ALLOC.search(line):
+            allocs[m.group(3)] = [int(m.group(2)), order, pos, False]
+            order += 1
+        elif m := _FREE.search(line):
+            allocs.pop(m.group(1), None)
+        elif m := _CLEAR.search(line):
+            if m.group(1) in allocs:
+                allocs[m.group(1)][3] = True
+        pos += len(raw)
+    warnings = []
+    kv_orders = [o for _, o, at, cleared in allocs.values() if cleared and at < made]
+    if not kv_orders:
+        warnings.append("no KV buffer (none cleared) among the held buffers")
+    first_kv, last_kv = (min(kv_orders), max(kv_orders)) if kv_orders else (math.inf, -math.inf)
+    buffers = []
+    for size, o, at, cleared in allocs.values():
+        if at >= made:
+            kind = "allreduce"
+        elif cleared:
+            kind = "kv"
+        elif o < first_kv:
+            kind = "weights"
+        elif o > last_kv:
+            kind = "compute"
+        else:
+            kind = "other"
+            warnings.append(f"a buffer of {size} bytes allocated among the KV buffers, not cleared")
+        buffers.append(Buffer(size, kind, o))
+    kinds = [b.kind for b in sorted(buffers, key=lambda b: b.order)]
+    rank = [KINDS.index(k) for k in kinds]
+    if rank != sorted(rank):
+        warnings.append("allocations not in the order weights, KV, compute, all-reduce: " + ", ".join(kinds))
+    if not any(k == "weights" for k in kinds):
+        warnings.append("no weights buffer held")
+    if not any(k == "compute" for k in kinds):
+        warnings.append("no compute buffer held")
+    return Card(buffers, warnings)
+
+
+# ----------------------------------------------------------------------------------------- the comparison
+
+
+@dataclass
+class Row:
+    """One card: planned and measured bytes of weights, KV and compute (compute with the all-reduce)."""
+
+    label: str
+    card: int
+    proportion: float
+    planned: dict
+    measured: dict
+    allreduce: int
+    warnings: list[str]
+
+    def diff(self, kind: str) -> int:
+        return self.planned[kind] - self.measured[kind]
+
+    def under(self) -> list[str]:
+        """The figures the plan puts below the measured ones (the never-under rule)."""
+        return [k for k in ("weights", "kv", "compute") if self.diff(k) < 0]
+
+
+def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512):
+    """ctxq's tensor-mode plan: `split` the proportions (None: the planner searches them on `simulate`)."""
+    import ctxq
+
+    n = len(str(split).replace(":", ",").split(",")) if split else None
+    sim = simulate or ",".join(["1"] * (n or 2))
+    return ctxq.plan(str(model), n_ctx, simulate=sim, split_mode="tensor", kv=kv, split=split, n_ubatch=n_ubatch)
+
+
+def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512,
+            label: str = "", timeout: float = 300) -> list[Row]:
+    """Plan, load for real with the plan's proportions, and pair the two card by card."""
+    p = planned(model, n_ctx, kv, split, simulate, n_ubatch)
+    if p.split_mode != "tensor":
+        raise TruthError(f"the plan is in {p.split_mode} mode, not tensor")
+    if p.n_gpu_layers != p.n_layer + 1:
+        raise TruthError(f"the plan keeps {p.n_layer + 1 - p.n_gpu_layers} layer slots on the CPU; "
+                         "the truth run offloads every layer")
+    tk, _, tv = kv.partition("/")
+    cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, timeout=timeout)
+    total = sum(p.tensor_split)
+    if split is None:  # the planner's own proportions: name them
+        label = f"{label} = {':'.join(map(str, p.tensor_split))}"
+    rows = []
+    for j, (g, c) in enumerate(zip(p.gpus, cards)):
+        rows.append(Row(label, j, p.tensor_split[j] / total,
+                        {"weights": g.weights, "kv": g.kv, "compute": g.compute + g.cuda_copies},
+                        {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings))
+    return rows
+
+
+CONFIGS = [  # (label, model, n_ctx, kv, split, simulate)
+    ("SmolLM2 Q4_1 8192 q8_0 2:1", Q4_1, 8192, "q8_0", "2:1", None),
+    ("SmolLM2 Q4_1 8192 q8_0 1:1", Q4_1, 8192, "q8_0", "1:1", None),
+    ("SmolLM2 Q4_1 8192 q8_0 searched (0.3,0.2 GiB)", Q4_1, 8192, "q8_0", None, "0.3,0.2"),
+    ("SmolLM2 F16 4096 f16 5:3:2", F16, 4096, "f16", "5:3:2", None),
+]
+
+
+EXTRA = [  # main() only: the other load measured by hand when the planner was written
+    ("SmolLM2 F16 4096 q4_0 3:1", F16, 4096, "q4_0", "3:1", None),
+]
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| configuration | card | share | weights planned | measured | diff | KV planned | measured | diff "
+            "| compute planned | measured (all-reduce) | diff | never under |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        cells = []
+        for k in ("weights", "kv", "compute"):
+            extra = f" ({r.allreduce / MiB:.3f})" if k == "compute" else ""
+            cells += [f"{r.planned[k] / MiB:.3f}", f"{r.measured[k] / MiB:.3f}{extra}", f"{r.diff(k) / MiB:+.3f}"]
+        under = r.under()
+        status = "ok" if not under else "**UNDER: " + ", ".join(under) + "**"
+        if r.warnings:
+            status += " (" + "; ".join(r.warnings) + ")"
+        lines.append(f"| {r.label} | {r.card} | {r.proportion:.0%} | " + " | ".join(cells) + f" | {status} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="only the first configuration")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per load")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        _child(json.loads(a.child))
+    rows, bad = [], 0
+    for label, model, n_ctx, kv, split, sim in CONFIGS[:1] if a.quick else CONFIGS + EXTRA:
+        if not Path(model).exists():
+            print(f"skip {label}: {model} is absent (make it with `ctxq convert`)", flush=True)
+            continue
+        t0 = time.time()
+        try:
+            got = compare(model, n_ctx, kv, split, sim, label=label, timeout=a.timeout)
+        except TruthError as e:
+            print(f"{label}: FAILS: {e}", flush=True)
+            bad += 1
+            continue
+        rows += got
+        bad += sum(1 for r in got if r.under() or r.warnings)
+        print(f"{label}: {time.time() - t0:.0f} s", flush=True)
+    print(table(rows))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
