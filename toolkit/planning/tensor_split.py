@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..gguf.info import ModelInfo
-from ..gguf.reader import GGML_BLOCKS, GGML_TYPES, GGUFFile, TensorInfo
+from ..gguf.reader import GGML_BLOCKS, GGML_TYPES, GGUFFile
 
 # llm_arch_supports_sm_tensor (src/llama-arch.cpp): llama.cpp refuses tensor mode for these, with
 # "LLAMA_SPLIT_MODE_TENSOR not implemented for architecture 'X'".
@@ -151,7 +151,7 @@ class TensorSplit:
                 continue  # NextN blocks llama.cpp does not load
             if il is None and not (t.name.startswith("output") or (t.name == "token_embd.weight" and info.output_tied)):
                 continue  # token_embd (CPU memory) and rope factors etc. (planned with the host)
-            spec = model.spec(t.name, t.shape, t.type, il, t) if t.name != "token_embd.weight" else None
+            spec = model.spec(t.name, t.shape, t.type, il) if t.name != "token_embd.weight" else None
             if spec is None:
                 if il is None:
                     self.fixed_out += _pad(t.nbytes)
@@ -267,7 +267,7 @@ class _Model:
                 return t.shape[0]
         return 0
 
-    def spec(self, name: str, shape: tuple[int, ...], type_: int, il: int | None, own: TensorInfo | None = None):
+    def spec(self, name: str, shape: tuple[int, ...], type_: int, il: int | None):
         """(axis, shape padded to 4 dims, segments ((elements, repeats, granularity), ...), rotation) of a
         tensor cut across the cards, or None when it is whole on every card."""
         axis, comp = self.rule(name)
