@@ -46,10 +46,7 @@ def model_file(p, info: ModelInfo) -> Path | None:
 
 
 def applies(p, info: ModelInfo) -> bool:
-    # tensor mode: a metadata-only load prints one Meta() figure (NOTES-llama-cpp.md); its cards' buffers come from
-    # planning/tensor.py, checked against real loads in scripts/accuracy.py
     return (os.environ.get("CTXQ_SPLIT_CHECK", "1") != "0" and any(g.layers for g in p.gpus)
-            and getattr(p, "split_mode", "layer") == "layer"
             and model_file(p, info) is not None)
 
 
@@ -58,6 +55,8 @@ def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     output buffer, as the plan counts it); None where it cannot be asked here."""
     from ..llama.split_dry import split_compute
 
+    if getattr(p, "split_mode", "layer") == "tensor":
+        return _tensor_measured(p, info)
     kw = dict(n_ctx=p.n_ctx, n_gpu_layers=p.n_gpu_layers, tensor_split=[float(c) for c in p.tensor_split],
               type_k=p.type_k, type_v=p.type_v, flash_attn=p.flash_attn, n_ubatch=p.n_ubatch, n_batch=p.n_batch,
               swa_full=p.swa_full, cpu_patterns=tuple(p.expert_overrides()), **p.context_settings())
@@ -67,6 +66,22 @@ def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
         log.info("the split referee could not ask llama.cpp (%s); the rules' figures stand", e)
         return None
     return devices, host + p.n_seq_max * info.n_vocab * 4  # memory.host_cost: the host's logits
+
+
+def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
+    """Tensor mode: a metadata-only load prints one Meta() figure and weights and KV as 0 (NOTES-llama-cpp.md), so
+    each card's weights and KV come from planning/tensor_split.py (checked against real loads in
+    scripts/accuracy.py --tensor). Its compute buffer is sized on the whole tensors and allocated at that size on
+    every card: llama.cpp's dry run of one device holding every offloaded layer, plus the all-reduce scratch."""
+    from .tensor import allreduce_bytes
+
+    one = replace(p, split_mode="layer", gpus=p.gpus[:1], tensor_split=[p.n_gpu_layers])
+    got = measured(one, info)
+    if got is None:
+        return None
+    (card,), host = got
+    # + the printed size's rounding: the real buffer is up to 0.005 MiB above it (97.12 printed, 97.125 held)
+    return [card + PRINT_ROUNDING + allreduce_bytes(info, len(p.gpus), p.n_ubatch)] * len(p.gpus), host
 
 
 def _take(p, got: tuple[list[int], int]) -> list[str]:

@@ -8,7 +8,8 @@ real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accurac
   loads tried (SmolLM2 Q4_1 and F16, 2 and 3 cards, f16/q8_0/q4_0 caches, splits 2:1, 1:1, 3:1, 5:3:2);
 - compute: the meta device's buffer is sized on the whole tensors and allocated at that size on every card
   (ggml_backend_meta_buffer_type_alloc_buffer), so each card holds the compute buffer of one device holding every
-  offloaded layer (97.12 MiB on each card for SmolLM2 at 4k and 8k, as the one-device layer plan);
+  offloaded layer (97.125 MiB on each card for SmolLM2 at 4k and 8k): the search costs it with ctxq's rules, then the
+  split referee takes llama.cpp's dry run of that one device (`split_referee._tensor_measured`);
 - all-reduce: ceil(log2(cards)) scratch buffers per card, each the largest partial result (the residual stream of
   one micro-batch, f32 [n_embd, n_ubatch], times the experts used for a MoE), allocated at the first batch;
 - CUDA's own memory and the reserve per card as for one device holding every offloaded layer (an over-estimate:
@@ -51,6 +52,14 @@ def check(info, arch: str, opts, devices: list[Device], experts_fixed: bool) -> 
                             "use split_mode=layer for that", option="split_mode", value="tensor")
 
 
+def allreduce_bytes(info, n_cards: int, n_ubatch: int) -> int:
+    """The all-reduce scratch each card allocates at the first batch: ceil(log2(cards)) buffers of the largest
+    partial result (ggml-backend-meta.cpp's max_tmp_size; the residual stream f32 [n_embd, n_ubatch], times the
+    experts used for a MoE: an over-estimate there)."""
+    steps = math.ceil(math.log2(n_cards)) if n_cards > 1 else 0
+    return steps * info.n_embd * n_ubatch * 4 * max(1, info.n_expert_used)
+
+
 def meta_order(devices: list[Device]) -> list[Device]:
     """The cards in the meta device's order: every non-CPU device in ggml's registry order (llama.cpp's
     llama_prepare_model_devices), the process's own GPUs before RPC workers registered later; layer mode instead
@@ -67,9 +76,7 @@ class _Cards:
         self.info = c.info
         self.ts = TensorSplit(g, c.info, len(devices), tk, tv)
         self.n_ctx, self.n_ubatch = opts.n_ctx, opts.n_ubatch
-        n = len(devices)
-        steps = math.ceil(math.log2(n)) if n > 1 else 0
-        self.allreduce = steps * self.info.n_embd * opts.n_ubatch * 4 * max(1, self.info.n_expert_used)
+        self.allreduce = allreduce_bytes(self.info, len(devices), opts.n_ubatch)
 
     def cells(self, il: int) -> int:
         return kv_cells(self.info, self.n_ctx, self.n_ubatch, il)
