@@ -164,6 +164,9 @@ def test_a_stopped_header_read_leaves_no_partial_copy(hub, files, env, tmp_path)
     p.kill()
     p.communicate()
     held.set()
+    # under load the kill can land between the second shard's HEAD (logged) and its ranged GET: a hold never taken
+    # would then cut the next run's GET short (RemoteProtocolError), so it goes with the first run
+    hub.hold.pop(shards[1].name, None)
     cache = tmp_path / "ctxq" / "hub" / "user--Tiny-Split-GGUF"
     copies = [c for c in cache.rglob("*.gguf")]
     assert [c.name for c in copies] == [shards[2].name], copies  # the last shard's, read first; not the first's
