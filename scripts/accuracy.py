@@ -334,6 +334,7 @@ def _tensor(a) -> int:
         _put_section(a.out, section, sys.argv[1:], text_)
 
     for label, model, n_ctx, kv, split, sim in tt.CONFIGS:
+        model = model() if callable(model) else model  # an upstream checkpoint is built (and cached) here
         if not Path(model).exists():
             notes.append(f"{label}: skipped, {model.name} is absent (make it with `ctxq convert`)")
             print(notes[-1], flush=True)

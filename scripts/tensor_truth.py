@@ -331,7 +331,19 @@ CONFIGS = [  # (label, model, n_ctx, kv, split, simulate)
     ("SmolLM2 Q4_1 8192 q8_0 1:1", Q4_1, 8192, "q8_0", "1:1", None),
     ("SmolLM2 Q4_1 8192 q8_0 searched (0.3,0.2 GiB)", Q4_1, 8192, "q8_0", None, "0.3,0.2"),
     ("SmolLM2 F16 4096 f16 5:3:2", F16, 4096, "f16", "5:3:2", None),
+    # checkpoints transformers builds, converted by llama.cpp's own converter (ctxq.testing.upstream_models)
+    ("GLM-4 (fused up+gate, q/k/v biases) 4096 q8_0 3:1", lambda: _upstream("glm4"), 4096, "q8_0", "3:1", None),
+    ("GLM-4 (fused up+gate, q/k/v biases) 4096 f16 5:3:2", lambda: _upstream("glm4"), 4096, "f16", "5:3:2", None),
+    ("SmolLM3 (untied output) 4096 q8_0 3:1", lambda: _upstream("smollm3"), 4096, "q8_0", "3:1", None),
+    ("GLM-4.5-style MoE (routed + shared experts) 4096 q8_0 3:1", lambda: _upstream("glm4moe"), 4096, "q8_0", "3:1",
+     None),
 ]
+
+
+def _upstream(name: str) -> Path:
+    from ctxq.testing import upstream_models
+
+    return upstream_models.build(name)
 
 
 EXTRA = [  # main() only: the other load measured by hand when the planner was written
@@ -368,6 +380,7 @@ def main() -> int:
         _child(json.loads(a.child))
     rows, bad = [], 0
     for label, model, n_ctx, kv, split, sim in CONFIGS[:1] if a.quick else CONFIGS + EXTRA:
+        model = model() if callable(model) else model
         if not Path(model).exists():
             print(f"skip {label}: {model} is absent (make it with `ctxq convert`)", flush=True)
             continue

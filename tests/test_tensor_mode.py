@@ -80,21 +80,19 @@ def _held(model, n_ctx: int, split: list[float], cache: str) -> list[list[int]]:
     return json.loads(lines[-1])
 
 
-def _smollm3():
-    return upstream_models.build("smollm3")
-
-
 @pytest.mark.parametrize("which,n_ctx,split,cache", [
     pytest.param("smollm2", 2048, [2, 1], "q8_0", id="smollm2-2-1-q8_0"),
     pytest.param("smollm2", 2048, [770, 230], "q4_0", id="smollm2-770-230-q4_0"),
     pytest.param("smollm3", 4096, [3, 1], "f16", id="smollm3-upstream-3-1-f16"),
+    pytest.param("glm4", 4096, [5, 3, 2], "q8_0", id="glm4-upstream-5-3-2-q8_0"),
 ])
 def test_each_cards_weights_and_kv_are_what_llama_cpp_allocates(which, n_ctx, split, cache, smollm2):
     """The cut of every tensor (axes, granularity, the per-layer rotation, mirrored tensors) and of the KV heads
     equals, to the byte, a buffer each worker holds; the compute buffer the plan puts on each card is no smaller
     than the one the worker holds. SmolLM2 (9 heads, 3 KV heads of 64: a KV head does not split 2:1) and a
-    SmolLM3 checkpoint converted by llama.cpp's own converter (untied output, 2 KV heads of 32)."""
-    model = smollm2 if which == "smollm2" else _smollm3()
+    SmolLM3 and a GLM-4 checkpoint converted by llama.cpp's own converter (untied output, 2 KV heads of 32; GLM-4's
+    gate and up in one tensor and q/k/v biases, on three cards)."""
+    model = smollm2 if which == "smollm2" else upstream_models.build(which)
     g = read_model(model)
     info = model_info(g)
     cb = TensorSplit(g, info, len(split), cache, cache).at(split)
@@ -113,6 +111,8 @@ def test_each_cards_weights_and_kv_are_what_llama_cpp_allocates(which, n_ctx, sp
         assert compute <= plan.gpus[j].compute <= compute * 1.05 + 4 * MiB, (compute / MiB, plan.gpus[j].compute / MiB)
     if split[0] != split[1]:  # an uneven split is not proportional arithmetic: KV heads move whole
         assert kv[0] != kv[1]
+    if len(split) == 3:  # 5:3:2 over 2 KV heads: the rotation gives the last card more than the middle one
+        assert kv[2] > kv[1]
 
 
 def test_searched_plan_holds_on_every_card_and_loads_as_planned(smollm2):

@@ -185,6 +185,10 @@ SPECS: dict[str, Spec] = {
         scoring_func="sigmoid", **_MOE), arch="dots1", moe=True, note="multi-head, sigmoid gating"),
     "ministral3": Spec("Ministral3ForCausalLM", "ministral3", dict(num_hidden_layers=4), arch="mistral3"),
     "apertus": Spec("ApertusForCausalLM", "apertus", dict(num_hidden_layers=4), arch="apertus"),
+    "glm4": Spec("Glm4ForCausalLM", "glm4", dict(num_hidden_layers=4, partial_rotary_factor=0.5,
+                                                   vocab_size=49152 + 3), arch="glm4",
+                 added_tokens=("[gMASK]", "<|user|>", "<|observation|>"),
+                 note="gate and up in one tensor (ffn_up of 2 n_ff rows): tensor mode's segments"),
 }
 NAMES = tuple(SPECS)
 # Entries that cannot be built or converted with these versions, and why (the tests skip them with the reason).
