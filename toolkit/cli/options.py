@@ -59,8 +59,8 @@ def _plan_flags(for_plan: bool, parallel: bool = True) -> list:
         click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["layer", "tensor", "auto"]),
                      default=None, help="layer: whole layers per card (llama.cpp's -sm layer); tensor: every layer "
                      "cut across the cards, proportions searched so each card holds its part (-sm tensor, which "
-                     "llama.cpp marks experimental; -ts takes proportions); auto: both planned, their speeds "
-                     "estimated side by side.  [default: layer]"),
+                     "llama.cpp marks experimental; -ts takes proportions); auto: both planned and estimated, the "
+                     "faster taken where `ctxq bench` measured both on these devices, else layer.  [default: layer]"),
         device_options,
         click.option("--simulate", default=None, metavar="GiB,…", help=simulate_help),
         click.option("--kv", default=None, metavar="auto|TYPE|K/V",

@@ -53,7 +53,7 @@ class PlanOptions:
     and llama.cpp's defaults (what `Llama` makes).
     split_mode: "layer" (llama.cpp's -sm layer: whole layers per card, the default), "tensor" (-sm tensor: every
     layer cut across the cards, proportions searched; planning/tensor.py) or "auto" (both planned, their speeds
-    estimated side by side; layer mode kept unless tensor mode was measured faster on these devices).
+    estimated; the faster by `ctxq bench`'s kept measurements on these devices, else layer mode).
     """
 
     n_ctx: int | None = None

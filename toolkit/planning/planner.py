@@ -250,7 +250,7 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                                                    kv_size, opts.n_ctx)
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
     if opts.split_mode == "auto" and len(devices) > 1:
-        tensor_mod.compare(p, src, info, str(path), devices, cpu, opts, cuda, experts)
+        p = tensor_mod.compare(p, src, info, str(path), devices, cpu, opts, cuda, experts)
     return _settle(experts.apply(p), opts)
 
 

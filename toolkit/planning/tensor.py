@@ -249,11 +249,12 @@ def _num(x):
     return int(x) if float(x).is_integer() else float(x)
 
 
-def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, opts, cuda: bool, experts) -> None:
-    """`--split-mode auto`: the tensor-mode plan for the chosen KV pair beside the layer plan, both speeds
-    estimated (planning/speed.py) in `p.speed`; the layer plan stays the plan: llama.cpp marks tensor mode
-    experimental and which mode is faster has to be measured on the devices (docs/planner.md)."""
-    from . import speed
+def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, opts, cuda: bool, experts) -> Plan:
+    """`--split-mode auto`: the tensor-mode plan for the chosen KV pair beside the layer plan, both speeds estimated
+    (planning/speed.py) and, where `ctxq bench` measured both plans on these devices (planning/speed_store.py),
+    measured. The faster by measurement is returned; without both measurements the layer plan: llama.cpp marks
+    tensor mode experimental, and which mode is faster has to be measured on the devices (docs/planner.md)."""
+    from . import speed, speed_store
 
     why = None
     try:
@@ -266,21 +267,39 @@ def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, o
         t, _ = search(c, src, path, devices, cpu, opts, p.type_k, p.type_v)
         if t is None:
             why = "tensor mode does not fit these devices at this context"
+        elif t.cpu_layers > p.cpu_layers:
+            why = f"tensor mode keeps {t.cpu_layers} layer slots on the CPU, layer mode {p.cpu_layers}"
     shape = speed.model_shape(info, p.type_k, p.type_v, src)
     work = speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
     ests = [speed.estimate(shape, speed.placement_from_plan(p), work)]
     if t is not None:
         ests.append(speed.estimate(shape, speed.placement_from_plan(t), work))
-        if t.cpu_layers > p.cpu_layers:
-            why = f"tensor mode keeps {t.cpu_layers} layer slots on the CPU, layer mode {p.cpu_layers}"
     choice = speed.choose(ests)
-    p.speed = {"layer": ests[0].to_dict(), "tensor": ests[1].to_dict() if t is not None else None,
-               "tensor_split": t.tensor_split if t is not None else None, "estimated": choice.reason,
-               "tensor_refused": why}
-    p.notes.append(f"split mode: {choice.reason}" + (f"; tensor mode: {why}" if why else "")
-                   + "; the plan stays in layer mode until tensor mode is measured faster here: "
-                   + (f"ctxq plan ... --split-mode tensor shows it (-sm tensor -ts {','.join(map(str, t.tensor_split))})"
-                      if t is not None else "layer mode is the only one planned"))
+    measured = {"layer": speed_store.lookup(p), "tensor": speed_store.lookup(t) if t is not None else None}
+    totals = {m: r.total_s(work.prompt_tokens, work.gen_tokens) for m, r in measured.items() if r is not None}
+    info_ = {"layer": ests[0].to_dict(), "tensor": ests[1].to_dict() if t is not None else None,
+             "tensor_split": t.tensor_split if t is not None else None, "estimated": choice.reason,
+             "tensor_refused": why, "measured": {m: r.to_dict() for m, r in measured.items() if r is not None}}
+    if len(totals) == 2 and None not in totals.values():
+        best = min(totals, key=totals.get)
+        rates = "; ".join(f"{m} mode pp {r.pp:.1f} t/s, tg {r.tg:.1f} t/s ({totals[m]:.1f} s)"
+                          for m, r in measured.items())
+        note = (f"split mode: measured on these devices by ctxq bench, for {work.prompt_tokens:,} prompt and "
+                f"{work.gen_tokens} generated tokens: {rates}: {best} mode chosen")
+        chosen = t if best == "tensor" and why is None else p
+        if best == "tensor" and why is None:
+            t.reason += f"; chosen over layer mode by measurement ({totals['layer']:.1f} s against {totals['tensor']:.1f})"
+            t.kv_quality, t.notes = p.kv_quality, [*p.notes]
+    else:
+        chosen = p
+        missing = [m for m in ("layer", "tensor") if measured.get(m) is None and (m == "layer" or t is not None)]
+        note = (f"split mode: {choice.reason}" + (f"; tensor mode: {why}" if why else "")
+                + ("; the plan stays in layer mode until tensor mode is measured faster here "
+                   f"(-sm tensor -ts {','.join(map(str, t.tensor_split))}): `ctxq bench` with the same options "
+                   f"measures {' and '.join(missing)} mode" if t is not None else ""))
+    chosen.speed = info_
+    chosen.notes.append(note)
+    return chosen
 
 
 def ratios(split, devices: list[Device]) -> list[float]:

@@ -1,0 +1,67 @@
+"""`ctxq bench`: both split modes measured over real RPC workers, kept, and `plan -sm auto` choosing by them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ctxq
+from ctxq.planning import speed_store
+
+from .conftest import run_ctxq
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_bench_measures_both_modes_and_auto_chooses_the_faster_measured(smollm2, home):
+    env = {"CTXQ_HOME": str(home)}
+    r = run_ctxq("bench", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", "-p", "32", "-n", "4", "-r", "2",
+                 "--json", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["mode"]: row for row in json.loads(r.stdout)}
+    assert set(rows) == {"layer", "tensor"}
+    for row in rows.values():
+        assert row["measured"] and len(row["pp_tps"]) == 2 and len(row["tg_tps"]) == 2
+        assert all(x > 0 for x in row["pp_tps"] + row["tg_tps"])
+    assert "-sm tensor" in rows["tensor"]["plan"] and "-sm layer" in rows["layer"]["plan"]
+    assert len(list((home / "bench").glob("*.json"))) == 2
+    # the same devices planned again (simulated, not started): the kept measurements decide
+    p = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto")
+    total = {m: 1024 / row["pp_mean"] + 128 / row["tg_mean"] for m, row in rows.items()}
+    faster = min(total, key=total.get)
+    assert p.split_mode == faster
+    assert any(n.startswith("split mode: measured on these devices") and f"{faster} mode chosen" in n for n in p.notes)
+    assert set(p.speed["measured"]) == {"layer", "tensor"}
+
+
+def test_auto_takes_tensor_mode_only_when_measured_faster(smollm2, home):
+    """The choice follows the kept measurements, whichever they favour (rates given here, not measured: what is
+    tested is the choice, not the rates)."""
+    layer = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="layer")
+    tensor = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="tensor")
+    assert ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto").split_mode == "layer"  # nothing measured
+    for plan, pp, tg in ((layer, [100.0], [10.0]), (tensor, [150.0], [15.0])):
+        speed_store.save(plan, speed_store.Measured(plan.split_mode, plan.tensor_split, 32, 4, 0, pp, tg))
+    p = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto")
+    assert p.split_mode == "tensor" and p.tensor_split == tensor.tensor_split
+    assert "chosen over layer mode by measurement" in p.reason
+    speed_store.save(tensor, speed_store.Measured("tensor", tensor.tensor_split, 32, 4, 1, [150.0], [1.0]))
+    assert ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto").split_mode == "layer"
+    # other devices: the measurements do not apply
+    assert ctxq.plan(smollm2, 1024, simulate="0.4,0.2", split_mode="auto").speed["measured"] == {}
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["-r", "0"], "-r must be 1 or more"),
+    (["-d", "4000", "-p", "200"], "-d 4000 + 200 tokens is beyond the context (1024)"),
+    (["-p", "0", "-n", "0"], "nothing to measure"),
+])
+def test_bench_bad_input_is_one_line(args, expect, smollm2, home):
+    r = run_ctxq("bench", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", *args, env={"CTXQ_HOME": str(home)})
+    assert r.returncode != 0 and expect in r.stderr and "Traceback" not in r.stderr
+    assert not (home / "bench").exists() or not list((home / "bench").iterdir())

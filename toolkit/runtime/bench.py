@@ -1,0 +1,121 @@
+"""`ctxq bench`: each split mode's plan measured on the devices present, as llama-bench measures (issue 44).
+
+For each candidate (layer mode, tensor mode: the plans `ctxq plan -sm layer|tensor` makes for these options) a child
+process loads the plan (llama.cpp aborts instead of returning errors: never in ctxq's own process) and, `-r` times
+after one warm-up, fills `-d` tokens of cache untimed, then times a prompt of `-p` random tokens (prompt processing,
+pp) and, at the same depth, `-n` tokens decoded one at a time (token generation, tg): tokens/s, mean ± sd over the
+repetitions, llama-bench's figures. Each result is kept (`planning.speed_store`) per model file, device set and
+llama.cpp version, and `ctxq plan --split-mode auto` then chooses the mode by these measurements.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import replace
+from typing import Callable
+
+from ..errors import CtxqError, InvalidOption
+from ..planning import speed_store
+from ..planning.options import PlanOptions
+from ..planning.speed_store import Measured
+from .runner import load_plan, local_workers, make_plan
+
+MODES = ("layer", "tensor")
+
+
+def _tokens(n: int, n_vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(n_vocab) for _ in range(n)]
+
+
+def measure_plan(plan, rpc, n_prompt: int, n_gen: int, depth: int, reps: int, n_threads: int | None) -> dict:
+    """In a child process: load the plan, time pp and tg as llama-bench does; tokens/s per repetition."""
+    from ..rpc.supervise import report
+
+    llm, _, _ = load_plan(plan, rpc=rpc, n_threads=n_threads)
+    try:
+        n_vocab = llm.n_vocab()
+        pp, tg = [], []
+        for r in range(reps + 1):  # the first is a warm-up, as llama-bench's
+            head = _tokens(depth, n_vocab, 1000 + r)
+            llm.reset()
+            if head:
+                llm.eval(head)
+            prompt = _tokens(n_prompt, n_vocab, r)
+            t0 = time.perf_counter()
+            if prompt:
+                llm.eval(prompt)
+            t_pp = time.perf_counter() - t0
+            llm.reset()
+            if head:
+                llm.eval(head)
+            gen = _tokens(n_gen, n_vocab, 2000 + r)
+            t0 = time.perf_counter()
+            for tok in gen:
+                llm.eval([tok])
+            t_tg = time.perf_counter() - t0
+            if r:
+                pp.append(n_prompt / t_pp if n_prompt and t_pp > 0 else 0.0)
+                tg.append(n_gen / t_tg if n_gen and t_tg > 0 else 0.0)
+            report({"rep": r, "of": reps})
+        return {"pp": pp, "tg": tg}
+    finally:
+        llm.close()
+
+
+def candidates(model, options: PlanOptions, modes: tuple[str, ...]) -> list[tuple[str, object]]:
+    """(mode, plan) for each mode that can be planned here; a mode that cannot gives (mode, its one-line reason)."""
+    out = []
+    for mode in modes:
+        try:
+            out.append((mode, make_plan(model, options=replace(options, split_mode=mode))))
+        except CtxqError as e:
+            out.append((mode, str(e)))
+    return out
+
+
+def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prompt: int = 512, n_gen: int = 32,
+          depth: int = 0, reps: int = 3, n_threads: int | None = None, timeout: float = 1800,
+          on_progress: Callable[[str], None] | None = None) -> list[tuple[str, object, Measured | str]]:
+    """Measure each mode's plan: [(mode, plan or None, Measured or the reason it was not measured)]."""
+    from ..rpc.supervise import run_supervised
+
+    for name, v in (("n_prompt", n_prompt), ("n_gen", n_gen), ("depth", depth)):
+        if v < 0:
+            raise InvalidOption(f"`{name}` must be 0 or more tokens, got {v}", option=name, value=v)
+    if reps < 1:
+        raise InvalidOption(f"`reps` must be 1 or more, got {reps}", option="reps", value=reps)
+    if n_prompt == 0 and n_gen == 0:
+        raise InvalidOption("nothing to measure: give n_prompt or n_gen above 0", option="n_prompt", value=0)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise InvalidOption(f"split mode {bad[0]!r}: choose layer or tensor", option="split_mode", value=bad[0])
+    results = []
+    with local_workers(options) as opts:
+        for mode, p in candidates(model, opts, modes):
+            if isinstance(p, str):
+                results.append((mode, None, p))
+                continue
+            need = depth + max(n_prompt, 1)
+            if need > p.n_ctx or depth + n_gen > p.n_ctx:
+                raise InvalidOption(f"`depth` {depth} + {max(n_prompt, n_gen)} tokens is beyond the context "
+                                    f"({p.n_ctx}); give a larger n_ctx or fewer tokens", option="n_ctx", value=p.n_ctx)
+            if on_progress:
+                on_progress(f"measuring {mode} mode ({p.llama_flags()})")
+            got = run_supervised(measure_plan, p, opts.rpc, n_prompt, n_gen, depth, reps, n_threads, rpc=opts.rpc,
+                                 timeout=timeout)
+            m = Measured(mode, list(p.tensor_split), n_prompt, n_gen, depth, got["pp"], got["tg"],
+                         [g.device.name for g in p.gpus], speed_store._llama_version())
+            speed_store.save(p, m)
+            results.append((mode, p, m))
+    return results
+
+
+def mean_sd(values: list[float]) -> str:
+    """llama-bench's "t/s": mean ± standard deviation."""
+    if not values:
+        return "-"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
