@@ -15,9 +15,11 @@ demo: setup
 	$(CTXQ) plan --ctx 65536 --gpus 16,16,16,8,8
 	$(CTXQ) run --ctx 65536 -ctk q8_0 -ctv q8_0 -n 24 -p "The capital of France is"
 
+# First the floors of the package (import-linter's contracts in pyproject.toml), then the suite.
 # The suite includes tests/test_package.py: the built sdist and wheel, installed into a fresh venv
 # outside the checkout, every command run from another folder (about 2 minutes; marked slow).
 test: setup-test
+	$(PY) scripts/lint_imports.py
 	$(PY) -m pytest -q
 
 # The sdist and the wheel, as tests/test_package.py builds them (setuptools' hook, then the wheel from the sdist).

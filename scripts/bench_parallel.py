@@ -196,7 +196,7 @@ def questions(n: int) -> list[str]:
 def engine_rows(model: Path, docs: dict, ns: list[int], max_tokens: int, n_ctx: int, threads: int | None) -> dict:
     """The engine in this process, no HTTP (the GPU check's table): {N: row} as `round_of` gives."""
     from ctxq.runtime import runner
-    from ctxq.serve.engine import SamplingParams, from_plan
+    from ctxq.runtime.engine import SamplingParams, from_plan
 
     plan = runner.make_plan(model, n_ctx)
     rows = {}

@@ -1,7 +1,7 @@
 """The planner's compute buffers against llama.cpp's own split accounting, in seconds instead of minutes.
 
 For one model and split it plans with ctxq on RPC devices, then asks llama.cpp for the same split in a dry run
-over loopback RPC workers (`ctxq.llama.split_dry`: nothing allocated, about a second at any width) and, with
+over loopback RPC workers (`ctxq.planning.split_dry`: nothing allocated, about a second at any width) and, with
 `--real`, loads it for real too (a sparse model's weights sent over RPC: minutes at real widths). It prints, per
 device, the planned compute, the dry run's, the pins the dry run loses (split inputs a real load computes on the
 device, in the scheduler's copies), the dry run less those, and the real figure.
@@ -60,7 +60,7 @@ def main() -> int:
         ap.error("give a MODEL, or --table")
 
     from ctxq.gguf.info import model_info
-    from ctxq.llama.split_dry import split_dry_run
+    from ctxq.planning.split_dry import split_dry_run
     from ctxq.planning.compute import load_source
     from ctxq.planning.devices import Device
     from ctxq.planning.planner import plan
@@ -100,7 +100,7 @@ TABLE_CELLS = [("rpc2", [1, 1], 16384, "f16"), ("rpc2", [1, 1], 65536, "q8_0"), 
 
 def table() -> int:
     from ctxq.gguf.info import model_info
-    from ctxq.llama.split_dry import split_dry_run
+    from ctxq.planning.split_dry import split_dry_run
     from ctxq.planning.compute import load_source
     from ctxq.planning.devices import Device
     from ctxq.planning.planner import plan

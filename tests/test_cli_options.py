@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from ctxq.cli import cli, main
 from ctxq.errors import InvalidOption
-from ctxq.planning import hfplan, planner
+from ctxq.conversion import hfplan
+from ctxq.planning import planner
 from ctxq.planning.devices import Device
 from ctxq.planning.options import PlanOptions
 from ctxq.planning.plan import DevicePlan, Plan

@@ -264,7 +264,7 @@ def test_hybrids_quantize_to_q4_k_m_with_llama_cpp(family, tmp_path, monkeypatch
 def test_plan_headers_of_hybrids_carry_their_layer_kinds(tmp_path):
     """`ctxq plan` on a checkpoint folder reads the header ctxq convert would write (hfplan.header_gguf):
     per-layer head counts and widths, so the planner sees which layers are recurrent."""
-    from ctxq.planning.hfplan import header_gguf
+    from ctxq.conversion.hfplan import header_gguf
 
     g = read_gguf(header_gguf(make(tmp_path / "l", "lfm2")), skip_arrays=True)
     assert (g.arch, g.arch_get("attention.head_count_kv"), g.arch_get("shortconv.l_cache")) == ("lfm2", [0, 2, 0, 2], 3)

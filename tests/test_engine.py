@@ -11,7 +11,7 @@ import pytest
 import ctxq
 from ctxq.errors import DoesNotFit, InvalidOption
 from ctxq.runtime.generate import generate, input_tokens
-from ctxq.serve.engine import Engine, SamplingParams
+from ctxq.runtime.engine import Engine, SamplingParams
 
 DOC = " ".join(f"Room {i} is painted {c} and holds {i % 7 + 2} chairs." for i, c in
                enumerate(["red", "blue", "green", "yellow"] * 8))

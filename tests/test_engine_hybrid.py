@@ -8,7 +8,7 @@ import pytest
 
 import ctxq
 from ctxq.runtime.generate import generate, input_tokens
-from ctxq.serve.engine import Engine, SamplingParams
+from ctxq.runtime.engine import Engine, SamplingParams
 
 DOC = " ".join(f"Room {i} is painted {c}." for i, c in enumerate(["red", "blue", "green"] * 20))
 QUESTIONS = ["What colour is room 3?", "Which room is blue?", "Name a green room."]

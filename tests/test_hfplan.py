@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers", reason="random checkpoints need transformers (pip install ctxq[test])")
 
 from ctxq import convert  # noqa: E402
-from ctxq.planning.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
+from ctxq.conversion.hfplan import header_gguf, plan_hf, predicted_gguf  # noqa: E402
 from ctxq.testing.synthetic import GEOMETRIES, write_sparse_hf_checkpoint  # noqa: E402
 from ctxq.testing.models import rebuild_smollm2_hf  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_moe_predicted_sizes(family, tmp_path):
 
 @pytest.mark.slow
 def test_only_moe_checkpoints_get_the_mxfp4_candidate(tmp_path):
-    from ctxq.planning.hfplan import _is_moe
+    from ctxq.conversion.hfplan import _is_moe
 
     from .test_convert_moe import make_moe
 

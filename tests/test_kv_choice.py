@@ -1,7 +1,7 @@
 """The plan chooses its K/V pair by measured loss: a measurement that ranks the pairs differently changes the
 choice on the same devices, --max-kl holds or is refused in one line, and the plan says what its pair costs.
 
-The policy tests write measurement records in the format `ctxq quality` keeps (quality.store.Result), with losses
+The policy tests write measurement records in the format `ctxq quality` keeps (planning.quality_store.Result), with losses
 chosen so the ranking differs from ctxq's default table: the planner's side of the contract. tests/test_quality.py
 checks the measurements themselves against a full-vocabulary computation."""
 
@@ -16,7 +16,7 @@ import pytest
 from ctxq.errors import DoesNotFit, InvalidOption
 from ctxq.planning import kvpairs
 from ctxq.planning.planner import plan
-from ctxq.quality import store
+from ctxq.planning import quality_store as store
 
 from .conftest import run_ctxq
 

@@ -1,10 +1,9 @@
-"""The layout rules of docs/architecture.md, checked: no import cycle inside ctxq, modules of at most 400
-lines, the test fixtures (ctxq.testing) imported by nothing in the package, a row of the stage table for
+"""The layout rules of docs/architecture.md that import-linter cannot state (its contracts, the floors and no circle
+inside a folder, are checked by tests/test_layers.py): modules of at most 400 lines, a row of the stage table for
 every folder of the package, and serving in serve/ alone."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
@@ -23,71 +22,9 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The ctxq modules `name` imports (at any depth of the file, lazy imports included)."""
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                found.add(sub if sub in modules else target)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return {m for m in found if m in modules and m != name}
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
-
-def test_no_import_cycle():
-    modules = _modules()
-    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert "ctxq.planning.memory" in graph["ctxq.planning.planner"]  # the walk sees real imports
-    assert _cycles(graph) == []
-
-
 def test_modules_are_at_most_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules().values() if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
-
-
-def test_test_fixtures_stay_out_of_the_package():
-    modules = _modules()
-    users = {name for name, path in modules.items() if not name.startswith("ctxq.testing")
-             and any(m.startswith("ctxq.testing") for m in _imports(name, path, modules))}
-    assert users == set()
 
 
 def _stage_folders(doc: str) -> set[str]:

@@ -4,8 +4,8 @@ last sequence holding them lets go, longest prefixes found, least recently used 
 
 from __future__ import annotations
 
-from ctxq.serve.prefix import PrefixStore
-from ctxq.serve.text import TextStream
+from ctxq.runtime.prefix import PrefixStore
+from ctxq.runtime.text import TextStream
 
 DOC = list(range(100, 200))  # 100 tokens
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxq.conversion.quantize import file_digest
+from ctxq.digest import file_digest
 from ctxq.runtime import runner, session
 from ctxq.testing.models import tiny_chat_llama_gguf
 

@@ -1,4 +1,4 @@
-"""llama.cpp's split accounting in a dry run over loopback RPC workers (ctxq.llama.split_dry), against real loads
+"""llama.cpp's split accounting in a dry run over loopback RPC workers (ctxq.planning.split_dry), against real loads
 of the same split on the same workers."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ctxq.gguf.info import model_info
-from ctxq.llama.split_dry import split_dry_run
+from ctxq.planning.split_dry import split_dry_run
 from ctxq.planning.compute import load_source
 from ctxq.rpc import run_supervised, start_workers
 from ctxq.testing.accuracy import _measure_child

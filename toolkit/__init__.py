@@ -25,8 +25,8 @@ _LAZY = {
     "convert": ("ctxq.conversion.convert", "convert"),
     "inspect": ("ctxq.models", "inspect"),
     "ask": ("ctxq.runtime.many", "ask"),
-    "Engine": ("ctxq.serve.engine", "Engine"),
-    "SamplingParams": ("ctxq.serve.engine", "SamplingParams"),
+    "Engine": ("ctxq.runtime.engine", "Engine"),
+    "SamplingParams": ("ctxq.runtime.engine", "SamplingParams"),
 }
 
 

@@ -56,7 +56,7 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
         if not n_ctx:
             raise CtxqError("convert MODEL auto needs --ctx N (the context that must fit) and the devices "
                             "(--gpus, --profile or --rpc; default: the GPUs present)")
-        from ..planning.hfplan import plan_hf
+        from ..conversion.hfplan import plan_hf
 
         r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc)
         if r.recommended is None:

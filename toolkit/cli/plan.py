@@ -151,7 +151,7 @@ def plan_cmd(model, options, hf_file, as_json, svg_path):
 
 
 def render_hf(r) -> str:
-    from ..planning.hfplan import QUALITY_SOURCE
+    from ..conversion.hfplan import QUALITY_SOURCE
 
     rows = []
     for c in r.candidates:
@@ -177,7 +177,7 @@ def render_hf(r) -> str:
 
 
 def _plan_hf(model, options, as_json, svg_path):
-    from ..planning import hfplan
+    from ..conversion import hfplan
 
     if svg_path:  # one picture per plan; a table of candidates has several
         raise click.ClickException("--svg draws one plan; plan the converted GGUF with it")
@@ -199,7 +199,7 @@ def _fitted_line(model, r, options) -> str | None:
     from ..conversion import fit as fitting
     from ..conversion.fit_budget import fit_to_plan
     from ..errors import CtxqError
-    from ..planning import hfplan
+    from ..conversion import hfplan
 
     rec = r.recommended
     if rec is None or not rec.plan.gpus or rec.plan.cpu_layers or rec.type in ("F16", "BF16", "Q8_0"):

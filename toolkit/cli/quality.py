@@ -79,6 +79,10 @@ def quality_cmd(model, n_ctx, text, kv, against, rpc, no_cache, as_json):
         pairs = _default_pairs(model, options)
     bars = None if as_json else _Bars()
     m = Measurement(n_ctx=n_ctx, text=text, plan_options=options, progress=bars, use_cache=not no_cache)
+    if against is not None and Path(against).is_dir():  # a Hugging Face folder: its f16 GGUF (cached by convert)
+        from ..conversion.convert import convert
+
+        against = convert(against, "f16").path
     try:
         results = measure(model, m, pairs, against=against)
     finally:

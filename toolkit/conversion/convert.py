@@ -363,10 +363,10 @@ def _cached_result(path: Path, qname: str, pre, ckpt: Checkpoint, t0: float, up_
 
 
 def _source_digest(ckpt: Checkpoint) -> str:
-    """SHA-256 over the checkpoint files' digests (memoized per file by ctxq.conversion.quantize.file_digest)."""
+    """SHA-256 over the checkpoint files' digests (memoized per file by ctxq.digest.file_digest)."""
     import hashlib
 
-    from .quantize import file_digest
+    from ..digest import file_digest
 
     h = hashlib.sha256()
     for f in _source_files(ckpt):

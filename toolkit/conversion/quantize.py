@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import tempfiles
+from ..digest import file_digest  # noqa: F401 (this module's API too)
 from ..errors import ConversionError, CtxqError
 from ..gguf.reader import GGUFFile, read_gguf
 from ..paths import ctxq_home
@@ -172,31 +173,6 @@ def _reference_id(key: dict) -> str | None:
     """What the quality gate's reference logits are kept under when the source is named by the
     caller's `cache_key_extra` (the Hugging Face route's f16 temporary: a new path every run)."""
     return None if key["extra"] is None else json.dumps([key["extra"], key["ctxq"]], sort_keys=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """SHA-256 of a file, remembered per (path, inode, size, mtime) so a rerun does not reread it."""
-    path = Path(path).resolve()
-    st = path.stat()
-    stamp = [str(path), st.st_ino, st.st_size, st.st_mtime_ns]
-    memo = ctxq_home() / "cache" / "digests" / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".json")
-    try:
-        rec = json.loads(memo.read_text())
-        if rec["stamp"] == stamp:
-            return rec["sha256"]
-    except (OSError, ValueError, KeyError):
-        pass
-    digest = _sha256(path)
-    _write_json(memo, {"stamp": stamp, "sha256": digest})
-    return digest
 
 
 def _write_json(path: Path, obj) -> None:

@@ -176,7 +176,7 @@ def _text_half(i: int) -> Path:
 
 
 def _key(src: Path, types, text: Path | None, n_ctx: int) -> str:
-    from ..quality.store import file_id
+    from ..planning.quality_store import file_id
 
     stamp = [VERSION, file_id(str(src)), list(types), text.name if text else None, n_ctx,
              md.version("llama_cpp_python")]

@@ -117,7 +117,7 @@ def measurements(model: str, n_ctx: int) -> dict[tuple[str, str], object]:
     measured, else the longest measured (the loss grows with the context)."""
     if not model or not Path(model).is_file():
         return {}
-    from ..quality.store import results
+    from .quality_store import results
 
     groups: dict[tuple, dict] = {}
     for r in results(model):

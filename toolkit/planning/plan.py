@@ -116,7 +116,7 @@ class Plan:
 
     def context_settings(self) -> dict:
         """The context fields `Llama` takes no keyword for (n_seq_max, kv_unified, n_outputs_max): set on
-        the context params by the engine (`ctxq.serve.context`) and the referee's dry run."""
+        the context params by the engine (`ctxq.runtime.context`) and the referee's dry run."""
         return dict(n_seq_max=self.n_seq_max, kv_unified=self.kv_unified, n_outputs_max=self.n_outputs_max)
 
     def llama_kwargs(self) -> dict:

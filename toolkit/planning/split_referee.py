@@ -3,7 +3,7 @@
 The search costs thousands of splits with ctxq's rules (`compute.py`, `split.py`, `inputs.py`: measured, within 1 %
 or 32 MiB, mostly above). The split it chooses is then sized by llama.cpp itself: a metadata-only load of the real
 file with the plan's layer counts, cache types and expert overrides over loopback RPC workers
-(`ctxq.llama.split_dry`, cached per model file and settings), whose compute buffers, less the norm pins a dry run
+(`ctxq.planning.split_dry`, cached per model file and settings), whose compute buffers, less the norm pins a dry run
 loses, are what a real load allocates (docs/planner.md). The plan takes llama.cpp's figures for every device and the
 host; where one is above the rules' (a rule under llama.cpp) it says so in one line, and a device they no longer fit
 is searched again with that much less room. Unlike the split-independent referee's, a rule under here is not an
@@ -53,7 +53,7 @@ def applies(p, info: ModelInfo) -> bool:
 def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     """llama.cpp's compute buffers for the plan's split: per GPU in the plan's order, and the host's (with the
     output buffer, as the plan counts it); None where it cannot be asked here."""
-    from ..llama.split_dry import split_compute
+    from .split_dry import split_compute
 
     if getattr(p, "split_mode", "layer") == "tensor":
         return _tensor_measured(p, info)

@@ -1,6 +1,6 @@
 """Quality: what a precision saving (a KV-cache type, a weight type) costs the answers, measured.
 
-Names are imported when first used: the planner reads `quality.store` without numpy or llama.cpp."""
+Names are imported when first used: the planner reads what they measured (`planning.quality_store`) without them."""
 
 __all__ = ["Measurement", "QualityError", "Result", "builtin_text", "measure", "parse_pairs", "results"]
 

@@ -35,7 +35,7 @@ from .. import children, tempfiles
 from ..errors import CtxqError, InvalidOption
 from ..units import default_threads, last_error_line
 from . import stats
-from .store import METHOD, Result, cache_dir as _cache, file_id as _file_id, results  # noqa: F401 (the API)
+from ..planning.quality_store import METHOD, Result, cache_dir as _cache, file_id as _file_id, results  # noqa: F401 (the API)
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +202,6 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
                             option="n_ctx", value=m.n_ctx, limit=16)
     opened = m.open_text()  # a file that is not text is refused here, from its first block
     mode = "weights" if against else "kv"
-    if against is not None and Path(against).is_dir():  # a Hugging Face folder: its f16 GGUF (cached by convert)
-        from ..conversion.convert import convert
-
-        against = convert(against, "f16").path
     ref_model = str(resolve_model(against)) if against else model
     if against:
         _same_model(model, ref_model)

@@ -48,8 +48,8 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 def _sizes(n_or_sizes) -> list[int | None]:
     """int -> that many workers of undeclared size; str -> GiB list ("16,16,16,8,8", "3x16,2x8")
-    or a profile name; a sequence -> bytes (ints) or `devices.Device` objects."""
-    from ..planning import devices
+    or a profile name; a sequence -> bytes (ints) or `Device` objects."""
+    from .. import profiles
 
     if isinstance(n_or_sizes, bool) or n_or_sizes is None:
         raise CtxqError("start_workers: give a number of workers or their sizes")
@@ -59,10 +59,10 @@ def _sizes(n_or_sizes) -> list[int | None]:
         return [None] * n_or_sizes
     if isinstance(n_or_sizes, str):
         spec = n_or_sizes.strip()
-        is_profile = spec in devices.list_profiles() or spec.endswith(".toml")
-        devs = devices.load_profile(spec)[0] if is_profile else devices.parse_gpus(spec)
+        is_profile = spec in profiles.list_profiles() or spec.endswith(".toml")
+        devs = profiles.load_profile(spec)[0] if is_profile else profiles.parse_gpus(spec)
         return [d.usable for d in devs]
-    out = [d.usable if isinstance(d, devices.Device) else int(d) for d in n_or_sizes]
+    out = [d.usable if isinstance(d, profiles.Device) else int(d) for d in n_or_sizes]
     if not out or any(s <= 0 for s in out):
         raise CtxqError("start_workers: sizes are positive byte counts")
     return out

@@ -1,7 +1,7 @@
 """Many questions about one document, answered together: the document evaluated and held once.
 
 `ask()` (the Python API) and `ctxq run -f DOC -p Q1 -p Q2 ...` drive the same engine
-(`ctxq.serve.engine`): the document is read into one sequence first (or restored from a session), then
+(`ctxq.runtime.engine`): the document is read into one sequence first (or restored from a session), then
 every question forks from it (`llama_memory_seq_cp`, no copy) and the answers decode in one batch
 per step. Each question is tokenized as a single run tokenizes it (`generate.input_tokens`), so the
 document and each question are evaluated in the batches a single run evaluates them in.
@@ -137,7 +137,7 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
              on_loaded: Callable[[Plan, float], None] | None = None,
              on_answer: Callable[[int, Answer], None] | None = None, **settings) -> ManyResult:
     """`ask()` with the whole result (timings, tokens evaluated, memory) and callbacks for the CLI."""
-    from ..serve.engine import Engine, SamplingParams, from_plan
+    from .engine import Engine, SamplingParams, from_plan
 
     check_n_predict(max_tokens)
     if max_tokens < 0:

@@ -54,7 +54,7 @@ def _versions() -> dict:
 
 
 def _model_digest(plan) -> str:
-    from ..conversion.quantize import file_digest  # SHA-256, remembered per (path, inode, size, mtime)
+    from ..digest import file_digest  # SHA-256, remembered per (path, inode, size, mtime)
 
     from ..models import resolve_model
 

@@ -25,7 +25,7 @@ class Prompt:
     """A request as the engine takes it, and what its answer must say."""
 
     tokens: list[int]
-    params: object  # ctxq.serve.engine.SamplingParams
+    params: object  # ctxq.runtime.engine.SamplingParams
     chat: bool
     stream: bool
     include_usage: bool
@@ -72,7 +72,7 @@ def read(llm, fmt, data: dict, path: str, n_ctx: int, seed: int | None) -> Promp
     """The request (checked by the gate: fields, schema grammar, tools) as tokens and sampling parameters."""
     from llama_cpp.server.types import CreateChatCompletionRequest, CreateCompletionRequest
 
-    from .engine import SamplingParams
+    from ..runtime.engine import SamplingParams
 
     chat = path == CHAT
     req = (CreateChatCompletionRequest if chat else CreateCompletionRequest).model_validate(data)

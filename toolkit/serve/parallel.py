@@ -1,5 +1,5 @@
 """`ctxq serve --parallel P`: /v1/chat/completions and /v1/completions answered by ctxq's engine
-(`ctxq.serve.engine`: one llama.cpp context, P sequences decoded together, prompts that start alike
+(`ctxq.runtime.engine`: one llama.cpp context, P sequences decoded together, prompts that start alike
 sharing their KV cells), behind the same gate as the one-at-a-time server (`gate.py`: API key,
 checks, limits, queue, time limit, shutdown; `output.py`: structured output checked).
 

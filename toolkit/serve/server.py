@@ -205,7 +205,7 @@ def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
     (memory report, sequences, why that many)."""
     from llama_cpp.server import app as server_app
 
-    from . import engine as engine_mod
+    from ..runtime import engine as engine_mod
     from .parallel import default_parallel
 
     llm, memory, _ = load_plan(p, **load_kwargs)

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import gguf
 
-from ..conversion.dryrun import QVERSION_KV as _QVERSION_KV, dry_run_needs
-from .devices import resolve_devices
-from .options import PlanOptions
-from .plan import Plan
-from .planner import plan_for
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..gguf.writer import sparse_size, write_sparse_gguf
 from ..paths import ctxq_home
+from ..planning.devices import resolve_devices
+from ..planning.options import PlanOptions
+from ..planning.plan import Plan
+from ..planning.planner import plan_for
+from .dryrun import QVERSION_KV as _QVERSION_KV, dry_run_needs
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def _cache_dir() -> Path:
 
 def header_gguf(folder: str | os.PathLike, kind: str | None = None) -> Path:
     """The f16/bf16 GGUF `ctxq convert` would write for this checkpoint, with no tensor data."""
-    from ..conversion.convert import plan_tensors
+    from .convert import plan_tensors
     from ..converters import family_for
     from ..converters.base import resolve, write_common
     from ..converters.checkpoint import Checkpoint
@@ -125,7 +125,7 @@ def predicted_gguf(src: Path, qtype: str) -> tuple[Path, int, bool]:
     """A header-only GGUF with the predicted types (for the planner), its predicted real file size,
     and whether the type needs an imatrix."""
     from ..gguf.reader import read_gguf
-    from .derived import write_sparse
+    from ..planning.derived import write_sparse
 
     tensors, needs = predict(src, qtype)
     g = read_gguf(src)

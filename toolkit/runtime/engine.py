@@ -387,7 +387,7 @@ def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, *
                                 f"parallel={n_seq_max}", option="n_seq_max", value=n_seq_max, limit=plan.n_seq_max)
     elif n_seq_max is None:
         raise InvalidOption("give n_seq_max, or a plan made with parallel=P", option="n_seq_max", value=None)
-    from ..runtime.runner import engine_memory, load_plan
+    from .runner import engine_memory, load_plan
 
     llm, _, _ = load_plan(plan, **load_kwargs)
     llm._ctx.close()  # llama-cpp-python frees a closed context only once (LlamaContext.close)

@@ -100,7 +100,7 @@ def split_dry_run(path: str, workers, *, n_ctx: int, n_gpu_layers: int, tensor_s
     one layer input (n_embd x n_ubatch x 4). `settings`: more of `measure`'s (swa_full, n_seq_max, kv_unified,
     n_outputs_max, cpu_patterns).
 
-    The dry run has a process of its own (`python -m ctxq.llama.split_dry`, not multiprocessing, which would run
+    The dry run has a process of its own (`python -m ctxq.planning.split_dry`, not multiprocessing, which would run
     the caller's main module again in its child), which sees the RPC workers as its only GPUs (a CUDA build's own
     cards would take layers of the split) and lists the scheduler's splits (GGML_SCHED_DEBUG, read when llama.cpp
     makes the scheduler)."""
@@ -110,7 +110,7 @@ def split_dry_run(path: str, workers, *, n_ctx: int, n_gpu_layers: int, tensor_s
     job = dict(path=str(path), endpoints=list(workers.endpoints), resid=resid, kw=kw)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", GGML_SCHED_DEBUG="2", GGML_NO_BACKTRACE="1")
     try:
-        r = subprocess.run([sys.executable, "-m", "ctxq.llama.split_dry"], input=json.dumps(job),
+        r = subprocess.run([sys.executable, "-m", "ctxq.planning.split_dry"], input=json.dumps(job),
                            capture_output=True, text=True, timeout=timeout, **children.lifeline(env))
     except subprocess.TimeoutExpired:
         raise CtxqError(f"llama.cpp's dry run of the split took over {timeout:.0f} s") from None
@@ -135,7 +135,7 @@ def _main() -> int:
     stages.reached("split-dry-run")
     try:
         from ..rpc.client import add_servers
-        from .measure import measure
+        from ..llama.measure import measure
 
         add_servers(job["endpoints"])
         kw = dict(job["kw"], cpu_patterns=tuple(job["kw"].get("cpu_patterns", ())))
@@ -162,7 +162,7 @@ def split_compute(path: str, n_devices: int, *, resid: int, **kw) -> tuple[list[
     if mem in _answers:
         return _answers[mem]
     from ..paths import ctxq_home
-    from .accounting import answer_key
+    from ..llama.accounting import answer_key
 
     f = ctxq_home() / "split" / f"{answer_key(path, 'split', question)}.json"
     try:
