@@ -16,40 +16,19 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_nvml, gpu_stages, gpu_runs
+
+# Imports among scripts/ go one way (tests/test_layout.py): gpu_runs and gpu_stages never import this module.
+from gpu_stages import Stage, StageTimeout, hide_gpu, smollm2_header  # noqa: E402
 
 # name -> (cap, minimum) in seconds. The minimum of every later stage is held back for it, so an
 # early stage never eats a later one's time; the caps sum to what the checks take on an H100/H200
 # (estimates until the first run: docs/gpu.md).
 STAGES = {"doctor": (30, 10), "cells": (150, 60), "workers": (170, 60), "speed": (90, 40)}
 MIN_RUN_S = 10  # a stage allotted less than this is skipped, not started
-
-
-class StageTimeout(Exception):
-    """A stage ran out of its time between two of its steps."""
-
-
-@dataclass
-class Stage:
-    name: str
-    allotted_s: float
-    clock: Callable[[], float] = time.monotonic
-    started: float = field(default=0.0)
-
-    def __post_init__(self):
-        self.started = self.clock()
-
-    def left(self) -> float:
-        return self.allotted_s - (self.clock() - self.started)
-
-    def check(self, need_s: float = 0.0) -> None:
-        """Raise StageTimeout when less than need_s is left (call between steps)."""
-        if self.left() < need_s:
-            raise StageTimeout(f"{self.name}: {self.allotted_s:.0f} s used up")
 
 
 def allot(names: list[str], left_s: float, index: int, stages: dict = STAGES) -> float:
@@ -141,54 +120,6 @@ def summary(results: dict) -> str:
     return "\n\n".join(parts)
 
 
-# --- SmolLM2: carry the header, rebuild the file ---------------------------------------------------
-
-def smollm2_header(dest: Path, model=None) -> Path:
-    """SmolLM2's GGUF up to its tensor data (metadata, tokenizer, tensor table), and a .json with the
-    full file size, so that `rebuild_with_random_weights` can make a loadable file of the same layout."""
-    from ctxq.gguf.reader import read_gguf
-    from ctxq.models import resolve_model
-
-    src = read_gguf(resolve_model(model))
-    with open(src.path, "rb") as f:
-        dest.write_bytes(f.read(src.data_offset))
-    dest.with_suffix(".json").write_text(json.dumps({"file_size": src.file_size, "source": src.path.name}))
-    return dest
-
-
-def rebuild_with_random_weights(header: Path, dest: Path, seed: int = 0) -> Path:
-    """A full-size GGUF from a carried header: norms 1.0, quantized blocks with random values of about
-    SmolLM2's weight scale (|w| < 0.08), other types zero. Speed depends on types and shapes, not values;
-    random values keep the greedy decode from sitting on one token (all zeros would pick token 0, EOS)."""
-    import numpy as np
-    from gguf.constants import GGMLQuantizationType as T
-
-    from ctxq.gguf.reader import read_gguf
-
-    size = json.loads(header.with_suffix(".json").read_text())["file_size"]
-    dest.write_bytes(header.read_bytes())
-    with open(dest, "r+b") as f:
-        f.truncate(size)
-    g = read_gguf(dest, skip_arrays=True)
-    rng = np.random.default_rng(seed)
-    blocks = {T.Q4_1: ([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)], 0.01, -0.075),
-              T.Q8_0: ([("d", "<f2"), ("qs", "i1", 32)], 0.002, None)}
-    with open(dest, "r+b") as f:
-        for t in g.tensors:
-            f.seek(g.data_offset + t.offset)
-            if t.type == T.F32:
-                f.write(np.ones(t.n_elements, "<f4").tobytes())
-            elif t.type in blocks:
-                fields, d, m = blocks[T(t.type)]
-                a = np.zeros(t.nbytes // np.dtype(fields).itemsize, fields)
-                a["d"] = d
-                if m is not None:
-                    a["m"] = m
-                a["qs"] = rng.integers(0 if m is not None else -30, 256 if m is not None else 31, a["qs"].shape)
-                f.write(a.tobytes())
-    return dest
-
-
 # --- command line --------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         write_json(a.out / "gpu_check.json", results)
     else:
         import gpu_runs
-        from gpu_stages import hide_gpu
 
         hide_gpu()
         run_stages(names, gpu_runs.STAGE_FUNCS, a.deadline_s, a.out, results)
@@ -234,6 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import gpu_check  # one copy of the module: gpu_runs imports Stage and StageTimeout from it
-
-    sys.exit(gpu_check.main())
+    sys.exit(main())

@@ -157,7 +157,7 @@ parallel_table() {
     # document together, in process, on SmolLM2's layout with random weights; what is left of the budget.
     local left=$((${GPU_CHECK_BUDGET_S:-560} - SECONDS)) model="${TMPDIR:-/tmp}/gpu-check-models/smollm2-random.gguf"
     [ "$left" -gt 60 ] || { echo "gpu_check: no time left for the parallel table"; return 0; }
-    python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_check import \
+    python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from gpu_stages import \
 rebuild_with_random_weights as r; Path('$model').parent.mkdir(exist_ok=True); \
 Path('$model').exists() or r(Path('${GPU_DIR}/smollm2-header.gguf'), Path('$model'))" || return 0
     timeout $((left - 15)) python3 scripts/bench_parallel.py --engine-only --model "$model" --doc-tokens 16000 \

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gpu_check import Stage, StageTimeout
 from gpu_nvml import Sampler
-from gpu_stages import (PLACEMENTS, cell_child, compare_cell, compare_workers, gpu_env, nvml_or_fake, plain_child,
-                        rpc_run_child, supervised, write_log)
+from gpu_stages import (PLACEMENTS, Stage, StageTimeout, cell_child, compare_cell, compare_workers, gpu_env,
+                        nvml_or_fake, plain_child, rebuild_with_random_weights, rpc_run_child, supervised, write_log)
 
 CTXQ = [sys.executable, "-c", "from ctxq.cli import main; main()"]  # the `ctxq` console script's entry
 
@@ -214,7 +213,6 @@ def speed(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     """SmolLM2's layout at ~60k tokens: the real `ctxq run` command against a plain `Llama` with the kwargs
     of the same plan (ctxq.rpc.generate_greedy), one run each, in fresh processes."""
     from bench_run import make_text
-    from gpu_check import rebuild_with_random_weights
 
     header = m.smollm2_header or Path(os.environ.get("GPU_DIR", ".gpu")) / "smollm2-header.gguf"
     if not header.is_file():

@@ -3,22 +3,51 @@
 Everything that touches CUDA runs in a child process (`ctxq.rpc.run_supervised`, or `ctxq worker`
 processes), so that each measurement has its own CUDA context and NVML can tell processes apart;
 the parent hides the GPU from itself (`hide_gpu()`) and only samples NVML.
+
+Also what gpu_check.py and gpu_runs.py both use: a stage's time budget (`Stage`, `StageTimeout`) and
+SmolLM2's carried header. Both import this module; it imports neither (tests/test_layout.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from gpu_nvml import Reading, Sampler
 
 _GPU_ENV = "GPU_CHECK_CUDA_VISIBLE"  # the parent's CUDA_VISIBLE_DEVICES before hide_gpu()
 PLACEMENTS = ("gpu", "partial")
 PARTIAL_FRACTION = 0.6  # "some layers on the CPU": the GPU limited to 60 % of the all-GPU plan
+
+
+class StageTimeout(Exception):
+    """A stage ran out of its time between two of its steps."""
+
+
+@dataclass
+class Stage:
+    name: str
+    allotted_s: float
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(default=0.0)
+
+    def __post_init__(self):
+        self.started = self.clock()
+
+    def left(self) -> float:
+        return self.allotted_s - (self.clock() - self.started)
+
+    def check(self, need_s: float = 0.0) -> None:
+        """Raise StageTimeout when less than need_s is left (call between steps)."""
+        if self.left() < need_s:
+            raise StageTimeout(f"{self.name}: {self.allotted_s:.0f} s used up")
 
 
 def hide_gpu() -> None:
@@ -218,3 +247,51 @@ def write_log(path: Path, title: str, lines: list[str]) -> None:
     with open(path, "a") as f:
         f.write(f"\n===== {title} =====\n")
         f.write("\n".join(lines) + "\n")
+
+
+# --- SmolLM2: carry the header, rebuild the file ---------------------------------------------------
+
+def smollm2_header(dest: Path, model=None) -> Path:
+    """SmolLM2's GGUF up to its tensor data (metadata, tokenizer, tensor table), and a .json with the
+    full file size, so that `rebuild_with_random_weights` can make a loadable file of the same layout."""
+    from ctxq.gguf.reader import read_gguf
+    from ctxq.models import resolve_model
+
+    src = read_gguf(resolve_model(model))
+    with open(src.path, "rb") as f:
+        dest.write_bytes(f.read(src.data_offset))
+    dest.with_suffix(".json").write_text(json.dumps({"file_size": src.file_size, "source": src.path.name}))
+    return dest
+
+
+def rebuild_with_random_weights(header: Path, dest: Path, seed: int = 0) -> Path:
+    """A full-size GGUF from a carried header: norms 1.0, quantized blocks with random values of about
+    SmolLM2's weight scale (|w| < 0.08), other types zero. Speed depends on types and shapes, not values;
+    random values keep the greedy decode from sitting on one token (all zeros would pick token 0, EOS)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType as T
+
+    from ctxq.gguf.reader import read_gguf
+
+    size = json.loads(header.with_suffix(".json").read_text())["file_size"]
+    dest.write_bytes(header.read_bytes())
+    with open(dest, "r+b") as f:
+        f.truncate(size)
+    g = read_gguf(dest, skip_arrays=True)
+    rng = np.random.default_rng(seed)
+    blocks = {T.Q4_1: ([("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)], 0.01, -0.075),
+              T.Q8_0: ([("d", "<f2"), ("qs", "i1", 32)], 0.002, None)}
+    with open(dest, "r+b") as f:
+        for t in g.tensors:
+            f.seek(g.data_offset + t.offset)
+            if t.type == T.F32:
+                f.write(np.ones(t.n_elements, "<f4").tobytes())
+            elif t.type in blocks:
+                fields, d, m = blocks[T(t.type)]
+                a = np.zeros(t.nbytes // np.dtype(fields).itemsize, fields)
+                a["d"] = d
+                if m is not None:
+                    a["m"] = m
+                a["qs"] = rng.integers(0 if m is not None else -30, 256 if m is not None else 31, a["qs"].shape)
+                f.write(a.tobytes())
+    return dest

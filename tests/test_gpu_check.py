@@ -14,10 +14,10 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-import gpu_check  # noqa: E402
-from gpu_check import Stage, StageTimeout, allot, main, run_stages, summary  # noqa: E402
+import gpu_stages  # noqa: E402
+from gpu_check import allot, main, run_stages, summary  # noqa: E402
 from gpu_nvml import Reading, Sampler  # noqa: E402
-from gpu_stages import cell_child, compare_cell, compare_workers, supervised  # noqa: E402
+from gpu_stages import Stage, StageTimeout, cell_child, compare_cell, compare_workers, supervised  # noqa: E402
 
 MiB, GiB = 2**20, 2**30
 
@@ -259,9 +259,9 @@ def test_smollm2_rebuilt_from_its_header_loads_and_decodes(tmp_path, smollm2):
     from ctxq.gguf.reader import read_gguf
     from ctxq.rpc import generate_greedy, run_supervised
 
-    head = gpu_check.smollm2_header(tmp_path / "h.gguf", smollm2)
+    head = gpu_stages.smollm2_header(tmp_path / "h.gguf", smollm2)
     assert head.stat().st_size < 4 * MiB
-    model = gpu_check.rebuild_with_random_weights(head, tmp_path / "s.gguf")
+    model = gpu_stages.rebuild_with_random_weights(head, tmp_path / "s.gguf")
     assert model.stat().st_size == smollm2.stat().st_size
     assert [t.name for t in read_gguf(model).tensors] == [t.name for t in read_gguf(smollm2).tensors]
     g = run_supervised(generate_greedy, str(model), "The capital of France is", 8, n_ctx=256, timeout=120)
@@ -291,7 +291,7 @@ def cpu_matrix(tmp_path, smollm2):
     return Matrix(geometries=("tiny",), cell_ctx=(4096,), cell_kv=("q8_0",), placements=("cpu",), n_prefill=600,
                   worker_device="CPU", worker_gib=(1, 0.5), worker_ctx=4096, worker_models=(("tiny", 1000),),
                   speed_tokens=1500, speed_ctx=4096, speed_predict=8,
-                  smollm2_header=gpu_check.smollm2_header(tmp_path / "h.gguf", smollm2), reader=_rss_reader)
+                  smollm2_header=gpu_stages.smollm2_header(tmp_path / "h.gguf", smollm2), reader=_rss_reader)
 
 
 def test_doctor_stage_reads_ctxq_doctor_json(tmp_path):

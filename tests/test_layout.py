@@ -1,9 +1,11 @@
 """The layout rules of docs/architecture.md that import-linter cannot state (its contracts, the floors and no circle
 inside a folder, are checked by tests/test_layers.py): modules of at most 400 lines, a row of the stage table for
-every folder of the package, and serving in serve/ alone."""
+every folder of the package, serving in serve/ alone, and no import circle among scripts/ (import-linter sees
+packages, and scripts/ is a folder of scripts)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -51,3 +53,48 @@ def test_every_folder_of_toolkit_has_its_row_in_the_stage_table():
 
 def test_serving_lives_in_serve_not_runtime():
     assert sorted(p.name for p in (ROOT / "toolkit" / "runtime").glob("serve*.py")) == []
+
+
+def _script_imports(path: Path, scripts: set[str]) -> set[str]:
+    """The other scripts/ modules `path` imports (`import NAME`, `from NAME import ...`), lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return (found & scripts) - {path.stem}
+
+
+def _cycle_path(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of `graph` as the path that walks it, back to where it starts (a, b, a); None if none."""
+    state, path = {}, []  # state: "open" while on the path being walked, "done" once all below it is seen
+
+    def visit(v):
+        state[v] = "open"
+        path.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == "open":
+                return path[path.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        state[v] = "done"
+        path.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_scripts_import_each_other_one_way_only():
+    paths = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    graph = {name: _script_imports(path, set(paths)) for name, path in paths.items()}
+    assert {"gpu_runs", "gpu_stages"} <= graph["gpu_check"]  # the walk sees real imports, lazy ones too
+    assert "bench_run" in graph["gpu_runs"]
+    cycle = _cycle_path(graph)
+    assert cycle is None, f"scripts/ import each other in a circle: {' -> '.join(cycle)}"
+    # a circle put back is found, and named as a path
+    put_back = _cycle_path({**graph, "gpu_stages": graph["gpu_stages"] | {"gpu_check"}})
+    assert put_back[0] == put_back[-1] and {"gpu_check", "gpu_stages"} <= set(put_back)
