@@ -14,7 +14,7 @@ from ctxq.planning import memory
 from ctxq.planning.memory import costs, device_cost
 from ctxq.planning.options import PlanOptions
 from ctxq.gguf.info import model_info
-from ctxq.gguf.reader import read_model
+from ctxq.gguf.shards import read_model
 from ctxq.testing.hybrid import write_gpt_oss, write_qwen35
 from ctxq.testing.moe import tiny_moe_gguf
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf

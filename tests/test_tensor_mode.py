@@ -18,7 +18,7 @@ import pytest
 import ctxq
 from ctxq.errors import InvalidOption
 from ctxq.gguf.info import kv_cells, model_info
-from ctxq.gguf.reader import read_model
+from ctxq.gguf.shards import read_model
 from ctxq.planning.tensor_split import TensorSplit, not_planned
 from ctxq.testing import upstream_models
 

@@ -86,7 +86,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 def model_header(model: str | os.PathLike | None) -> GGUFFile:
     """A model's header and tensor index, all shards of a split model merged, without its weights:
     a Hub model's headers are read with range requests (`GGUFFile.source` names it then)."""
-    from .gguf.reader import read_model
+    from .gguf.shards import read_model
 
     local = _local(model) if model is not None else resolve_model(None)
     if local is not None:

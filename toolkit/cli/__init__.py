@@ -28,8 +28,11 @@ _register()
 
 
 def main(argv: list[str] | None = None) -> None:
+    from ..gguf.once import opened
+
     try:
-        cli.main(args=argv, prog_name="ctxq", standalone_mode=False)
+        with opened():  # a model's header is parsed once per command
+            cli.main(args=argv, prog_name="ctxq", standalone_mode=False)
     except StoppedExit as e:
         click.echo(e.line, err=True)
         sys.exit(e.code)

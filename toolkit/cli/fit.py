@@ -33,6 +33,10 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
     budget = None
     try:
         src = _source(model, revision, bars)
+        if n_ctx:  # the plan's header-only copies carry the source's vocabulary: its full header, read first, is
+            from ..gguf.reader import read_gguf  # the one parse every later reading of it is served from
+
+            read_gguf(src)
         table = fitting.table_for(src, method, progress=bars)
         if n_ctx:
             from ..conversion.fit_budget import fit_to_plan

@@ -26,6 +26,7 @@ from ..converters.base import resolve
 from ..converters.checkpoint import Checkpoint
 from ..converters.tokenizer import Vocab, load_vocab
 from ..errors import ConversionError
+from ..gguf.once import one_parse
 from ..hub.download import cached_checkpoint, download_checkpoint
 from ..hub.http import ask_commit, offline
 from ..hub.ref import HubRef, parse_ref
@@ -55,6 +56,7 @@ class ConvertResult:
     up_to_date: bool = False  # the same conversion was already at `path`: nothing was written
 
 
+@one_parse  # the model's header parsed once in the call
 def convert(model: str | os.PathLike, type: str | None = None, output: str | os.PathLike | None = None, *,
             revision: str | None = None, pre: str | None = None, progress: Progress | None = None,
             force: bool = False, **quant_options) -> ConvertResult:

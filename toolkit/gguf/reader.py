@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import GGUFError
 from ..units import round_up
+from . import once
 
 
 def _gguf_constants():
@@ -102,6 +102,14 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise GGUFError(f"{self.path}: no general.architecture key; not a model GGUF")
         return arch
+
+    def copy(self, path: Path, *, skip_arrays: bool = False) -> GGUFFile:
+        """The same header with lists and dicts of its own, under `path`; `skip_arrays`: the tokenizer's arrays as
+        their lengths, as `read_gguf(skip_arrays=True)` reads them."""
+        meta = {k: _ArrayLen(len(v)) if skip_arrays and isinstance(v, list) and k.startswith("tokenizer.") else v
+                for k, v in self.metadata.items()}
+        return replace(self, path=path, metadata=meta, tensors=list(self.tensors), value_types=dict(self.value_types),
+                       _by_name={})
 
     def arch_get(self, key: str, default=None):
         """`<arch>.<key>`, e.g. arch_get("block_count")."""
@@ -269,7 +277,13 @@ def read_gguf(path: str | os.PathLike, *, skip_arrays: bool = False) -> GGUFFile
     except OSError as e:
         raise GGUFError(f"{path}: cannot open ({e.strerror})") from None
     with f:
-        return parse_gguf(f, os.fstat(f.fileno()).st_size, path, skip_arrays=skip_arrays)
+        st = os.fstat(f.fileno())
+        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        g = once.recall((*key, skip_arrays)) or (skip_arrays and once.recall((*key, False)))
+        if g:  # parsed before in this command (`once`): a copy of that parse, not the file again
+            return g.copy(path, skip_arrays=skip_arrays)
+        g = parse_gguf(f, st.st_size, path, skip_arrays=skip_arrays)
+    return once.keep((*key, skip_arrays), g).copy(path) if once.active() else g
 
 
 def vocabulary_bound(path: str | os.PathLike) -> tuple[str | None, int]:
@@ -350,41 +364,6 @@ def _tensor_info(cur: _Cursor, alignment: int) -> TensorInfo:
     if offset % alignment:
         raise GGUFError(f"{cur.path}: corrupted GGUF (tensor {name!r} offset not aligned)")
     return TensorInfo(name, shape, ttype, offset, tensor_nbytes(ttype, shape))
-
-
-# llama.cpp names a split model's shards PREFIX-%05d-of-%05d.gguf (llama_split_path) and keeps
-# split.count / split.no in each; the first shard holds the metadata.
-SHARD_RE = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
-
-
-def shard_paths(first: Path, count: int) -> list[Path]:
-    """The paths of all `count` shards of a split model, from its first shard's path."""
-    m = SHARD_RE.match(first.name)
-    if not m or int(m["no"]) != 1 or int(m["count"]) != count:
-        raise GGUFError(f"{first}: split.count is {count} but the name is not llama.cpp's "
-                        "PREFIX-00001-of-NNNNN.gguf; pass the first shard of a split model")
-    return [first.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-
-
-def read_model(path: str | os.PathLike) -> GGUFFile:
-    """A model's header as one file: a split model's shards (the first is given, as llama.cpp takes
-    it) merged into the first's metadata and every shard's tensors; tokenizer arrays left out."""
-    g = read_gguf(path, skip_arrays=True)
-    count = g.get("split.count", 0)
-    if not isinstance(count, int) or count <= 1:
-        return g
-    for shard in shard_paths(g.path, count)[1:]:
-        part = read_gguf(shard, skip_arrays=True)
-        g.tensors += part.tensors
-        g.file_size += part.file_size
-    expected = g.get("split.tensors.count", len(g.tensors))
-    if expected != len(g.tensors):
-        raise GGUFError(f"{g.path}: the shards hold {len(g.tensors)} tensors, split.tensors.count says {expected}")
-    for key in SPLIT_KEYS:  # one merged file: a derived copy must not look for shards
-        g.metadata.pop(key, None)
-        g.value_types.pop(key, None)
-    return g
 
 
 class _ArrayLen(int):

@@ -15,7 +15,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from ..errors import ConversionError, HubError
-from ..gguf.reader import GGUFFile, parse_gguf, read_model
+from ..gguf.reader import GGUFFile, parse_gguf
+from ..gguf.shards import read_model
 from ..units import MiB
 from .cache import hf_cached, header_path, listing, write_header_copy
 from .http import Listing, RangedFile

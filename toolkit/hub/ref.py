@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import HubError
-from ..gguf.reader import SHARD_RE
+from ..gguf.shards import SHARD_RE
 
 # the Hub's rule for repo names: letters, digits, '-', '_', '.'; an owner and a name
 _PART = r"[A-Za-z0-9][\w.-]*"

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..gguf.info import ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
-from ..gguf.reader import TensorInfo, read_model, tensor_nbytes
+from ..gguf.once import file_stamp
+from ..gguf.reader import TensorInfo, tensor_nbytes
+from ..gguf.shards import read_model
 from ..units import MiB, round_up
 from .kvpairs import cuda_compiled_pairs
 
@@ -94,9 +96,10 @@ def fa_quantized_kv_copies(info: ModelInfo, layers, n_ctx: int, n_ubatch: int, t
 
 
 @lru_cache(maxsize=16)
-def _matmul_weights(path: str) -> tuple[dict[int, tuple[TensorInfo, ...]], dict[str, TensorInfo]]:
+def _matmul_weights(path: str, stamp: tuple | None = None) -> tuple[dict[int, tuple[TensorInfo, ...]], dict[str, TensorInfo]]:
     """The header's matmul weights (2-D and up; norms and biases are not) by layer, and the rest by name;
-    every shard's, for a split model. Read once per file: the planner asks for thousands of layouts."""
+    every shard's, for a split model. Read once per version of the file (`stamp`, part of the cache's key): the
+    planner asks for thousands of layouts."""
     by_layer: dict[int, list[TensorInfo]] = {}
     other: dict[str, TensorInfo] = {}
     for t in read_model(path).tensors:
@@ -113,7 +116,7 @@ def _matmul_weights(path: str) -> tuple[dict[int, tuple[TensorInfo, ...]], dict[
 def weight_tensors(info: ModelInfo, layers, output: bool) -> list[TensorInfo]:
     """The matmul weights of `layers` (and the output head when `output`) read from the GGUF's header;
     a tied output is token_embd (TENSOR_DUPLICATED onto the output device)."""
-    by_layer, other = _matmul_weights(info.path)
+    by_layer, other = _matmul_weights(info.path, file_stamp(info.path))
     out = [t for il in layers for t in by_layer.get(il, ())]
     head = other.get("token_embd.weight" if info.output_tied else "output.weight") if output else None
     return out + ([head] if head is not None else [])
@@ -339,6 +342,6 @@ def expert_offload_copies(info: ModelInfo, cpu_expert_layers, n_ctx: int, n_ubat
     Each weight starts a new split, so the largest tensor, not the sum."""
     if min(n_ctx, n_ubatch) < min_batch:
         return 0
-    by_layer, _ = _matmul_weights(info.path)
+    by_layer, _ = _matmul_weights(info.path, file_stamp(info.path))
     return max((cuda_nbytes(t) for il in cpu_expert_layers for t in by_layer.get(il, ()) if is_expert(t.name)),
                default=0)

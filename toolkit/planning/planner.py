@@ -25,6 +25,7 @@ from .referee import refereed
 from .split_referee import split_refereed
 from ..errors import InvalidOption
 from ..gguf.info import ModelInfo, model_info
+from ..gguf.once import one_parse
 from ..units import GiB
 
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
@@ -159,6 +160,7 @@ def _counts_fit(c: Costs, devs: list[Device], counts: list[int]) -> bool:
 
 # --- public entry points ------------------------------------------------------------------------
 
+@one_parse  # the model's header parsed once in the call
 def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, devices: list[Device] | None = None,
          options: PlanOptions | None = None, **settings) -> Plan:
     """Plan n_ctx tokens of context for `model` (default: the embedded SmolLM2).

@@ -12,6 +12,7 @@ from functools import lru_cache
 from .compute import ComputePeaks
 from ..errors import CtxqError
 from ..gguf.info import ModelInfo, block_of
+from ..gguf.once import file_stamp
 from ..gguf.reader import read_gguf
 
 # `c: Costs` below is memory.Costs (not imported: memory imports this module)
@@ -150,7 +151,7 @@ def recurrent_tails(info: ModelInfo) -> list[tuple[int, int]]:
 
 
 @lru_cache(maxsize=64)
-def shared_expert_layers(path: str) -> frozenset[int]:
+def shared_expert_layers(path: str, stamp: tuple | None = None) -> frozenset[int]:
     """Layers with a shared-expert FFN (blk.<il>.ffn_*_shexp tensors), read from the model's header; empty where the
     header cannot be read here (a Hub model's: recurrent_split then keeps the shared experts' rule, the smaller)."""
     try:
@@ -189,7 +190,7 @@ def recurrent_split(c: Costs, layers, copies: int) -> int:
         if il in held and reader not in held and mamba2 and not moe:
             extra += copies * c.info.ssm_d_inner * c.n_ubatch * 4 + c.resid
         elif reader in held and il not in held:
-            weightless = moe and il not in shared_expert_layers(c.info.path)
+            weightless = moe and il not in shared_expert_layers(c.info.path, file_stamp(c.info.path))
             extra += copies * c.resid if weightless else c.resid
             if mamba2 and not moe:
                 extra += copies * (c.info.ssm_d_inner + (c.n_ubatch - 1) * c.info.ssm_in_rows) * 4

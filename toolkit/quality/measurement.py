@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import children, tempfiles
 from ..errors import CtxqError, InvalidOption
+from ..gguf.once import one_parse
 from ..units import default_threads, last_error_line
 from . import stats
 from ..planning.quality_store import METHOD, Result, cache_dir as _cache, file_id as _file_id, results  # noqa: F401 (the API)
@@ -190,6 +191,7 @@ def _reference(ref_model: str, m: Measurement, type_k: str, type_v: str, text_fi
     return dest
 
 
+@one_parse  # the model's header parsed once in the call
 def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str]] | None = None, *,
             against: str | os.PathLike | None = None) -> list[Result]:
     """Measure each KV pair of `pairs` (default: f16/f16 and q8_0/q8_0) against an f16 cache of `model`; or, with

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption
+from ..gguf.once import one_parse
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
 from .generate import DeviceMemory, check_n_predict, document_text, input_tokens
@@ -114,6 +115,7 @@ def answer_all(engine, questions: list[str], tokens: list[list[int]], keep: int,
                       prefill_s=t1 - t0, total_s=time.perf_counter() - t0, plan=plan)
 
 
+@one_parse  # the model's header parsed once in the call
 def ask(model_or_llm=None, document: str = "", questions: list[str] | None = None, *, n_ctx: int | None = None,
         max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None, chat: bool = True,
         system: str | None = None, session=None, n_threads: int | None = None,

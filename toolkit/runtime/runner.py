@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption, ReorderNeeded
+from ..gguf.once import one_parse
 from ..llama import backend, overrides
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
@@ -205,6 +206,7 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
     return out
 
 
+@one_parse  # the model's header parsed once in the call
 def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: Plan | None = None,
          options: PlanOptions | None = None, n_threads: int | None = None, seed: int | None = None,
          session=None, **kwargs):
