@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lint_imports import assemble  # scripts/: the package as it installs, from a source tree
+
 TARGET = 0.2
 HUB_TARGET = 2.0
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,15 +72,15 @@ def _run(code_root: Path, model: Path, home: Path) -> dict:
 
 
 def _code(rev: str, tmp: Path, name: str, patch: Path | None = None) -> Path:
-    """The code of `rev` (git archive, `patch` applied), with a ctxq/ link to its toolkit/ as the package."""
-    root = tmp / f"code-{name}"
+    """The code of `rev` (git archive, `patch` applied), its package put together as it installs (toolkit/,
+    converters/ and profiles/ as ctxq/: scripts/lint_imports.py's `assemble`)."""
+    root = tmp / f"src-{name}"
     root.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     if patch is not None:
         subprocess.run(["git", "apply", str(patch.resolve())], cwd=root, check=True)
-    (root / "ctxq").symlink_to("toolkit")
-    return root
+    return assemble(root, tmp / f"code-{name}")
 
 
 def _median(runs: list[dict]) -> dict:
@@ -108,9 +110,7 @@ def _bench(a, tmp: Path) -> None:
     from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 
     model = write_synthetic_gguf(tmp / "llama3-70b-Q4_K_M.gguf", GEOMETRIES["llama3-70b"])
-    here = tmp / "code-here"
-    here.mkdir()
-    (here / "ctxq").symlink_to(ROOT / "toolkit")
+    here = assemble(ROOT, tmp / "code-here")
     codes = [(f"before ({a.baseline})", _code(a.baseline, tmp, "before")), ("after (this checkout)", here)]
     if a.patch:
         codes.append((f"after + {a.patch.name}", _code("HEAD", tmp, "patched", a.patch)))
