@@ -60,8 +60,25 @@ def test_auto_takes_tensor_mode_only_when_measured_faster(smollm2, home):
     (["-r", "0"], "-r must be 1 or more"),
     (["-d", "4000", "-p", "200"], "-d 4000 + 200 tokens is beyond the context (1024)"),
     (["-p", "0", "-n", "0"], "nothing to measure"),
+    (["-ub", "256,0"], "give micro-batch sizes of 1 token or more"),
+    (["-ub", "big"], "give micro-batch sizes in tokens"),
 ])
 def test_bench_bad_input_is_one_line(args, expect, smollm2, home):
     r = run_ctxq("bench", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", *args, env={"CTXQ_HOME": str(home)})
     assert r.returncode != 0 and expect in r.stderr and "Traceback" not in r.stderr
     assert not (home / "bench").exists() or not list((home / "bench").iterdir())
+
+
+def test_bench_measures_each_micro_batch_as_a_plan_of_its_own(smollm2, home):
+    """-ub takes llama-bench's list: one plan per micro-batch, each measured and kept under its own plan."""
+    r = run_ctxq("bench", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", "-sm", "layer", "-ub", "64,256",
+                 "-p", "64", "-n", "2", "-r", "1", "--json", env={"CTXQ_HOME": str(home)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert [(row["mode"], row["n_ubatch"]) for row in rows] == [("layer", 64), ("layer", 256)]
+    assert [" -ub 64 " in row["plan"] for row in rows] == [True, False]
+    assert all(row["measured"] and row["pp_mean"] > 0 and row["tg_mean"] > 0 for row in rows)
+    assert len(list((home / "bench").glob("*.json"))) == 2
+    # what each plan stands for: -sm auto at -ub 64 finds the -ub 64 measurement, not the other
+    p = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto", n_ubatch=64)
+    assert set(p.speed["measured"]) == {"layer"} and p.speed["measured"]["layer"]["pp_tps"] == rows[0]["pp_tps"]

@@ -11,7 +11,7 @@ from .options import hf_file_option, load_options, plan_options
 
 @cli.command("bench")
 @click.argument("model", required=False)
-@plan_options()
+@plan_options(ubatch_list=True)
 @hf_file_option
 @click.option("-p", "--n-prompt", "n_prompt", type=int, default=512, show_default=True,
               help="Prompt tokens processed in one timed batch (pp).")
@@ -23,13 +23,13 @@ from .options import hf_file_option, load_options, plan_options
               help="Timed repetitions after one warm-up.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON.")
 @load_options
-def bench_cmd(model, options, hf_file, n_prompt, n_gen, depth, reps, as_json, n_threads, seed):
+def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps, as_json, n_threads, seed):
     """Measure MODEL's plan in each split mode on these devices (-sm layer or tensor: that one; else both).
 
-    Each mode's plan (as `ctxq plan -sm MODE` makes it) is loaded in a child process and timed as llama-bench
-    times it: -p prompt tokens in one batch (pp) and -n tokens generated one by one (tg), at depth -d, -r times,
-    tokens/s mean ± sd. The results are kept per model file, device set and llama.cpp version:
-    `ctxq plan -sm auto` then chooses the faster mode by them.
+    Each mode's plan (as `ctxq plan -sm MODE` makes it; with -ub 256,512,… one plan per micro-batch) is loaded in a
+    child process and timed as llama-bench times it: -p prompt tokens in one batch (pp) and -n tokens generated one
+    by one (tg), at depth -d, -r times, tokens/s mean ± sd. The results are kept per model file, device set,
+    llama.cpp version and plan: `ctxq plan -sm auto` then chooses the faster mode by them.
     """
     from ..hub import with_file
     from ..runtime import bench
@@ -38,22 +38,22 @@ def bench_cmd(model, options, hf_file, n_prompt, n_gen, depth, reps, as_json, n_
     mode = options.split_mode
     modes = bench.MODES if mode in (None, "auto") else (mode,)
     rows = bench.bench(model, options.updated(split_mode=None), modes=modes, n_prompt=n_prompt, n_gen=n_gen,
-                       depth=depth, reps=reps, n_threads=n_threads,
+                       depth=depth, reps=reps, n_threads=n_threads, ubatches=n_ubatches or (None,),
                        on_progress=None if as_json else (lambda s: click.echo(f"ctxq: {s}", err=True)))
     if as_json:
-        echo_json([{"mode": m, "plan": p.llama_flags() if p else None,
+        echo_json([{"mode": m, "plan": p.llama_flags() if p else None, "n_ubatch": p.n_ubatch if p else None,
                     **(r.to_dict() if not isinstance(r, str) else {"not_measured": r})} for m, p, r in rows])
         return
     out = []
     for m, p, r in rows:
         if isinstance(r, str):
-            out.append([m, "-", "-", f"not measured: {r}"])
+            out.append([m, "-", "-", "-", f"not measured: {r}"])
             continue
         ts = ",".join(map(str, p.tensor_split)) if p.gpus else "-"
         if n_prompt:
-            out.append([m, ts, f"pp{n_prompt} @ d{depth}", bench.mean_sd(r.pp_tps)])
+            out.append([m, ts, p.n_ubatch, f"pp{n_prompt} @ d{depth}", bench.mean_sd(r.pp_tps)])
         if n_gen:
-            out.append([m, ts, f"tg{n_gen} @ d{depth}", bench.mean_sd(r.tg_tps)])
-    click.echo(table(out, ["mode", "-ts", "test", "t/s"]))
+            out.append([m, ts, p.n_ubatch, f"tg{n_gen} @ d{depth}", bench.mean_sd(r.tg_tps)])
+    click.echo(table(out, ["mode", "-ts", "-ub", "test", "t/s"]))
     click.echo(f"(measured on {', '.join(next((r.devices for _, _, r in rows if not isinstance(r, str)), []))}; "
                "kept for `ctxq plan -sm auto` on these devices)", err=True)

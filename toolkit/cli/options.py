@@ -40,7 +40,20 @@ def device_options(f):
     return f
 
 
-def _plan_flags(for_plan: bool, parallel: bool = True) -> list:
+def _ubatch_list(ctx, param, value):
+    """`-ub 256,512,1024` (llama-bench's list) -> (256, 512, 1024); one size -> (size,); none -> None."""
+    if value is None:
+        return None
+    try:
+        sizes = tuple(int(v) for v in str(value).split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give micro-batch sizes in tokens, e.g. 256,512,1024") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise click.BadParameter(f"{value!r}: give micro-batch sizes of 1 token or more, e.g. 256,512,1024")
+    return sizes
+
+
+def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False) -> list:
     """The options in the order --help lists them."""
     if for_plan:
         ctx = click.option("-c", "--ctx", "n_ctx", type=int, required=True,
@@ -77,6 +90,10 @@ def _plan_flags(for_plan: bool, parallel: bool = True) -> list:
         click.option("--prefer", type=click.Choice(["quality", "speed"]), default=None,
                      help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.  "
                           f"[default: {DEFAULT_PREFER}]"),
+        click.option("-ub", "--ubatch", "n_ubatches", default=None, callback=_ubatch_list, metavar="N,…",
+                     help="Micro-batches to measure, tokens per graph evaluation, as llama-bench takes them: "
+                          f"256,512,1024 (each one a plan of its own).  [default: {DEFAULT_N_UBATCH}]")
+        if ubatch_list else
         click.option("-ub", "--ubatch", "n_ubatch", type=int, default=None,
                      help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
         click.option("-b", "--batch", "n_batch", type=int, default=None,
@@ -103,16 +120,16 @@ def _plan_flags(for_plan: bool, parallel: bool = True) -> list:
     return flags
 
 
-def plan_options(for_plan: bool = False, parallel: bool = True):
+def plan_options(for_plan: bool = False, parallel: bool = True, ubatch_list: bool = False):
     """Add the options that make a plan; the command receives them as one `options: PlanOptions`.
     for_plan: `ctxq plan`'s variant (--ctx required, --cpu-memory, a split to evaluate); parallel: add
-    --parallel P (serve has its own)."""
+    --parallel P (serve has its own); ubatch_list: -ub takes a list, passed on as `n_ubatches` (`ctxq bench`)."""
     def decorate(f):
         @functools.wraps(f)
         def command(**kw):
             return f(options=PlanOptions.take(kw), **kw)
 
-        for flag in reversed(_plan_flags(for_plan, parallel)):  # click lists options in reverse order of application
+        for flag in reversed(_plan_flags(for_plan, parallel, ubatch_list)):  # click lists options in reverse order of application
             command = flag(command)
         return command
 

@@ -65,21 +65,28 @@ def measure_plan(plan, rpc, n_prompt: int, n_gen: int, depth: int, reps: int, n_
         llm.close()
 
 
-def candidates(model, options: PlanOptions, modes: tuple[str, ...]) -> list[tuple[str, object]]:
-    """(mode, plan) for each mode that can be planned here; a mode that cannot gives (mode, its one-line reason)."""
+def candidates(model, options: PlanOptions, modes: tuple[str, ...],
+               ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
+    """(mode, plan) for each mode and micro-batch (None: the options' own) that can be planned here, modes first;
+    one that cannot gives (mode, its one-line reason). A micro-batch sizes the compute buffers: a larger one may not
+    fit where a smaller one does."""
     out = []
     for mode in modes:
-        try:
-            out.append((mode, make_plan(model, options=replace(options, split_mode=mode))))
-        except CtxqError as e:
-            out.append((mode, str(e)))
+        for ub in ubatches:
+            opts = replace(options, split_mode=mode, **({"n_ubatch": ub} if ub is not None else {}))
+            try:
+                out.append((mode, make_plan(model, options=opts)))
+            except CtxqError as e:
+                out.append((mode, f"-ub {ub}: {e}" if ub is not None else str(e)))
     return out
 
 
 def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prompt: int = 512, n_gen: int = 32,
           depth: int = 0, reps: int = 3, n_threads: int | None = None, timeout: float = 1800,
+          ubatches: tuple[int | None, ...] = (None,),
           on_progress: Callable[[str], None] | None = None) -> list[tuple[str, object, Measured | str]]:
-    """Measure each mode's plan: [(mode, plan or None, Measured or the reason it was not measured)]."""
+    """Measure each mode's plan, at each micro-batch of `ubatches` (None: the options' own): [(mode, plan or None,
+    Measured or the reason it was not measured)]."""
     from ..rpc.supervise import run_supervised
 
     for name, v in (("n_prompt", n_prompt), ("n_gen", n_gen), ("depth", depth)):
@@ -92,9 +99,11 @@ def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prom
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise InvalidOption(f"split mode {bad[0]!r}: choose layer or tensor", option="split_mode", value=bad[0])
+    if any(ub is not None and ub < 1 for ub in ubatches):
+        raise InvalidOption(f"micro-batches {ubatches}: give sizes of 1 token or more", option="n_ubatch", value=ubatches)
     results = []
     with local_workers(options) as opts:
-        for mode, p in candidates(model, opts, modes):
+        for mode, p in candidates(model, opts, modes, ubatches):
             if isinstance(p, str):
                 results.append((mode, None, p))
                 continue
