@@ -180,3 +180,131 @@ def test_auto_plans_both_modes_and_keeps_layer_mode_until_measured(smollm2):
     assert p.speed["layer"]["estimate"] is True and p.speed["tensor"] is not None
     assert sum(p.speed["tensor_split"]) == 1000
     assert any(n.startswith("split mode:") and "-sm tensor -ts" in n for n in p.notes)
+
+
+# --- tensor mode over some of the cards (planning/tensor_subset.py) -------------------------------------------
+
+_WEAK = """
+[[device]]
+name = "RTX 4090"
+memory_gib = 24
+bandwidth_gbs = 1008
+tflops_f16 = 165.2
+link_gbs = 24
+count = 2
+
+[[device]]
+name = "RTX 3060"
+memory_gib = 12
+bandwidth_gbs = 360
+tflops_f16 = 25.5
+link_gbs = 24
+"""
+
+
+def test_a_weak_card_is_left_out_where_the_estimate_says_so(smollm2, tmp_path):
+    """Two fast cards and a slow one: tensor mode over the two fast ones is estimated faster (the slow card's
+    share holds back every layer), so the plan gives llama.cpp only those (-dev), says which card is left out
+    and why, and --json carries it; the left-out card holds nothing."""
+    prof = tmp_path / "weak.toml"
+    prof.write_text(_WEAK)
+    p = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="tensor", kv="q8_0")
+    assert [g.device.name for g in p.gpus] == ["RTX 4090 #1", "RTX 4090 #2"] and len(p.tensor_split) == 2
+    assert p.left_out == [{"device": "RTX 3060", "why": "the slowest by memory bandwidth: 360 against 1008 GB/s"}]
+    assert p.device_order == [0, 1] and p.llama_devices == ["CUDA0", "CUDA1"]
+    assert "-sm tensor -ts 500,500 -dev CUDA0,CUDA1" in p.llama_flags()
+    assert "left out" in p.reason and "estimate" in p.reason
+    out = run_ctxq("plan", str(smollm2), "--ctx", "8192", "--profile", str(prof), "-sm", "tensor", "--kv", "q8_0",
+                   "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    d = json.loads(out.stdout)
+    assert d["left_out"][0]["device"] == "RTX 3060" and "-dev CUDA0,CUDA1" in d["llama_flags"]
+    a = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="auto", kv="q8_0")
+    assert a.speed["tensor_left_out"] == p.left_out and any("-dev CUDA0,CUDA1" in n for n in a.notes)
+
+
+def test_every_card_stays_where_none_is_weaker_or_speed_is_unknown(smollm2, tmp_path):
+    prof = tmp_path / "even.toml"
+    prof.write_text(_WEAK.replace("count = 2", "count = 3").split("\n[[device]]\nname = \"RTX 3060\"")[0])
+    p = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="tensor", kv="q8_0")
+    assert len(p.gpus) == 3 and p.left_out is None and " -dev " not in p.llama_flags()
+    p = ctxq.plan(smollm2, 8192, simulate="0.3,0.3,0.2", split_mode="tensor", kv="q8_0")  # no speed facts
+    assert len(p.gpus) == 3 and p.left_out is None
+
+
+
+def test_the_runner_shows_llama_cpp_only_the_gpus_kept(smollm2, tmp_path, monkeypatch):
+    """Three present GPUs, the plan keeping the first two: the runner asks for CUDA_VISIBLE_DEVICES=0,1 (a restart,
+    as for a reordering); once applied it goes on."""
+    from ctxq.errors import ReorderNeeded
+    from ctxq.llama import backend
+    from ctxq.runtime import runner
+
+    prof = tmp_path / "weak.toml"
+    prof.write_text(_WEAK)
+    p = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="tensor", kv="q8_0")
+    gpus = [backend.GgmlDevice(f"CUDA{i}", "", "gpu", 2**34, 2**34) for i in range(3)]
+    monkeypatch.setattr(backend, "ggml_devices", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv(runner.ORDER_APPLIED, raising=False)
+    with pytest.raises(ReorderNeeded) as e:
+        runner.prepare_devices(p)
+    assert e.value.value == "0,1"
+    monkeypatch.setenv(runner.ORDER_APPLIED, "0,1")
+    runner.prepare_devices(p)
+
+# Three debug workers (as _LOAD); the plan is made for them with speed facts that make the third one weak, and
+# loaded by ctxq's runner, which registers only the cards the plan keeps.
+_SUBSET = _LOAD.split("try:\n", 1)[0].replace(
+    "model, n_ctx, split, cache = sys.argv[1], int(sys.argv[2]), [float(x) for x in sys.argv[3].split(\",\")], "
+    "sys.argv[4]", "model, n_ctx, split, cache = sys.argv[1], int(sys.argv[2]), [1, 1, 1], sys.argv[4]") + r"""
+try:
+    from dataclasses import replace
+    import ctxq
+    from ctxq.planning.devices import rpc_devices
+    from ctxq.runtime.runner import load_plan
+    eps = ",".join(f"127.0.0.1:{p}" for p in ports)
+    for _ in range(100):
+        try:
+            devs = rpc_devices(eps)
+            break
+        except Exception:
+            time.sleep(0.2)
+    fast = dict(bandwidth=1008e9, flops=165.2e12, link_bandwidth=24e9, link_latency=2e-5)
+    devs = [replace(d, **fast) for d in devs[:2]] + [replace(devs[2], **dict(fast, bandwidth=360e9, flops=25.5e12))]
+    p = ctxq.plan(model, n_ctx, devices=devs, split_mode="tensor", kv=cache)
+    llm, _, _ = load_plan(p, rpc=eps, n_threads=1)
+    llm.eval(llm.tokenize(b"Hello world, this is a test"))
+    time.sleep(0.3)
+    held = []
+    for i in range(len(split)):
+        txt = (logs / f"w{i}.log").read_text(errors="replace")
+        bufs = {m[2]: int(m[1]) for m in re.findall(r"\[alloc_buffer\] device: (\S+), size: (\d+) -> remote_ptr: (\w+)", txt)}
+        for ptr in re.findall(r"\[free_buffer\] remote_ptr: (\w+)", txt):
+            bufs.pop(ptr, None)
+        held.append(sorted(bufs.values()))
+    cards = [[g.device.endpoint, g.weights, g.kv, g.compute] for g in p.gpus]
+    print(json.dumps({"held": held, "ports": ports, "cards": cards, "left_out": p.left_out,
+                      "flags": p.llama_flags()}), flush=True)
+finally:
+    for p in procs:
+        p.kill()
+    os._exit(0)
+"""
+
+
+def test_a_subset_loads_over_rpc_workers_as_planned(smollm2):
+    """A real load: three RPC workers, the third described as slow; the runner registers only the two kept,
+    each of which holds exactly the weights and KV the plan gives it (and a compute buffer no larger than
+    planned), and the left-out worker holds nothing."""
+    out = subprocess.run([sys.executable, "-c", _SUBSET, str(smollm2), "4096", "1,1,1", "q8_0"],
+                         capture_output=True, text=True, timeout=600)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"the subset load printed nothing (rc {out.returncode}): {out.stderr[-2000:]}"
+    r = json.loads(lines[-1])
+    assert len(r["cards"]) == 2 and r["left_out"][0]["device"].startswith("RPC2[")
+    assert " -dev RPC0,RPC1 " in r["flags"]  # with --rpc naming the three workers in order
+    assert r["held"][2] == []  # never registered: llama.cpp allocates nothing there
+    for (ep, weights, kv, compute), bufs in zip(r["cards"], r["held"]):
+        assert weights in bufs and kv in bufs, (ep, weights / MiB, kv / MiB, [b / MiB for b in bufs])
+        assert max(b for b in bufs if b not in (weights, kv)) <= compute

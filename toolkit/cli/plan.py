@@ -46,7 +46,9 @@ def render_plan(p, *, title: str | None = None) -> str:
     if p.split_mode == "tensor":
         lines.append("split: tensor mode (-sm tensor, marked experimental by llama.cpp): each card holds its share of "
                      "every layer listed, the mirrored tensors and a whole compute buffer")
-    if p.device_order:
+    if p.left_out:
+        lines.append("left out of tensor mode: " + "; ".join(f"{x['device']} ({x['why']})" for x in p.left_out))
+    elif p.device_order:
         lines.append(f"device order: {p.device_order} (CUDA_VISIBLE_DEVICES, applied by ctxq run)")
     lines.append(f"why: {p.reason}")
     if p.kv_quality:

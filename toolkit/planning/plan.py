@@ -96,6 +96,10 @@ class Plan:
     # cards in tensor_split's proportions; planning/tensor.py)
     split_mode: str = "layer"
     speed: dict = field(default_factory=dict)  # estimates by mode (planning/speed.py), where the devices say enough
+    # tensor mode over some of the cards (planning/tensor_subset.py): the cards left out, each {"device", "why"},
+    # and the devices llama.cpp is given, as its -dev names them (device_order: their indices); None: every card
+    left_out: list[dict] | None = None
+    llama_devices: list[str] | None = None
 
     @property
     def devices(self) -> list[DevicePlan]:
@@ -140,6 +144,8 @@ class Plan:
         flags = f"-c {self.n_ctx} -b {self.n_batch} -ub {self.n_ubatch} -ngl {self.n_gpu_layers}"
         if self.gpus:
             flags += f" -sm {self.split_mode} -ts " + ",".join(str(c) for c in self.tensor_split)
+        if self.llama_devices:  # tensor mode over some of the cards: llama.cpp is given only those
+            flags += " -dev " + ",".join(self.llama_devices)
         flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
         if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
             flags += " --swa-full"

@@ -19,7 +19,8 @@ real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accurac
 The proportions are searched: each card's share of the cut bytes follows its speed (memory bandwidth, else its
 memory) but never beyond what it can hold at the context after its whole part (mirrored tensors, compute
 buffer, reserve); the exact cut is then checked and a card over its room gives up share until every card fits.
-Layers the cards cannot hold go to the CPU, as in layer mode.
+Layers the cards cannot hold go to the CPU, as in layer mode. Tensor mode over some of the cards (a weaker card
+left out, not given to llama.cpp) is a candidate beside every card: `search`, `tensor_subset.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .devices import Device
 from .memory import Costs, costs, device_cost, host_cost
 from .plan import DevicePlan, Plan
 from .tensor_split import TensorSplit, not_planned
+from .tensor_subset import llama_name, subsets
 
 SCALE = 1000  # proportions passed to llama.cpp as integers out of SCALE (exact in its float32 scan)
 
@@ -193,7 +195,50 @@ def _integers(shares: list[float], caps: list[float]) -> list[int] | None:
 
 
 def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
-    """(the tensor-mode plan with these KV types, or None when the host cannot hold what is left; the host's plan)."""
+    """(the tensor-mode plan with these KV types, or None when the host cannot hold what is left; the host's plan).
+    Every card, and each subset of `subsets(devices)`, is a candidate: a card left out is not given to llama.cpp
+    (a card with proportion 0 stays in the meta device, holding the mirrored tensors, a whole compute buffer and
+    its all-reduce scratch, and joins every all-reduce: docs/planner.md). Among the candidates that keep the most
+    layers on the cards, the least estimated time for the context wins where every one can be estimated; else
+    every card (or, where they do not hold tensor mode, the largest subset that does)."""
+    from . import speed
+
+    work = speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
+    shape = speed.model_shape(c.info, tk, tv, g)
+    cands = []
+    for keep, why in [(list(range(len(devices))), None), *subsets(devices)]:
+        p, host = _search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
+        total = speed.estimate(shape, speed.placement_from_plan(p), work).total_s if p is not None else None
+        cands.append((p, host, keep, why, total))
+    fit = [x for x in cands if x[0] is not None]
+    if not fit:
+        return None, cands[0][1]
+    least = min(x[0].cpu_layers for x in fit)
+    fit = [x for x in fit if x[0].cpu_layers == least]
+    timed = all(x[4] is not None for x in fit)
+    p, host, keep, why, total = min(fit, key=lambda x: x[4]) if timed else fit[0]
+    if len(keep) == len(devices):
+        return p, host
+    every = cands[0]
+    p.device_order = keep
+    p.llama_devices = [llama_name(devices, i) for i in keep]
+    p.left_out = [{"device": devices[i].name, "why": why} for i in range(len(devices)) if i not in keep]
+    if every[0] is None:
+        than = "tensor mode over every card does not fit"
+    elif every[0].cpu_layers > p.cpu_layers:
+        than = f"over every card it keeps {every[0].cpu_layers} layer slots on the CPU, here {p.cpu_layers}"
+    else:
+        than = (f"estimated {total:.1f} s for {work.prompt_tokens:,} prompt and {work.gen_tokens} generated tokens "
+                f"against {every[4]:.1f} s over every card (estimates, not measurements)")
+    p.reason += f"; {len(devices) - len(keep)} card(s) left out ({why}): {than}"
+    p.notes.append("left out of tensor mode: " + ", ".join(x["device"] for x in p.left_out)
+                   + f" ({why}); llama.cpp is given only " + ", ".join(p.llama_devices)
+                   + " (-dev; a card with proportion 0 would still hold a whole compute buffer)")
+    return p, host
+
+
+def _search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
+    """search() over exactly these cards."""
     cards = _Cards(c, g, devices, cpu, opts, tk, tv)
     n = c.info.n_layer
     best = cards.proportions(0)
@@ -278,7 +323,8 @@ def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, o
     measured = {"layer": speed_store.lookup(p), "tensor": speed_store.lookup(t) if t is not None else None}
     totals = {m: r.total_s(work.prompt_tokens, work.gen_tokens) for m, r in measured.items() if r is not None}
     info_ = {"layer": ests[0].to_dict(), "tensor": ests[1].to_dict() if t is not None else None,
-             "tensor_split": t.tensor_split if t is not None else None, "estimated": choice.reason,
+             "tensor_split": t.tensor_split if t is not None else None,
+             "tensor_left_out": t.left_out if t is not None else None, "estimated": choice.reason,
              "tensor_refused": why, "measured": {m: r.to_dict() for m, r in measured.items() if r is not None}}
     if len(totals) == 2 and None not in totals.values():
         best = min(totals, key=totals.get)
@@ -289,17 +335,21 @@ def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, o
         chosen = t if best == "tensor" and why is None else p
         if best == "tensor" and why is None:
             t.reason += f"; chosen over layer mode by measurement ({totals['layer']:.1f} s against {totals['tensor']:.1f})"
-            t.kv_quality, t.notes = p.kv_quality, [*p.notes]
+            t.kv_quality, t.notes = p.kv_quality, [*p.notes, *(n for n in t.notes if n not in p.notes)]
     else:
         chosen = p
         missing = [m for m in ("layer", "tensor") if measured.get(m) is None and (m == "layer" or t is not None)]
         note = (f"split mode: {choice.reason}" + (f"; tensor mode: {why}" if why else "")
                 + ("; the plan stays in layer mode until tensor mode is measured faster here "
-                   f"(-sm tensor -ts {','.join(map(str, t.tensor_split))}): `ctxq bench` with the same options "
-                   f"measures {' and '.join(missing)} mode" if t is not None else ""))
+                   f"(-sm tensor -ts {','.join(map(str, t.tensor_split))}{_dev_flag(t)}): `ctxq bench` with the same "
+                   f"options measures {' and '.join(missing)} mode" if t is not None else ""))
     chosen.speed = info_
     chosen.notes.append(note)
     return chosen
+
+
+def _dev_flag(p: Plan) -> str:
+    return f" -dev {','.join(p.llama_devices)}" if p.llama_devices else ""
 
 
 def ratios(split, devices: list[Device]) -> list[float]:

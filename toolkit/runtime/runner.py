@@ -102,6 +102,21 @@ def _apply_order(p: Plan, rpc) -> None:
 
     eps = parse_rpc(rpc) if rpc else []
     order = p.device_order
+    if order and getattr(p, "left_out", None):  # tensor mode over some of the cards: llama.cpp gets only those
+        n_rpc = len(eps)  # the given devices: RPC workers first (planning/devices.py)
+        eps = [eps[i] for i in order if i < n_rpc]
+        order = [i - n_rpc for i in order if i >= n_rpc]
+        if eps:
+            add_servers(eps)
+        local = [d for d in backend.ggml_devices() if d.type not in ("cpu", "accel") and not d.name.startswith("RPC")]
+        if os.environ.get(ORDER_APPLIED) is None and order != list(range(len(local))):
+            if not order:
+                raise CtxqError("the plan leaves this process's GPUs out of tensor mode; set CUDA_VISIBLE_DEVICES= "
+                                "(none) before starting Python")
+            value = cuda_visible_devices(order, os.environ.get("CUDA_VISIBLE_DEVICES"))
+            if os.environ.get(ORDER_APPLIED) != value:
+                raise ReorderNeeded(value)
+        return
     if order and eps:
         if sorted(order[:len(eps)]) != list(range(len(eps))):
             raise CtxqError("the plan mixes the order of RPC workers and local GPUs, which llama.cpp cannot do "
