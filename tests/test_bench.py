@@ -82,3 +82,26 @@ def test_bench_measures_each_micro_batch_as_a_plan_of_its_own(smollm2, home):
     # what each plan stands for: -sm auto at -ub 64 finds the -ub 64 measurement, not the other
     p = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto", n_ubatch=64)
     assert set(p.speed["measured"]) == {"layer"} and p.speed["measured"]["layer"]["pp_tps"] == rows[0]["pp_tps"]
+
+
+def test_auto_times_the_modes_for_the_workload_given(smollm2, home):
+    """--prompt-tokens / --gen-tokens: the workload the kept measurements are weighed for (rates given here, as
+    above): a mode faster at prefill wins a prompt-heavy workload and loses a generation-heavy one."""
+    layer = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="layer")
+    tensor = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="tensor")
+    for plan, pp, tg in ((layer, [100.0], [20.0]), (tensor, [200.0], [10.0])):
+        speed_store.save(plan, speed_store.Measured(plan.split_mode, plan.tensor_split, 32, 4, 0, pp, tg))
+    # the default, 1,024 + 128: layer 10.24 + 6.4 = 16.6 s, tensor 5.12 + 12.8 = 17.9 s
+    assert ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto").split_mode == "layer"
+    prompt_only = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto", gen_tokens=0)
+    assert prompt_only.split_mode == "tensor"
+    assert any("for 1,024 prompt and 0 generated tokens" in n for n in prompt_only.notes)
+    chat = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto", prompt_tokens=64, gen_tokens=1000)
+    assert chat.split_mode == "layer" and any("for 64 prompt and 1000 generated tokens" in n for n in chat.notes)
+    r = run_ctxq("plan", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", "-sm", "auto", "--gen-tokens", "0",
+                 "--json", env={"CTXQ_HOME": str(home)})
+    assert r.returncode == 0 and json.loads(r.stdout)["split_mode"] == "tensor", r.stderr[-1000:]
+    r = run_ctxq("plan", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", "-sm", "auto", "--prompt-tokens",
+                 "2000", env={"CTXQ_HOME": str(home)})
+    assert r.returncode != 0 and "prompt_tokens 2,000 is beyond the context (1,024 tokens)" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -74,6 +74,10 @@ def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False
                      "cut across the cards, proportions searched so each card holds its part (-sm tensor, which "
                      "llama.cpp marks experimental; -ts takes proportions); auto: both planned and estimated, the "
                      "faster taken where `ctxq bench` measured both on these devices, else layer.  [default: layer]"),
+        click.option("--prompt-tokens", "prompt_tokens", type=click.IntRange(min=0), default=None, metavar="N",
+                     help="-sm auto: the prompt each mode is timed for (prefill).  [default: the context]"),
+        click.option("--gen-tokens", "gen_tokens", type=click.IntRange(min=0), default=None, metavar="N",
+                     help="-sm auto: the tokens generated after it.  [default: 128]"),
         device_options,
         click.option("--simulate", default=None, metavar="GiB,…", help=simulate_help),
         click.option("--kv", default=None, metavar="auto|TYPE|K/V",

@@ -54,6 +54,8 @@ class PlanOptions:
     split_mode: "layer" (llama.cpp's -sm layer: whole layers per card, the default), "tensor" (-sm tensor: every
     layer cut across the cards, proportions searched; planning/tensor.py) or "auto" (both planned, their speeds
     estimated; the faster by `ctxq bench`'s kept measurements on these devices, else layer mode).
+    prompt_tokens / gen_tokens: the workload `split_mode="auto"` times each mode for, prefill then generation
+    (default: the whole context, then 128 tokens).
     """
 
     n_ctx: int | None = None
@@ -78,6 +80,8 @@ class PlanOptions:
     expert_offload: bool | None = None
     parallel: int | None = None
     split_mode: str | None = None
+    prompt_tokens: int | None = None
+    gen_tokens: int | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -114,6 +118,14 @@ class PlanOptions:
         if self.n_ctx is not None and self.n_ctx > MAX_N_CTX:
             raise InvalidOption(f"n_ctx {self.n_ctx} is beyond llama.cpp's largest context, {MAX_N_CTX} tokens "
                                 "(a 32-bit count)", option="n_ctx", value=self.n_ctx, limit=MAX_N_CTX)
+        for name in ("prompt_tokens", "gen_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidOption(f"{name} must be 0 or more tokens, got {value}", option=name, value=value)
+        if self.prompt_tokens is not None and self.prompt_tokens > r.n_ctx:
+            raise InvalidOption(f"prompt_tokens {self.prompt_tokens:,} is beyond the context ({r.n_ctx:,} tokens): "
+                                "the prompt has to fit in it", option="prompt_tokens", value=self.prompt_tokens,
+                                limit=r.n_ctx)
         if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
             raise InvalidOption(f"parallel must be 1 to {MAX_PARALLEL} sequences, got {self.parallel}",
                                 option="parallel", value=self.parallel, limit=MAX_PARALLEL)

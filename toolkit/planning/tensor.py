@@ -203,7 +203,9 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
     every card (or, where they do not hold tensor mode, the largest subset that does)."""
     from . import speed
 
-    work = speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
+    work = speed.Workload(opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
+                          speed.DEFAULT_GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens,
+                          n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
     shape = speed.model_shape(c.info, tk, tv, g)
     cands = []
     for keep, why in [(list(range(len(devices))), None), *subsets(devices)]:
@@ -315,7 +317,9 @@ def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, o
         elif t.cpu_layers > p.cpu_layers:
             why = f"tensor mode keeps {t.cpu_layers} layer slots on the CPU, layer mode {p.cpu_layers}"
     shape = speed.model_shape(info, p.type_k, p.type_v, src)
-    work = speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
+    work = speed.Workload(opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
+                          speed.DEFAULT_GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens,
+                          n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
     ests = [speed.estimate(shape, speed.placement_from_plan(p), work)]
     if t is not None:
         ests.append(speed.estimate(shape, speed.placement_from_plan(t), work))
