@@ -135,3 +135,20 @@ def test_short_text_and_bad_chunks_are_refused(f16, tmp_path, monkeypatch):
     with pytest.raises(CtxqError, match="--chunks"):
         make_imatrix(f16, chunks=0)
     assert not list((tmp_path / "home").rglob("*.gguf")) and not list((tmp_path / "home").rglob("*.part"))
+
+
+def test_moe_experts_counted_separately(tmp_path, monkeypatch):
+    """MUL_MAT_ID: one row of sums and one count per expert; the counts add up to tokens x experts used."""
+    from ctxq.testing.moe import tiny_moe_gguf
+
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
+    model = tiny_moe_gguf(tmp_path / "moe.gguf")  # 8 experts, 2 used, n_embd 128, n_ff_exp 128, 4 layers
+    r = make_imatrix(model, chunks=2, chunk=CHUNK)
+    tensors, _ = _tensors(r.path)
+    for w in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        counts = np.asarray(tensors[f"blk.0.{w}.weight.counts"].data).reshape(-1)
+        assert counts.shape == (8,) and counts.sum() == 2 * CHUNK * 2, (w, counts)
+        assert tuple(tensors[f"blk.0.{w}.weight.in_sum2"].shape) == (128, 8)
+        sums = np.asarray(tensors[f"blk.0.{w}.weight.in_sum2"].data).reshape(8, 128)
+        assert np.all((sums.sum(axis=1) > 0) == (counts > 0))  # an expert never routed to has nothing
+    assert np.asarray(tensors["blk.0.attn_q.weight.counts"].data).reshape(-1).tolist() == [2 * CHUNK]
