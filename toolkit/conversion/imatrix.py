@@ -109,7 +109,9 @@ def make_imatrix(model: str | os.PathLike, text: str | os.PathLike | None = None
         res = ImatrixResult(path, True, meta["chunks"], chunk, meta["tensors"], 0.0, 0, dataset)
     else:
         meta = _collect(model, data, dataset, chunk, chunks, threads, path, progress)
-        meta_path.write_text(json.dumps(meta))
+        part = tempfiles.create(meta_path, "json")
+        part.write_text(json.dumps(meta))
+        os.replace(part, meta_path)  # (a matrix without its record is made again, never read half-written)
         res = ImatrixResult(path, False, meta["chunks"], chunk, meta["tensors"], meta["seconds"],
                             meta["peak_rss_bytes"], dataset)
     if out is not None:
