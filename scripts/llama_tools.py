@@ -1,12 +1,14 @@
-"""llama.cpp's own tools (llama-server, llama-batched-bench), built once from the vendored sources.
+"""llama.cpp's own tools (llama-server, llama-batched-bench, llama-imatrix), built once from the vendored sources.
 
 The sources are those llama-cpp-python 0.3.36 vendors (`ctxq.conversion.upstream.source_dir()`), so
 the tools run the same llama.cpp as ctxq. The build goes to `<ctxq home>/build/llama-tools-<key>/`
-(key: version, CMake flags, this CPU's flags) and is reused; the binaries are static, copied into
-`bin/` when the build has finished, so a killed build leaves no `bin/`. Nothing here is committed.
+(key: version, CMake flags, this CPU's flags) and is reused; the binaries are static, each copied into `bin/`
+under a temporary name and renamed when the build has finished, so a killed build leaves none half-made.
+Nothing here is committed.
 
     .venv/bin/python scripts/llama_tools.py          # build (or find) them, print their folder
     .venv/bin/python scripts/llama_tools.py -j 1     # the same with one compile job (a shared machine)
+    .venv/bin/python scripts/llama_tools.py -j 2 llama-imatrix   # only the tools named
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 from ctxq.conversion.upstream import llama_cpp_python_version, source_dir
 from ctxq.paths import ctxq_home
 
-TARGETS = ("llama-server", "llama-batched-bench")
+TARGETS = ("llama-server", "llama-batched-bench")  # the default set
+KNOWN = (*TARGETS, "llama-imatrix")
 # As scripts/setup.sh builds llama-cpp-python: native, without AMX code (its kernels crash here).
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
@@ -47,16 +50,17 @@ def _home(cuda: bool) -> Path:
     return ctxq_home() / "build" / f"llama-tools-{key}"
 
 
-def built(cuda: bool = False) -> Path | None:
-    """The folder holding the tools when they are built, else None."""
+def built(cuda: bool = False, targets: tuple[str, ...] = TARGETS) -> Path | None:
+    """The folder holding the tools `targets` when they are built, else None."""
     bin_dir = _home(cuda) / "bin"
-    return bin_dir if all((bin_dir / t).exists() for t in TARGETS) else None
+    return bin_dir if all((bin_dir / t).exists() for t in targets) else None
 
 
-def build(cuda: bool = False, log=sys.stderr, jobs: int | None = None) -> Path:
-    """The folder holding llama-server and llama-batched-bench; builds them on first use."""
-    if built(cuda) is not None:
-        return built(cuda)
+def build(cuda: bool = False, log=sys.stderr, jobs: int | None = None, targets: tuple[str, ...] = TARGETS) -> Path:
+    """The folder holding the tools `targets` (default llama-server and llama-batched-bench); builds them on first
+    use."""
+    if built(cuda, targets) is not None:
+        return built(cuda, targets)
     args, home = cmake_args(cuda), _home(cuda)
     bin_dir = home / "bin"
     src = source_dir(llama_cpp_python_version())
@@ -64,18 +68,17 @@ def build(cuda: bool = False, log=sys.stderr, jobs: int | None = None) -> Path:
     jobs = str(jobs or os.cpu_count() or 2)
     subprocess.run(["cmake", "-S", str(src), "-B", str(work), "-G", "Ninja", *args], check=True,
                    stdout=log, stderr=log)
-    subprocess.run(["cmake", "--build", str(work), "-j", jobs, "--target", *TARGETS], check=True,
+    subprocess.run(["cmake", "--build", str(work), "-j", jobs, "--target", *targets], check=True,
                    stdout=log, stderr=log)
-    tmp = home / "bin.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for t in TARGETS:
-        shutil.copy2(work / "bin" / t, tmp / t)
-    os.replace(tmp, bin_dir)
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for t in targets:
+        shutil.copy2(work / "bin" / t, bin_dir / f".{t}.partial")
+        os.replace(bin_dir / f".{t}.partial", bin_dir / t)
     return bin_dir
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
     n_jobs = int(argv[argv.index("-j") + 1]) if "-j" in argv else None
-    print(build(cuda="--cuda" in argv, jobs=n_jobs))
+    names = tuple(a for a in argv if a in KNOWN) or TARGETS
+    print(build(cuda="--cuda" in argv, jobs=n_jobs, targets=names))

@@ -21,7 +21,7 @@ from .stops import Stopped, StoppedExit
 def _register() -> None:
     # each module adds its commands to `cli`; a module that fails to import is an error, not a
     # command that silently vanishes from --help
-    from . import bench, cache, convert, info, plan, quality, run, serve, worker  # noqa: F401
+    from . import bench, cache, convert, imatrix, info, plan, quality, run, serve, worker  # noqa: F401
 
 
 _register()

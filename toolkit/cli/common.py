@@ -86,7 +86,8 @@ class Bars:
             self.close()
             self.phase = phase
             byte_bar = phase == "write"
-            unit = "B" if byte_bar else " step" if phase in ("convert", "measure") else " tensors"
+            unit = "B" if byte_bar else " step" if phase in ("convert", "measure") else \
+                " chunks" if phase == "imatrix" else " tensors"
             self.bar = tqdm(total=total, desc=phase, unit=unit, unit_scale=byte_bar,
                             unit_divisor=1024 if byte_bar else 1000, leave=False, dynamic_ncols=True)
         self.bar.set_postfix_str(name[-40:], refresh=False)

@@ -82,6 +82,10 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
     if r.source_was_quantized:
         click.echo("note: the source GGUF was already quantized; this requantizes it, and the quality check "
                    "compares against that quantized source, not the original weights", err=True)
+    if r.imatrix is not None:
+        m = r.imatrix
+        click.echo(f"imatrix: {r.type} needs one; ctxq's own over {m.chunks} chunks of {m.chunk} tokens of the built-in "
+                   f"text ({'from the cache' if m.cached else f'made in {m.seconds:.0f} s'}: {m.path})", err=True)
     click.echo(f"{r.path}  {r.type}  {r.arch}  {human(r.size)}{note}")
     if r.quality:
         g = r.quality

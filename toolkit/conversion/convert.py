@@ -37,6 +37,7 @@ from ..units import MiB
 log = logging.getLogger(__name__)
 
 _DISK_MARGIN = 64 * MiB  # header, alignment padding and the filesystem's own slack
+AUTO_IMATRIX_CHUNKS = 32  # chunks of 512 tokens of the built-in text for an importance matrix convert makes itself
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit id (huggingface_hub's REGEX_COMMIT_HASH)
 
 
@@ -54,6 +55,7 @@ class ConvertResult:
     quality: dict | None = None  # the quantization quality gate's numbers (ctxq.conversion.quality), when it ran
     source_was_quantized: bool = False  # requantized from an already quantized GGUF
     up_to_date: bool = False  # the same conversion was already at `path`: nothing was written
+    imatrix: object = None  # the ImatrixResult ctxq made (or took from its cache) for a type that needs one
 
 
 @one_parse  # the model's header parsed once in the call
@@ -124,7 +126,8 @@ def _target(model, src: Path, folder: Path, kind: str | None, output, pre: str |
         q = _quantize_module()
         qname, _ = q.parse_type(kind)
         if q.needs_imatrix(qname) and not quant_options.get("imatrix"):  # refuse before converting anything
-            raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf (llama-imatrix output)")
+            raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf, or convert to f16 "
+                                  f"first and quantize that GGUF (ctxq makes the matrix of a GGUF itself)")
         key = q.make_cache_key(qname, cache_key_extra=_hf_extra(ckpt, pre), **{k: v for k, v in quant_options.items()
                                if k in _KEYED_OPTIONS})
     return _Target(ckpt, name, kind, qname, key, _dest_path(output, name, qname), source)
@@ -312,11 +315,18 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
         raise ConversionError(f"{src} is already a GGUF; pass a TYPE to quantize it to (e.g. q4_k_m)")
     q = _quantize_module()
     qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
+    made = None
+    if q.needs_imatrix(kind) and not options.get("imatrix"):  # ctxq's own, on the built-in text (cached)
+        from .imatrix import make_imatrix
+
+        chunks = int(os.environ.get("CTXQ_IMATRIX_CHUNKS") or AUTO_IMATRIX_CHUNKS)  # read when used (tests: 1)
+        made = make_imatrix(src, chunks=chunks, progress=progress)
+        options = {**options, "imatrix": made.path}
     r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=qprogress, **options)
     arch, n_tensors = _arch_and_count(r.path)
     return ConvertResult(Path(r.path), r.type, arch, r.size, n_tensors, None, str(src),
                          time.perf_counter() - t0, cached=r.cached, quality=r.quality,
-                         source_was_quantized=r.source_was_quantized)
+                         source_was_quantized=r.source_was_quantized, imatrix=made)
 
 
 def _arch_and_count(path) -> tuple[str, int]:
