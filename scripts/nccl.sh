@@ -15,7 +15,8 @@ nccl_find() {
         roots=(${NCCL_ROOT:+"$NCCL_ROOT"} ${CUDA_HOME:+"$CUDA_HOME"} /usr/local/cuda /usr /usr/local)
         # the loader's own answer first: a libnccl it lists is one the built library will load
         lib="$( (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) \
-            | awk '$1 ~ /^libnccl\.so(\.[0-9]+)*$/ {print $NF}' | sort | head -n 1)"
+            | awk '$1 ~ /^libnccl\.so(\.[0-9]+)*$/ {print $NF}' | sort)"
+        lib="${lib%%$'\n'*}"  # the first (sorted: libnccl.so before libnccl.so.2), without cutting the pipe
         [ -n "$lib" ] && libs+=("$lib")
     fi
     for d in "${roots[@]}"; do
@@ -48,9 +49,9 @@ nccl_cmake_args() {
     if nccl_find; then
         NCCL_CMAKE_ARGS="-DGGML_CUDA_NCCL=ON '-DNCCL_INCLUDE_DIR=$NCCL_INCLUDE_DIR' '-DNCCL_LIBRARY=$NCCL_LIBRARY'"
         NCCL_SAID="NCCL found ($NCCL_LIBRARY, $NCCL_INCLUDE_DIR/nccl.h): building with GGML_CUDA_NCCL=ON"
-        local dir="${NCCL_LIBRARY%/*}"
-        if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null) | grep -qF "=> $dir/libnccl" \
-                && [[ ":${LD_LIBRARY_PATH:-}:" != *":$dir:"* ]]; then
+        local dir="${NCCL_LIBRARY%/*}" cache
+        cache="$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)"  # whole: grep -q would cut a pipe
+        if [[ "$cache" != *"=> $dir/libnccl"* && ":${LD_LIBRARY_PATH:-}:" != *":$dir:"* ]]; then
             NCCL_SAID="$NCCL_SAID; the loader does not search $dir: add it to LD_LIBRARY_PATH to run (ctxq doctor checks)"
         fi
     else

