@@ -5,6 +5,8 @@ CTXQ := .venv/bin/ctxq
 
 .PHONY: setup setup-test demo test dist bench clean
 
+# CTXQ_CUDA=1 make setup: with llama.cpp's CUDA backend, and NCCL where installed (CTXQ_NCCL_HOME, or the
+# system's: scripts/nccl.sh; docs/cuda.md); `ctxq doctor` then says what was built.
 setup:
 	bash scripts/setup.sh
 

