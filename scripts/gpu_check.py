@@ -1,12 +1,14 @@
 """The measuring half of scripts/gpu_check.sh (issue 14; docs/gpu.md): planner vs CUDA, in one timed run.
 
-    python3 scripts/gpu_check.py checks --out DIR [--deadline-s 480] [--stages doctor,cells,workers,speed]
+    python3 scripts/gpu_check.py checks --out DIR [--deadline-s 480] [--stages doctor,cells,workers,split,speed]
     python3 scripts/gpu_check.py table DIR/gpu_check.json       # the summary table again
     python3 scripts/gpu_check.py smollm2-header OUT.gguf         # (prepare) SmolLM2's header + its size
 
 Stages, each with its own time budget (a stage that overruns is cut and recorded; the next still runs):
 doctor (`ctxq doctor --json`), cells (planned vs printed vs NVML, synthetic geometries), workers (five
-`ctxq worker` processes declared 16,16,16,8,8 GiB on one GPU), speed (SmolLM2 layout at ~60k tokens,
+`ctxq worker` processes declared 16,16,16,8,8 GiB on one GPU), split (`ctxq bench -sm layer` and `-sm tensor`
+on two workers declared 16 and 8 GiB: each worker's peak against its card in the plan, speeds beside the
+estimate), speed (SmolLM2 layout at ~60k tokens,
 `ctxq run` vs a plain `Llama`). Results go to DIR/gpu_check.json after every stage; a table prints last.
 """
 
@@ -27,7 +29,7 @@ from gpu_stages import Stage, StageTimeout, hide_gpu, smollm2_header  # noqa: E4
 # name -> (cap, minimum) in seconds. The minimum of every later stage is held back for it, so an
 # early stage never eats a later one's time; the caps sum to what the checks take on an H100/H200
 # (estimates until the first run: docs/gpu.md).
-STAGES = {"doctor": (30, 10), "cells": (150, 60), "workers": (170, 60), "speed": (90, 40)}
+STAGES = {"doctor": (30, 10), "cells": (130, 60), "workers": (150, 60), "split": (110, 45), "speed": (90, 40)}
 MIN_RUN_S = 10  # a stage allotted less than this is skipped, not started
 
 
@@ -70,6 +72,34 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)  # a run killed mid-write leaves the previous complete file
 
 
+def _split_lines(res: dict, mib, table) -> list[str]:
+    """The split stage's table: per mode and worker, declared / planned / NVML peak, and the mode's speeds."""
+    rows = []
+    for mode, row in (res.get("modes") or {}).items():
+        b = {r["mode"]: r for r in row.get("bench", []) if isinstance(r, dict)}.get(mode, {})
+        est = row.get("estimate") or {}
+        speed = (f"pp {_mean(b.get('pp_tps'))} tg {_mean(b.get('tg_tps'))} (est. pp "
+                 f"{_num(est.get('prefill_tps'))} tg {_num(est.get('decode_tps'))})" if b else row.get("status", "-"))
+        for w in row.get("workers", []) or [{}]:
+            rows.append([mode, w.get("endpoint", "-"), mib(w.get("declared")), mib(w.get("planned_total")),
+                         mib(w.get("nvml_peak")), {True: "EXCEEDED", False: "ok", None: "-"}[w.get("exceeded")],
+                         speed])
+    if not rows:
+        return []
+    auto = res.get("auto") or {}
+    return [f"split modes, {res.get('geometry')} at {res.get('n_ctx')} ctx on one GPU's workers:\n" + table(
+        rows, ["mode", "worker", "declared", "planned", "NVML peak", "size", "t/s measured"])
+        + f"\n-sm auto takes: {auto.get('split_mode', '-')}"]
+
+
+def _mean(values) -> str:
+    return f"{sum(values) / len(values):.1f}" if values else "-"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 # --- the summary table -------------------------------------------------------------------------
 
 def summary(results: dict) -> str:
@@ -109,6 +139,7 @@ def summary(results: dict) -> str:
                 f"workers: {wres.get('worker_command', '?')}")
         parts.append(f"{head}: {run.get('status', 'ok')}" + ("\n" + table(rows, [
             "worker", "declared", "layers", "planned", "printed", "NVML peak", "headroom", "size"]) if rows else ""))
+    parts += _split_lines((st.get("split") or {}).get("result") or {}, mib, table)
     sp = (st.get("speed") or {}).get("result") or {}
     if sp.get("ctxq") and sp.get("plain"):
         c, p = sp["ctxq"], sp["plain"]

@@ -1,4 +1,4 @@
-"""The four stages of scripts/gpu_check.py. Each takes (Stage, out dir), fills a result dict as it goes
+"""The five stages of scripts/gpu_check.py. Each takes (Stage, out dir), fills a result dict as it goes
 and, when cut or failed, hands what it has to the caller on the exception (`partial`)."""
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ class Matrix:
     speed_tokens: int = 60000
     speed_ctx: int = 65536
     speed_predict: int = 64
+    # the split stage: both split modes on RPC workers serving one GPU (uneven declared sizes), each worker's peak
+    # against its card in the plan, and the modes' measured speed beside the planner's estimate
+    split_geometry: str = "llama3-8b"  # or "smollm2": its layout with random weights
+    split_gib: tuple[float, ...] = (16, 8)
+    split_ctx: int = 16384
+    split_bench: tuple[int, int, int] = (512, 16, 2)  # ctxq bench -p, -n, -r
     smollm2_header: Path | None = None  # default: $GPU_DIR/smollm2-header.gguf
     reader: Callable = nvml_or_fake  # () -> (read, why-not-NVML or None)
 
@@ -208,16 +214,21 @@ def workers(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     return result
 
 
+def _smollm2_random(m: Matrix) -> str:
+    """SmolLM2's exact file with random weights, from the carried header."""
+    header = m.smollm2_header or Path(os.environ.get("GPU_DIR", ".gpu")) / "smollm2-header.gguf"
+    if not header.is_file():
+        raise RuntimeError(f"{header} missing: run scripts/gpu_check.sh prepare and carry .gpu")
+    return str(rebuild_with_random_weights(header, _models_dir() / "smollm2-random.gguf"))
+
+
 @keeps_partial
 def speed(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     """SmolLM2's layout at ~60k tokens: the real `ctxq run` command against a plain `Llama` with the kwargs
     of the same plan (ctxq.rpc.generate_greedy), one run each, in fresh processes."""
     from bench_run import make_text
 
-    header = m.smollm2_header or Path(os.environ.get("GPU_DIR", ".gpu")) / "smollm2-header.gguf"
-    if not header.is_file():
-        raise RuntimeError(f"{header} missing: run scripts/gpu_check.sh prepare and carry .gpu")
-    model = str(rebuild_with_random_weights(header, _models_dir() / "smollm2-random.gguf"))
+    model = _smollm2_random(m)
     text, n = make_text(model, m.speed_tokens)
     text_file = _models_dir() / "speed-prompt.txt"
     text_file.write_text(text)
@@ -237,4 +248,62 @@ def speed(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     return result
 
 
-STAGE_FUNCS = {"doctor": doctor, "cells": cells, "workers": workers, "speed": speed}
+def _ctxq_json(args: list[str], timeout: float):
+    r = subprocess.run([*CTXQ, *args, "--json"], capture_output=True, text=True, timeout=max(1.0, timeout))
+    if r.returncode:
+        raise RuntimeError(f"ctxq {args[0]} exited {r.returncode}: {r.stderr.strip()[-300:]}")
+    return json.loads(r.stdout)
+
+
+@keeps_partial
+def split(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
+    """`ctxq bench -sm layer` and `-sm tensor` of the split geometry on RPC workers serving one device: per mode,
+    each worker's peak (NVML, by its pid) against its card's total in `ctxq plan -sm MODE` and its declared size,
+    the measured pp/tg beside the plan's estimate; then which mode `ctxq plan -sm auto` takes by the measurements.
+    Both cards share one GPU and talk over loopback: the memory is each card's own, the speeds are not a real
+    interconnect's."""
+    read, why = m.reader()
+    model = _smollm2_random(m) if m.split_geometry == "smollm2" else _synthetic(m.split_geometry)
+    ws, command = start_ctxq_workers(len(m.split_gib), min(60.0, stage.left()), m.worker_device)
+    result.update(geometry=m.split_geometry, n_ctx=m.split_ctx, nvml=why or "ok", worker_command=command, modes={})
+    try:
+        for w, gib in zip(ws, m.split_gib):
+            w["declared"] = int(gib * 2**30)
+        spec = ",".join(f"{w['endpoint']}={gib:g}" for w, gib in zip(ws, m.split_gib))
+        base = [model, "-c", str(m.split_ctx), "--rpc", spec]
+        n_p, n_g, reps = m.split_bench
+        for mode in ("layer", "tensor"):
+            stage.check(20)
+            row = result["modes"][mode] = {}
+            try:
+                plan = _ctxq_json(["plan", *base, "-sm", mode], stage.left())
+            except Exception as e:  # DoesNotFit, a refused mode: recorded, the other mode still runs
+                row["status"] = f"{type(e).__name__}: {e}"
+                continue
+            row.update(tensor_split=plan["tensor_split"], llama_flags=plan["llama_flags"])
+            sampler = Sampler(read)
+            with sampler:
+                got = _ctxq_json(["bench", *base, "-sm", mode, "-p", str(n_p), "-n", str(n_g), "-r", str(reps)],
+                                 stage.left() - 5)
+            by_ep = {g["device"].get("endpoint"): g for g in plan["gpus"]}
+            row["workers"] = [{"endpoint": w["endpoint"], "declared": w["declared"],
+                               "planned_total": by_ep.get(w["endpoint"], {}).get("total"),
+                               "nvml_peak": sampler.peak_of(w["pid"]),
+                               "baseline": sampler.first.get(w["pid"])} for w in ws]
+            for r in row["workers"]:
+                r["exceeded"] = None if r["nvml_peak"] is None else r["nvml_peak"] > r["declared"]
+            row.update(status="ok", bench=got)
+        stage.check(10)
+        auto = _ctxq_json(["plan", *base, "-sm", "auto"], stage.left())
+        result["auto"] = {"split_mode": auto["split_mode"], "reason": auto["reason"], "notes": auto["notes"]}
+        for mode, row in result["modes"].items():  # the planner's estimate of each mode, beside its measurement
+            row["estimate"] = (auto.get("speed") or {}).get(mode)
+    finally:
+        stop_workers(ws)
+        for w in ws:
+            w.pop("proc", None)
+        result["workers"] = ws
+    return result
+
+
+STAGE_FUNCS = {"doctor": doctor, "cells": cells, "workers": workers, "speed": speed, "split": split}

@@ -36,7 +36,7 @@ def test_unknown_stage_is_refused_with_the_known_ones(tmp_path, capsys):
         main(["checks", "--out", str(tmp_path), "--stages", "doctor,warp"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "warp" in err and "doctor, cells, workers, speed" in err
+    assert "warp" in err and "doctor, cells, workers, split, speed" in err
     assert not (tmp_path / "gpu_check.json").exists()
 
 
@@ -290,7 +290,8 @@ def cpu_matrix(tmp_path, smollm2):
 
     return Matrix(geometries=("tiny",), cell_ctx=(4096,), cell_kv=("q8_0",), placements=("cpu",), n_prefill=600,
                   worker_device="CPU", worker_gib=(1, 0.5), worker_ctx=4096, worker_models=(("tiny", 1000),),
-                  speed_tokens=1500, speed_ctx=4096, speed_predict=8,
+                  speed_tokens=1500, speed_ctx=4096, speed_predict=8, split_geometry="smollm2", split_gib=(1, 0.5),
+                  split_ctx=2048, split_bench=(64, 4, 1),
                   smollm2_header=gpu_stages.smollm2_header(tmp_path / "h.gguf", smollm2), reader=_rss_reader)
 
 
@@ -342,3 +343,30 @@ def test_speed_stage_ctxq_run_against_plain_llama_on_cpu(tmp_path, cpu_matrix):
     assert r["ctxq"]["n_prompt"] == r["plain"]["n_prompt"] or abs(r["ctxq"]["n_prompt"] - r["plain"]["n_prompt"]) <= 1
     assert r["ctxq"]["prefill_tps"] > 0 and r["plain"]["prefill_tps"] > 0 and r["ctxq"]["ttft_s"] > 0
     assert "ratio" in summary({"stages": {"speed": {"status": "ok", "result": r}}})
+
+
+def test_split_stage_both_modes_on_cpu_workers(tmp_path, cpu_matrix):
+    """Both split modes benched on two `ctxq worker` processes (SmolLM2's layout: ctxq's tiny geometry, 256-wide
+    Q4_K rows, aborts in llama.cpp's tensor mode load with "tensor write out of bounds" even at 1:1): each worker's
+    peak (its RSS here) within its declared size and its card listed in each mode's plan; tensor mode's proportions uneven as the sizes are; the
+    measured rates in the summary; the auto plan's choice recorded; the workers stopped."""
+    import os
+
+    from gpu_runs import split
+
+    r = split(Stage("split", 300), tmp_path, cpu_matrix)
+    assert set(r["modes"]) == {"layer", "tensor"}
+    for mode, row in r["modes"].items():
+        assert row["status"] == "ok", (mode, row["status"])
+        bench = {b["mode"]: b for b in row["bench"]}[mode]
+        assert bench["pp_mean"] > 0 and bench["tg_mean"] > 0
+        assert [w["declared"] for w in row["workers"]] == [GiB, GiB // 2]
+        assert all(w["planned_total"] and w["nvml_peak"] and not w["exceeded"] for w in row["workers"])
+    ts = r["modes"]["tensor"]["tensor_split"]
+    assert len(ts) == 2 and ts[0] > ts[1] > 0
+    assert r["auto"]["split_mode"] in ("layer", "tensor")
+    text = summary({"stages": {"split": {"status": "ok", "result": r}}})
+    assert "split modes, smollm2 at 2048 ctx" in text and "-sm auto takes:" in text
+    for w in r["workers"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(w["pid"], 0)
