@@ -55,6 +55,11 @@ def render_plan(p, *, title: str | None = None) -> str:
         from ..planning.kvpairs import describe
 
         lines.append(f"quality: {describe(p.kv_quality, p.model, p.n_ctx)}")
+        from ..planning.quality_store import describe_whole
+
+        whole = describe_whole(p.whole_quality(), p.model, p.n_ctx)
+        if whole:
+            lines.append(f"quality: {whole}")
     lines += _expert_lines(p)
     if p.est_decode_tps:
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "

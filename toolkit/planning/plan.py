@@ -183,8 +183,15 @@ class Plan:
                 out.append(row)
         return sorted(out, key=lambda r: r["layer"])
 
+    def whole_quality(self) -> dict:
+        """What weights and cache cost together, as far as `ctxq quality` measured them (`quality_store.whole_cost`)."""
+        from .quality_store import whole_cost
+
+        return whole_cost(self.model, self.n_ctx, self.kv_quality)
+
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("gpus", "host")}
+        d["quality"] = self.whole_quality()
         d["gpus"] = [g.to_dict() for g in self.gpus]
         d["host"] = self.host.to_dict()
         d["placement"] = self.placement()

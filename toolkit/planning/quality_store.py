@@ -58,10 +58,15 @@ def file_id(path: str) -> list:
     return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
 
 
-def records(model: str | os.PathLike) -> list[dict]:
-    """Every cached KV measurement of this model file (as it is now), with this llama.cpp and method."""
+def records(model: str | os.PathLike, mode: str = "kv") -> list[dict]:
+    """Every cached measurement of this model file (as it is now) in `mode` (kv: its cache pairs against f16;
+    weights: its weights against a more precise file; whole: both against that file with an f16 cache), with this
+    llama.cpp and method."""
     folder = cache_dir() / "results"
-    ident = file_id(str(model))
+    try:
+        ident = file_id(str(model))
+    except OSError:  # not a local file (a Hub model planned from its header): nothing measured
+        return []
     version = md.version("llama_cpp_python")
     found = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -69,12 +74,70 @@ def records(model: str | os.PathLike) -> list[dict]:
             d = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if d.get("mode") == "kv" and d.get("model_id") == ident and d.get("llama_cpp") == version \
+        if d.get("mode") == mode and d.get("model_id") == ident and d.get("llama_cpp") == version \
                 and d.get("method") == METHOD:
             found.append(d)
     return found
 
 
-def results(model: str | os.PathLike) -> list[Result]:
+def results(model: str | os.PathLike, mode: str = "kv") -> list[Result]:
     """`records` as `Result` objects."""
-    return [Result(**d) for d in records(model)]
+    return [Result(**d) for d in records(model, mode)]
+
+
+def whole_cost(model: str, n_ctx: int, kv: dict) -> dict:
+    """What the plan's weights and KV cache cost the answers together, as far as measured: `kv` is the plan's
+    `kv_quality`; the weights' loss is this file's measurement against a more precise file (`ctxq quality
+    --against`, or the fit that wrote it), the whole a measurement of the file at the plan's pair against that
+    file with an f16 cache (`ctxq quality --against REF --whole`), else the sum of the two parts (predicted: the
+    losses are close to additive, not exactly)."""
+    if not kv:
+        return {}
+    pair = (kv["type_k"], kv["type_v"])
+    whole = _best((r for r in results(model, "whole") if (r.type_k, r.type_v) == pair), n_ctx)
+    weights = _best((r for r in results(model, "weights") if (r.type_k, r.type_v) == ("f16", "f16")), n_ctx)
+    kv_kl = kv.get("mean_kl") if kv.get("measured") else kv.get("default_kl")
+    out = {"kv": {"mean_kl": kv_kl, "measured": bool(kv.get("measured"))},
+           "weights": _summary(weights) if weights else {"mean_kl": None, "measured": False}}
+    if whole is not None:
+        out["total"] = {**_summary(whole), "how": "measured"}
+    elif weights is not None and kv_kl is not None:
+        out["total"] = {"mean_kl": weights.mean_kl + kv_kl, "measured": False,
+                        "how": "sum of the measured parts" if kv.get("measured") else
+                        "the weights measured plus the pair's default loss"}
+    return out
+
+
+def _best(found, n_ctx: int):
+    """The measurement at the context planned, else the longest (the loss grows with the context)."""
+    return max(found, key=lambda r: (r.n_ctx == n_ctx, r.n_ctx), default=None)
+
+
+def _summary(r: Result) -> dict:
+    return {"mean_kl": r.mean_kl, "top1_agreement": r.top1_agreement, "measured": True, "reference": r.reference,
+            "text": r.text, "n_ctx": r.n_ctx}
+
+
+def describe_whole(q: dict, model: str, n_ctx: int) -> str | None:
+    """`whole_cost` as the plan's second quality line; None when the weights were never measured and no hint
+    helps (a Hub model)."""
+    if not q:
+        return None
+    kv, w, total = q["kv"], q["weights"], q.get("total")
+    kv_text = "KV not measured" if kv["mean_kl"] is None else \
+        f"KV {kv['mean_kl']:.4f}{'' if kv['measured'] else ' (default table)'}"
+    if total is not None and total["how"] == "measured":
+        return (f"whole plan: mean KL {total['mean_kl']:.4f}, top-1 {100 * total['top1_agreement']:.1f} % against "
+                f"{total['reference']}, measured on {total['text']} at {total['n_ctx']:,} tokens")
+    if w["measured"] and total is None:
+        return (f"weights: mean KL {w['mean_kl']:.4f} against {w['reference']} ({w['text']} at {w['n_ctx']:,} "
+                f"tokens); {kv_text}: no sum")
+    if not w["measured"]:
+        from pathlib import Path
+
+        if not Path(model).is_file():
+            return None
+        return (f"weights: not measured; measure them: ctxq quality {model} --ctx {n_ctx} --against MORE_PRECISE.gguf "
+                "[--whole --kv PAIR: weights and cache together]")
+    return (f"whole plan: mean KL ~{total['mean_kl']:.4f} = weights {w['mean_kl']:.4f} (against {w['reference']}, "
+            f"{w['text']} at {w['n_ctx']:,} tokens) + {kv_text}; predicted: {total['how']}, not measured together")

@@ -4,7 +4,8 @@ One reference and any number of candidates read the same N tokens once each, in 
 the second half of the positions (the long-range part, each predicting its next token with at least N/2 tokens
 before it) is scored: mean and 99th-percentile KL(reference || candidate) in nats, top-1 agreement and the
 candidate's perplexity. KV pairs are measured against an f16 cache with the same weights; weights (`against`)
-against a more precise file of the same model with the same cache types.
+against a more precise file of the same model with the same cache types; the whole configuration (`against` and
+`whole`: the weights with each cache pair) against the more precise file with an f16 cache.
 
 Each run is a plan (`ctxq.plan` with that cache type and the devices given: what does not fit moves to the CPU)
 loaded in a child process (`quality.worker`). The reference's distributions are kept as their top entries plus
@@ -193,9 +194,10 @@ def _reference(ref_model: str, m: Measurement, type_k: str, type_v: str, text_fi
 
 @one_parse  # the model's header parsed once in the call
 def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str]] | None = None, *,
-            against: str | os.PathLike | None = None) -> list[Result]:
+            against: str | os.PathLike | None = None, whole: bool = False) -> list[Result]:
     """Measure each KV pair of `pairs` (default: f16/f16 and q8_0/q8_0) against an f16 cache of `model`; or, with
-    `against`, `model`'s weights against that file's at each pair (default f16/f16). Results are cached."""
+    `against`, `model`'s weights against that file's at each pair (default f16/f16); with `whole` too, `model` at
+    each pair against that file with an f16 cache (what weights and cache cost together). Results are cached."""
     from ..models import resolve_model
 
     model = str(resolve_model(model))
@@ -203,7 +205,10 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
         raise InvalidOption(f"a quality measurement needs a context of 16 tokens or more, not {m.n_ctx}",
                             option="n_ctx", value=m.n_ctx, limit=16)
     opened = m.open_text()  # a file that is not text is refused here, from its first block
-    mode = "weights" if against else "kv"
+    if whole and not against:
+        raise InvalidOption("a whole-configuration measurement needs the more precise file to measure against",
+                            option="whole", value=True)
+    mode = ("whole" if whole else "weights") if against else "kv"
     ref_model = str(resolve_model(against)) if against else model
     if against:
         _same_model(model, ref_model)
@@ -211,13 +216,15 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
     sha = hashlib.sha256(data).hexdigest()
     if mode == "kv":
         pairs = pairs or [("f16", "f16"), ("q8_0", "q8_0")]
+    elif mode == "whole":
+        pairs = pairs or [("q8_0", "q8_0")]
     else:
         pairs = pairs or [("f16", "f16")]
     out = []
     with tempfile.TemporaryDirectory(prefix="ctxq-text-") as tmp:
         text_file = Path(tmp) / "text"
         text_file.write_bytes(data)
-        ref_pairs = {("f16", "f16")} if mode == "kv" else set(pairs)
+        ref_pairs = set(pairs) if mode == "weights" else {("f16", "f16")}
         refs = {rp: None for rp in sorted(ref_pairs)}
         for tk, tv in pairs:
             key = _key(mode, _file_id(model), _file_id(ref_model), sha, m.n_ctx, tk, tv, m.top_k)
@@ -228,7 +235,7 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
                 out.append(r)
                 continue
             t0 = time.perf_counter()
-            rp = ("f16", "f16") if mode == "kv" else (tk, tv)
+            rp = (tk, tv) if mode == "weights" else ("f16", "f16")
             if refs[rp] is None:
                 refs[rp] = _reference(ref_model, m, *rp, text_file, sha)
             if mode == "kv" and (tk, tv) == ("f16", "f16"):
@@ -237,22 +244,26 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
                 scored = dest.with_suffix(".npz")
                 try:
                     _run(model, m, tk, tv, f"{Path(model).name} {tk}/{tv}",
-                         {"text": str(text_file) if mode == "weights" else None, "tokens": str(_tokens(refs[rp], tmp)),
+                         {"text": None if mode == "kv" else str(text_file), "tokens": str(_tokens(refs[rp], tmp)),
                           "reference": str(refs[rp])}, scored)
                     with np.load(scored) as z:
                         scores = stats.Scores(z["kl"], z["same_top"], z["nll"])
                 finally:
                     scored.unlink(missing_ok=True)
-            size = os.path.getsize(model) if mode == "weights" else kv_bytes_per_token(model, tk, tv)
+            size = kv_bytes_per_token(model, tk, tv) if mode == "kv" else os.path.getsize(model)
             r = Result(model=model, type_k=tk, type_v=tv, **scores.summary(), bytes=size, n_ctx=m.n_ctx,
                        text=m.text_name, text_sha256=sha,
-                       reference="f16/f16 cache" if mode == "kv" else Path(ref_model).name, mode=mode,
+                       reference=_reference_name(mode, ref_model), mode=mode,
                        llama_cpp=md.version("llama_cpp_python"), seconds=round(time.perf_counter() - t0, 2),
                        model_id=_file_id(model))
             if m.keep_results:
                 _save(dest, r)
             out.append(r)
     return out
+
+
+def _reference_name(mode: str, ref_model: str) -> str:
+    return {"kv": "f16/f16 cache", "weights": Path(ref_model).name}.get(mode, f"{Path(ref_model).name}, f16/f16 cache")
 
 
 def _text_limit(model: str, ref_model: str, n_ctx: int) -> int | None:
