@@ -120,6 +120,10 @@ def summary(results: dict) -> str:
     for g in doc.get("nvidia_gpus", []):
         parts.append(f"GPU {g['index']}: {g['name']}, {g['free'] / 2**30:.1f} GiB free of {g['total'] / 2**30:.1f}"
                      f"; llama.cpp CUDA {'yes' if doc.get('features', {}).get('cuda') else 'NO'}")
+    comm = doc.get("cuda_comm") or {}
+    if comm.get("library"):
+        parts.append(f"multi-GPU: NCCL {'linked (' + str(comm.get('nccl_soname')) + ')' if comm.get('nccl') else 'not linked'}"
+                     f"; all-reduce {comm.get('allreduce')}; peer access {comm.get('peer_access')}")
     cell_res = (st.get("cells") or {}).get("result") or {}
     cells = cell_res.get("rows", [])
     if cell_res.get("errors"):

@@ -197,6 +197,9 @@ def _cell(peak):
 
 def test_summary_table_shows_cells_workers_and_speed():
     res = {"build": {"build_s": 251, "rc": 0}, "stages": {
+        "doctor": {"status": "ok", "result": {"nvidia_gpus": [], "nvml_error": "none here", "cuda_comm": {
+            "library": "/x/libggml-cuda.so", "nccl": True, "nccl_soname": "libnccl.so.2", "allreduce": "nccl",
+            "peer_access": True}}},
         "cells": {"status": "cut", "result": {"rows": [_cell(8900 * MiB), _cell(9100 * MiB), _cell(None)]}},
         "workers": {"status": "ok", "result": {"runs": [
             {"geometry": "llama3-8b", "n_ctx": 65536, "n_prompt": 65472, "status": "ok", "workers": [
@@ -208,6 +211,7 @@ def test_summary_table_shows_cells_workers_and_speed():
                                                       "ttft_s": 3.14}}}}}
     text = summary(res)
     assert "build: 251 s (exit 0)" in text and "cells cut" in text
+    assert "multi-GPU: NCCL linked (libnccl.so.2); all-reduce nccl; peer access True" in text
     lines = [l for l in text.splitlines() if l.startswith("llama3-8b  q8_0")]
     assert [l.split()[-1] for l in lines] == ["yes", "NO", "-"]
     assert "8900" in lines[0] and "500" in lines[0]  # NVML peak and what llama.cpp did not print
