@@ -82,6 +82,11 @@ def test_bench_measures_each_micro_batch_as_a_plan_of_its_own(smollm2, home):
     # what each plan stands for: -sm auto at -ub 64 finds the -ub 64 measurement, not the other
     p = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto", n_ubatch=64)
     assert set(p.speed["measured"]) == {"layer"} and p.speed["measured"]["layer"]["pp_tps"] == rows[0]["pp_tps"]
+    # no -ub given: the plan takes the micro-batch measured faster for the workload (1,024 + 128 tokens)
+    total = {row["n_ubatch"]: 1024 / row["pp_mean"] + 128 / row["tg_mean"] for row in rows}
+    chosen = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="layer")
+    assert chosen.n_ubatch == min(total, key=total.get) and chosen.speed["ubatch"]["basis"] == "measured"
+    assert any(n.startswith(f"micro-batch: -ub {chosen.n_ubatch}, measured") for n in chosen.notes)
 
 
 def test_auto_times_the_modes_for_the_workload_given(smollm2, home):

@@ -102,8 +102,10 @@ class PlanOptions:
         """Defaults filled in and every value checked; raises InvalidOption naming the keyword."""
         kv = self.kv or DEFAULT_KV
         prefer = self.prefer or DEFAULT_PREFER
-        r = replace(self, n_ctx=self.n_ctx or DEFAULT_N_CTX, n_batch=self.n_batch or DEFAULT_N_BATCH,
-                    n_ubatch=self.n_ubatch or DEFAULT_N_UBATCH, kv=kv, prefer=prefer,
+        n_batch = self.n_batch or DEFAULT_N_BATCH
+        # llama_context clamps n_ubatch to n_batch (cparams.n_ubatch = min(n_batch, n_ubatch)): never over a -b given
+        r = replace(self, n_ctx=self.n_ctx or DEFAULT_N_CTX, n_batch=n_batch,
+                    n_ubatch=self.n_ubatch or min(DEFAULT_N_UBATCH, n_batch), kv=kv, prefer=prefer,
                     flash_attn=True if self.flash_attn is None else self.flash_attn,
                     split=None if self.split in (None, "auto") else self.split,
                     reorder=True if self.reorder is None else self.reorder,

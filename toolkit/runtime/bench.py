@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..errors import CtxqError, InvalidOption
 from ..planning import speed_store
-from ..planning.options import PlanOptions
+from ..planning.options import DEFAULT_N_UBATCH, PlanOptions
 from ..planning.speed_store import Measured
 from .runner import load_plan, local_workers, make_plan
 
@@ -73,7 +73,8 @@ def candidates(model, options: PlanOptions, modes: tuple[str, ...],
     out = []
     for mode in modes:
         for ub in ubatches:
-            opts = replace(options, split_mode=mode, **({"n_ubatch": ub} if ub is not None else {}))
+            # a micro-batch always given: the planner would otherwise take the one measured fastest (planning/ubatch.py)
+            opts = replace(options, split_mode=mode, n_ubatch=ub or options.n_ubatch or DEFAULT_N_UBATCH)
             try:
                 out.append((mode, make_plan(model, options=opts)))
             except CtxqError as e:
@@ -116,7 +117,8 @@ def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prom
             got = run_supervised(measure_plan, p, opts.rpc, n_prompt, n_gen, depth, reps, n_threads, rpc=opts.rpc,
                                  timeout=timeout)
             m = Measured(mode, list(p.tensor_split), n_prompt, n_gen, depth, got["pp"], got["tg"],
-                         [g.device.name for g in p.gpus], speed_store._llama_version())
+                         [g.device.name for g in p.gpus], speed_store._llama_version(), p.n_ubatch,
+                         speed_store.family(p) or "")
             speed_store.save(p, m)
             results.append((mode, p, m))
     return results
