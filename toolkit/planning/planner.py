@@ -17,7 +17,7 @@ from .devices import Device, cpu_device, resolve_devices
 from .layer_search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
                            proportional as _proportional)
 from .memory import Costs, costs, estimate_tps, host_cost, kv_by_layer
-from . import kvpairs, ubatch
+from . import kvpairs, tensor_candidates, ubatch
 from . import tensor as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
@@ -108,8 +108,9 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
 
     def find(tk: str, tv: str):
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
-        if tensor:
-            return tensor_mod.search(c, src, str(path), devices, cpu, opts, tk, tv)
+        if tensor:  # every card and the subsets, by estimate; or the cards bench pins (tensor_candidates)
+            pick = tensor_mod.search if opts.tensor_cards is None else tensor_candidates.pinned
+            return pick(c, src, str(path), devices, cpu, opts, tk, tv)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
         if auto_experts and devices and (p is None or p.cpu_layers):
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
@@ -132,7 +133,16 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                                                    kv_size, opts.n_ctx)
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
     if opts.split_mode == "auto" and len(devices) > 1:
-        p = tensor_mod.compare(p, src, info, str(path), devices, cpu, opts, cuda, experts)
+        layer = p
+        p = tensor_mod.compare(layer, src, info, str(path), devices, cpu, opts, cuda, experts)
+
+        def over(keep: list[int], why) -> Plan | None:  # tensor mode over those cards, this K/V pair
+            c = costs(info, src, opts, layer.type_k, layer.type_v, cuda)
+            return tensor_candidates.pinned(c, src, str(path), devices, cpu, replace(opts, tensor_cards=tuple(keep)),
+                                            layer.type_k, layer.type_v)[0]
+
+        if not p.speed.get("tensor_refused"):  # every tensor candidate weighed by measurement
+            p = tensor_candidates.measured_best(p, layer, over, devices, ubatch.workload(opts))
     return _settle(experts.apply(p), opts)
 
 

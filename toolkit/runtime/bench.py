@@ -67,19 +67,35 @@ def measure_plan(plan, rpc, n_prompt: int, n_gen: int, depth: int, reps: int, n_
 
 def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
-    """(mode, plan) for each mode and micro-batch (None: the options' own) that can be planned here, modes first;
-    one that cannot gives (mode, its one-line reason). A micro-batch sizes the compute buffers: a larger one may not
-    fit where a smaller one does."""
+    """(mode, plan) for each mode, each tensor-mode candidate (every card and each subset the planner considers:
+    planning/tensor_candidates.py) and each micro-batch (None: the options' own) that can be planned here, modes
+    first; one that cannot gives (mode, its one-line reason). A micro-batch sizes the compute buffers: a larger one
+    may not fit where a smaller one does."""
     out = []
     for mode in modes:
-        for ub in ubatches:
-            # a micro-batch always given: the planner would otherwise take the one measured fastest (planning/ubatch.py)
-            opts = replace(options, split_mode=mode, n_ubatch=ub or options.n_ubatch or DEFAULT_N_UBATCH)
-            try:
-                out.append((mode, make_plan(model, options=opts)))
-            except CtxqError as e:
-                out.append((mode, f"-ub {ub}: {e}" if ub is not None else str(e)))
+        sets = _card_sets(options) if mode == "tensor" else []
+        for keep, why in sets if len(sets) > 1 else [(None, None)]:
+            for ub in ubatches:
+                # a micro-batch always given: the planner would otherwise take the one measured fastest (ubatch.py)
+                opts = replace(options, split_mode=mode, n_ubatch=ub or options.n_ubatch or DEFAULT_N_UBATCH,
+                               tensor_cards=tuple(keep) if keep is not None else None)
+                try:
+                    out.append((mode, make_plan(model, options=opts)))
+                except CtxqError as e:
+                    where = f"cards {','.join(map(str, keep))}: " if keep is not None else ""
+                    out.append((mode, f"{where}-ub {ub}: {e}" if ub is not None else f"{where}{e}"))
     return out
+
+
+def _card_sets(options: PlanOptions) -> list:
+    from ..planning.devices import resolve_devices
+    from ..planning.tensor_candidates import card_sets
+
+    try:
+        devices, _ = resolve_devices(options.updated(split_mode="tensor").resolved())
+    except CtxqError:  # the plan itself says why, once
+        return []
+    return card_sets(devices)
 
 
 def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prompt: int = 512, n_gen: int = 32,
