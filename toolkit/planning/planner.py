@@ -17,7 +17,7 @@ from .devices import Device, cpu_device, resolve_devices
 from .layer_search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
                            proportional as _proportional)
 from .memory import Costs, costs, estimate_tps, host_cost, kv_by_layer
-from . import kvpairs, tensor_candidates, ubatch
+from . import fast_layers, kvpairs, tensor_candidates, ubatch
 from . import tensor as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
@@ -111,7 +111,7 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
         if tensor:  # every card and the subsets, by estimate; or the cards bench pins (tensor_candidates)
             pick = tensor_mod.search if opts.tensor_cards is None else tensor_candidates.pinned
             return pick(c, src, str(path), devices, cpu, opts, tk, tv)
-        p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
+        p, host = _search(c, str(path), devices, cpu, opts, tk, tv, src)
         if auto_experts and devices and (p is None or p.cpu_layers):
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
             if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
@@ -131,6 +131,8 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands)
     p.reason = (p.reason + "; " if tensor else "") + why + _kv_why(chosen, found, fixed is None and len(pairs) > 1,
                                                                    kv_size, opts.n_ctx)
+    if p.speed.get("layers_moved"):  # fast_layers: the note has the figures
+        p.reason += "; " + p.speed["layers_moved"].split(";")[0]
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
     if opts.split_mode == "auto" and len(devices) > 1:
         layer = p
@@ -166,15 +168,34 @@ def _settle(p: Plan, opts: PlanOptions) -> Plan:
     return p
 
 
-def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
+def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str, g=None):
     """(the best plan with these KV types or None if the host cannot hold the rest, the host's plan)."""
     n = c.info.n_layer
     slots, order, counts = _best_split(c, devices, opts.reorder) if devices else (0, [], [])
-    gplans = _layout(c, [devices[i] for i in order], counts) if devices else []
-    host = host_cost(c, n + 1 - slots, sum(1 for k in counts if k), cpu, counts)
+    ds = [devices[i] for i in order]
+    host_of = lambda k: host_cost(c, n + 1 - slots, sum(1 for x in k if x), cpu, k)  # noqa: E731
+
+    shape = []
+
+    def judge(k: list[int]) -> float | None:  # the workload's estimated seconds with split k (planning/speed.py)
+        from .shape import model_shape
+
+        p = _make_plan(c, path, opts, tk, tv, slots, k, _layout(c, ds, k), host_of(k), order, len(devices))
+        shape[:] = shape or [model_shape(c.info, tk, tv, g)]
+        return ubatch.estimated_s(p, c.info, g, opts, shape[0])
+
+    fast = fast_layers.faster(c, ds, counts, host_of, judge) if devices else None  # layers to faster cards
+    if fast:
+        counts = fast[0]
+    gplans = _layout(c, ds, counts) if devices else []
+    host = host_of(counts)
     if host.total > host.device.usable:
         return None, host
-    return _make_plan(c, path, opts, tk, tv, slots, counts, gplans, host, order, len(devices)), host
+    p = _make_plan(c, path, opts, tk, tv, slots, counts, gplans, host, order, len(devices))
+    if fast:
+        p.notes.append(fast[1])
+        p.speed = {**p.speed, "layers_moved": fast[1]}
+    return p, host
 
 
 def _make_plan(c: Costs, path: str, opts: PlanOptions, tk: str, tv: str, slots: int, counts: list[int],

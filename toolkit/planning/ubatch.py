@@ -28,6 +28,15 @@ def workload(opts: PlanOptions) -> tuple[int, int]:
             GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens)
 
 
+def estimated_s(p: Plan, info, g, opts: PlanOptions, shape=None) -> float | None:
+    """The workload's estimated seconds on plan `p` (planning/speed.py; None where the devices say too little)."""
+    from . import speed
+
+    shape = shape or speed.model_shape(info, p.type_k, p.type_v, g)
+    work = speed.Workload(*workload(opts), n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
+    return speed.estimate(shape, speed.placement_from_plan(p), work).total_s
+
+
 def chosen(base: Plan, opts: PlanOptions, replan: Callable[[int], Plan]) -> Plan:
     """`base` (planned at the options' micro-batch) or the plan at another measured micro-batch that is faster for
     the workload by `ctxq bench`'s measurements; the plan's note (and its reason, where the micro-batch changes)
