@@ -121,16 +121,19 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     def kv_size(tk: str, tv: str) -> int:
         return sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, tk, tv))
 
-    found, hosts = kvpairs.search(allowed, find, kv_size)
+    for_speed = opts.prefer == "speed" and bool(devices)  # may trade the pair for a faster plan (kvpairs.fastest)
+    found, hosts = kvpairs.search(allowed, find, kv_size, past_full=for_speed)
     if not found:
         if opts.max_kl is not None:  # name the least measured loss that would fit
             more, _ = kvpairs.search([c for c in cands if c not in allowed and c.measured], find, kv_size)
             raise kvpairs.too_lossy(opts.max_kl, min((c for c, _ in more), key=lambda c: c.loss, default=None),
                                     opts.n_ctx)
         raise does_not_fit(cpu, hosts, opts.n_ctx)
-    chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands)
-    p.reason = (p.reason + "; " if tensor else "") + why + _kv_why(chosen, found, fixed is None and len(pairs) > 1,
-                                                                   kv_size, opts.n_ctx)
+    chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands,
+                                    (lambda q: ubatch.estimated_s(q, info, src, opts)) if for_speed else None)
+    traded = why.startswith("KV ") and " for speed" in why
+    p.reason = (p.reason + "; " if tensor else "") + why + ("" if traded else _kv_why(
+        chosen, found, fixed is None and len(pairs) > 1, kv_size, opts.n_ctx))
     if p.speed.get("layers_moved"):  # fast_layers: the note has the figures
         p.reason += "; " + p.speed["layers_moved"].split(";")[0]
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
