@@ -57,6 +57,8 @@ def measured_best(chosen: Plan, layer: Plan, plan_cards, devices: list[Device], 
         return chosen
     m_layer = speed_store.lookup(layer)
     t_layer = m_layer.total_s(*work) if m_layer is not None else None
+    if t_layer is None:  # auto takes tensor mode only against a measurement of layer mode: nothing to plan
+        return chosen
     rows = []
     for keep, why in sets:
         t = plan_cards(keep, why)
@@ -66,7 +68,7 @@ def measured_best(chosen: Plan, layer: Plan, plan_cards, devices: list[Device], 
         {"cards": [devices[i].name for i in keep], "tensor_split": t.tensor_split if t is not None else None,
          "measured_s": s} for keep, t, s in rows]}
     timed = [(s, keep, t) for keep, t, s in rows if s is not None]
-    if t_layer is None or not timed:
+    if not timed:
         return chosen
     s, keep, t = min(timed, key=lambda x: x[0])
     m_chosen = speed_store.lookup(chosen)
