@@ -1,6 +1,7 @@
 """Layer and tensor mode, at several micro-batches, timed side by side on the same devices in one run (issue 44).
 
-Each candidate is the plan `ctxq plan -sm MODE -ub N` makes for these options, loaded in a child process and timed
+Each candidate is the plan `ctxq plan -sm MODE -ub N` makes for these options (in tensor mode, over every card and
+over each subset the planner considers, `-dev` naming the cards kept), loaded in a child process and timed
 as llama-bench times it (`ctxq bench`: -p prompt tokens in one batch, -n tokens generated one by one, at depth -d,
 -r repetitions after a warm-up). The table gives tokens/s (mean ± sd) and each figure's ratio against the baseline,
 layer mode at llama.cpp's default micro-batch (512), measured in the same run; then the total time of a workload
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     for m, p, r in measured:
         total = work_p / r.pp + a.gen_tokens / r.tg if r.pp and r.tg else float("nan")
-        print(f"{m:<7}{','.join(map(str, p.tensor_split)):>10}{p.n_ubatch:>6}{_ms(r.pp_tps):>18}{r.pp / br.pp:>8.2f}"
+        ts = ",".join(map(str, p.tensor_split)) + (" -dev " + ",".join(p.llama_devices) if p.llama_devices else "")
+        print(f"{m:<7}{ts:>10}{p.n_ubatch:>6}{_ms(r.pp_tps):>18}{r.pp / br.pp:>8.2f}"
               f"{_ms(r.tg_tps):>16}{r.tg / br.tg:>8.2f}{total:>12.1f}")
     for m, _, r in rows:
         if isinstance(r, str):

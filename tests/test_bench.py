@@ -82,6 +82,11 @@ def test_bench_measures_each_micro_batch_as_a_plan_of_its_own(smollm2, home):
     # what each plan stands for: -sm auto at -ub 64 finds the -ub 64 measurement, not the other
     p = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="auto", n_ubatch=64)
     assert set(p.speed["measured"]) == {"layer"} and p.speed["measured"]["layer"]["pp_tps"] == rows[0]["pp_tps"]
+    # no -ub given: the plan takes the micro-batch measured faster for the workload (1,024 + 128 tokens)
+    total = {row["n_ubatch"]: 1024 / row["pp_mean"] + 128 / row["tg_mean"] for row in rows}
+    chosen = ctxq.plan(smollm2, 1024, simulate="0.3,0.2", split_mode="layer")
+    assert chosen.n_ubatch == min(total, key=total.get) and chosen.speed["ubatch"]["basis"] == "measured"
+    assert any(n.startswith(f"micro-batch: -ub {chosen.n_ubatch}, measured") for n in chosen.notes)
 
 
 def test_auto_times_the_modes_for_the_workload_given(smollm2, home):
@@ -105,3 +110,50 @@ def test_auto_times_the_modes_for_the_workload_given(smollm2, home):
                  "2000", env={"CTXQ_HOME": str(home)})
     assert r.returncode != 0 and "prompt_tokens 2,000 is beyond the context (1,024 tokens)" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+SIM3 = "0.3,0.3,0.2"  # three workers: tensor mode also tries the two larger (the smallest by memory left out)
+
+
+def test_auto_weighs_every_tensor_candidate_by_measurement(smollm2, home):
+    """Every card and the subset the planner considers are each a plan (`tensor_cards` pins one); -sm auto takes
+    the one measured fastest, layer mode included (rates given here; the next test measures real ones)."""
+    layer = ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="layer")
+    every = ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="tensor", tensor_cards=[0, 1, 2])
+    two = ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="tensor", tensor_cards=[0, 1])
+    assert every.left_out is None and len(every.gpus) == 3
+    assert len(two.gpus) == 2 and two.left_out[0]["why"].startswith("the smallest by memory")
+    assert " -dev RPC0,RPC1 " in two.llama_flags()
+    for plan, pp, tg in ((layer, [100.0], [10.0]), (every, [120.0], [10.0]), (two, [300.0], [20.0])):
+        speed_store.save(plan, speed_store.Measured(plan.split_mode, plan.tensor_split, 32, 4, 0, pp, tg))
+    p = ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="auto")
+    assert p.split_mode == "tensor" and p.llama_devices == ["RPC0", "RPC1"] and p.tensor_split == two.tensor_split
+    assert "chosen by measurement" in p.reason
+    note = next(n for n in p.notes if n.startswith("split mode: measured"))
+    assert note.endswith("chosen") and "not measured" not in note
+    assert [c["measured_s"] is not None for c in p.speed["tensor_candidates"]] == [True, True]
+    # layer mode measured faster than every candidate: layer mode
+    speed_store.save(layer, speed_store.Measured("layer", layer.tensor_split, 32, 4, 1, [1000.0], [100.0]))
+    assert ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="auto").split_mode == "layer"
+    with pytest.raises(ctxq.CtxqError, match="give 2 or more of the cards 0 to 2"):
+        ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="tensor", tensor_cards=[0, 5])
+    with pytest.raises(ctxq.CtxqError, match="give it with split_mode=tensor"):
+        ctxq.plan(smollm2, 1024, simulate=SIM3, tensor_cards=[0, 1])
+
+
+@pytest.mark.slow
+def test_bench_measures_every_tensor_candidate_over_three_workers(smollm2, home):
+    """A real bench over three loopback workers: layer mode, tensor mode over every card and over the two larger,
+    each measured; -sm auto then takes the least measured time among the three."""
+    r = run_ctxq("bench", str(smollm2), "--ctx", "1024", "--simulate", SIM3, "-p", "32", "-n", "4", "-r", "1",
+                 "--json", env={"CTXQ_HOME": str(home)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(r.stdout)
+    assert [(row["mode"], bool(row["left_out"])) for row in rows] == [("layer", False), ("tensor", False),
+                                                                      ("tensor", True)]
+    assert all(row["measured"] and row["pp_mean"] > 0 and row["tg_mean"] > 0 for row in rows)
+    assert "-dev RPC0,RPC1" in rows[2]["plan"]
+    total = [1024 / row["pp_mean"] + 128 / row["tg_mean"] for row in rows]
+    best = rows[total.index(min(total))]
+    p = ctxq.plan(smollm2, 1024, simulate=SIM3, split_mode="auto")
+    assert (p.split_mode, bool(p.left_out)) == (best["mode"], bool(best["left_out"])), (total, p.notes)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ctxq.planning import planner
+from ctxq.planning import layer_search, planner
 from ctxq.planning.devices import resolve_devices
 from ctxq.planning import memory
 from ctxq.planning.memory import costs, device_cost
@@ -72,7 +72,7 @@ def test_device_cost_is_the_same_for_every_cpu_slot_count_of_one_memo_key(models
     ("moe", 65536, dict(simulate="0.02,0.02"))])
 def test_memoised_search_plans_as_the_full_search(models, monkeypatch, name, ctx, kw):
     fast = planner.plan(models[name], ctx, cpu_memory=256 * GiB, **kw)
-    monkeypatch.setattr(planner, "slots_key", lambda n_cpu_slots, first_cuda: n_cpu_slots)  # every count apart
+    monkeypatch.setattr(layer_search, "slots_key", lambda n_cpu_slots, first_cuda: n_cpu_slots)  # every count apart
     full = planner.plan(models[name], ctx, cpu_memory=256 * GiB, **kw)
     assert _summary(fast) == _summary(full)
 

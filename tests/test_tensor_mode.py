@@ -42,6 +42,19 @@ for i in range(len(split)):
         ports.append(s.getsockname()[1])
     procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(ports[-1])], stderr=subprocess.STDOUT,
                                   stdout=open(logs / f"w{i}.log", "wb"), env=dict(os.environ, GGML_RPC_DEBUG="1")))
+
+def held_buffers(logs, n):
+    # the buffers each of the n workers still holds: every alloc_buffer its debug log shows, less those freed
+    held = []
+    for i in range(n):
+        txt = (logs / f"w{i}.log").read_text(errors="replace")
+        bufs = {m[2]: int(m[1]) for m in re.findall(r"\[alloc_buffer\] device: (\S+), size: (\d+) -> remote_ptr: (\w+)", txt)}
+        for ptr in re.findall(r"\[free_buffer\] remote_ptr: (\w+)", txt):
+            bufs.pop(ptr, None)
+        held.append(sorted(bufs.values()))
+    return held
+
+
 try:
     from ctxq.rpc import add_servers
     for _ in range(100):
@@ -57,13 +70,7 @@ try:
                           tensor_split=split, type_k=t, type_v=t, flash_attn=True, verbose=False, n_threads=1)
     llm.eval(llm.tokenize(b"Hello world, this is a test"))
     time.sleep(0.3)
-    held = []
-    for i in range(len(split)):
-        txt = (logs / f"w{i}.log").read_text(errors="replace")
-        bufs = {m[2]: int(m[1]) for m in re.findall(r"\[alloc_buffer\] device: (\S+), size: (\d+) -> remote_ptr: (\w+)", txt)}
-        for ptr in re.findall(r"\[free_buffer\] remote_ptr: (\w+)", txt):
-            bufs.pop(ptr, None)
-        held.append(sorted(bufs.values()))
+    held = held_buffers(logs, len(split))
     print(json.dumps(held), flush=True)
 finally:
     for p in procs:
@@ -276,13 +283,7 @@ try:
     llm, _, _ = load_plan(p, rpc=eps, n_threads=1)
     llm.eval(llm.tokenize(b"Hello world, this is a test"))
     time.sleep(0.3)
-    held = []
-    for i in range(len(split)):
-        txt = (logs / f"w{i}.log").read_text(errors="replace")
-        bufs = {m[2]: int(m[1]) for m in re.findall(r"\[alloc_buffer\] device: (\S+), size: (\d+) -> remote_ptr: (\w+)", txt)}
-        for ptr in re.findall(r"\[free_buffer\] remote_ptr: (\w+)", txt):
-            bufs.pop(ptr, None)
-        held.append(sorted(bufs.values()))
+    held = held_buffers(logs, len(split))
     cards = [[g.device.endpoint, g.weights, g.kv, g.compute] for g in p.gpus]
     print(json.dumps({"held": held, "ports": ports, "cards": cards, "left_out": p.left_out,
                       "flags": p.llama_flags()}), flush=True)

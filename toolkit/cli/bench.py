@@ -42,6 +42,7 @@ def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps,
                        on_progress=None if as_json else (lambda s: click.echo(f"ctxq: {s}", err=True)))
     if as_json:
         echo_json([{"mode": m, "plan": p.llama_flags() if p else None, "n_ubatch": p.n_ubatch if p else None,
+                    "left_out": p.left_out if p else None,
                     **(r.to_dict() if not isinstance(r, str) else {"not_measured": r})} for m, p, r in rows])
         return
     out = []
@@ -50,6 +51,8 @@ def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps,
             out.append([m, "-", "-", "-", f"not measured: {r}"])
             continue
         ts = ",".join(map(str, p.tensor_split)) if p.gpus else "-"
+        if p.llama_devices:  # tensor mode over some of the cards
+            ts += " -dev " + ",".join(p.llama_devices)
         if n_prompt:
             out.append([m, ts, p.n_ubatch, f"pp{n_prompt} @ d{depth}", bench.mean_sd(r.pp_tps)])
         if n_gen:

@@ -158,10 +158,11 @@ def limited(cands: list[Candidate], max_kl: float | None, model: str, n_ctx: int
     return within
 
 
-def search(cands: list[Candidate], find, kv_bytes) -> list[tuple[Candidate, object]]:
+def search(cands: list[Candidate], find, kv_bytes, past_full: bool = False) -> list[tuple[Candidate, object]]:
     """Plans for the candidates in order, `find(tk, tv)` -> (plan or None, host); stops at the first that holds
     every layer and expert on the devices, and skips a pair whose cache is no smaller than one already found
-    short (it could hold no more, and loses more). [(candidate, plan)], hosts for the refusal."""
+    short (it could hold no more, and loses more). past_full (prefer="speed"): goes on past it to the smaller
+    caches, which read fewer bytes a token and leave room (`choose` weighs them). [(candidate, plan)], hosts."""
     found, hosts, smallest_short = [], [], None
     for c in cands:
         size = kv_bytes(*c.pair)
@@ -173,17 +174,23 @@ def search(cands: list[Candidate], find, kv_bytes) -> list[tuple[Candidate, obje
             smallest_short = size if smallest_short is None else min(smallest_short, size)
             continue
         found.append((c, p))
-        if p.cpu_layers == 0 and not p.cpu_expert_layers:
+        if p.cpu_layers == 0 and not p.cpu_expert_layers and not past_full:
             break
         smallest_short = size if smallest_short is None else min(smallest_short, size)
     return found, hosts
 
 
 def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, max_kl: float | None,
-           cands: list[Candidate]):
+           cands: list[Candidate], timed=None):
     """(candidate, plan) the policy keeps and the reason. Every layer on the GPUs: the fewest experts in CPU memory,
     then the least loss. Otherwise prefer="quality" keeps the loss within q8_0/q8_0's (or max_kl) and moves layers
-    to the CPU; "speed" the most layers on the GPUs, then the least loss."""
+    to the CPU; "speed" the most layers on the GPUs, then the least loss. prefer="speed" with `timed(plan)` (the
+    workload's estimated seconds, or None): the fastest plan where that is faster than the least loss's
+    (`fastest`)."""
+    if prefer == "speed" and timed is not None and len(found) > 1:
+        got = fastest(found, timed)
+        if got is not None:
+            return got
     rank = {id(c): i for i, (c, _) in enumerate(found)}
     full = [(c, p) for c, p in found if p.cpu_layers == 0 or not devices]
     if full:
@@ -199,6 +206,26 @@ def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, ma
         return c, p, f"{p.cpu_layers} layers on the CPU; KV kept at {c.name} for quality"
     c, p = max(found, key=lambda cp: (cp[1].n_gpu_layers, -rank[id(cp[0])]))
     return c, p, f"{p.cpu_layers} layers on the CPU with the KV pair that minimises them"
+
+
+SPEED_MARGIN = 0.05  # prefer="speed" trades quality only for 5 % or more of estimated time: less is within its error
+
+
+def fastest(found: list[tuple[Candidate, object]], timed):
+    """prefer="speed": (candidate, plan, why) of the pair whose plan the estimate times fastest for the workload,
+    when it is SPEED_MARGIN faster than the least loss's (found[0]), else None.
+    Every plan must be timed (the devices carry speed facts), else the least-loss order stands."""
+    secs = [timed(p) for _, p in found]
+    if any(t is None for t in secs):
+        return None
+    i = min(range(len(found)), key=lambda j: (secs[j], j))  # a tie keeps the smaller loss
+    if i == 0 or secs[i] > secs[0] * (1 - SPEED_MARGIN):
+        return None
+    c, p = found[i]
+    why = f"KV {c.name} for speed: {secs[i]:.1f} s estimated for the workload against {secs[0]:.1f} s with {found[0][0].name}"
+    if p.cpu_layers != found[0][1].cpu_layers:
+        why += f" ({p.cpu_layers} layers on the CPU against {found[0][1].cpu_layers})"
+    return c, p, why
 
 
 def too_lossy(max_kl: float, fits: Candidate | None, n_ctx: int) -> DoesNotFit:

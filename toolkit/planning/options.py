@@ -56,6 +56,8 @@ class PlanOptions:
     estimated; the faster by `ctxq bench`'s kept measurements on these devices, else layer mode).
     prompt_tokens / gen_tokens: the workload `split_mode="auto"` times each mode for, prefill then generation
     (default: the whole context, then 128 tokens).
+    tensor_cards: tensor mode over exactly these cards (indices into the devices; the others are not given to
+    llama.cpp), as `ctxq bench` measures each candidate (planning/tensor_candidates.py); None: searched.
     """
 
     n_ctx: int | None = None
@@ -82,6 +84,7 @@ class PlanOptions:
     split_mode: str | None = None
     prompt_tokens: int | None = None
     gen_tokens: int | None = None
+    tensor_cards: tuple | list | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -102,12 +105,19 @@ class PlanOptions:
         """Defaults filled in and every value checked; raises InvalidOption naming the keyword."""
         kv = self.kv or DEFAULT_KV
         prefer = self.prefer or DEFAULT_PREFER
-        r = replace(self, n_ctx=self.n_ctx or DEFAULT_N_CTX, n_batch=self.n_batch or DEFAULT_N_BATCH,
-                    n_ubatch=self.n_ubatch or DEFAULT_N_UBATCH, kv=kv, prefer=prefer,
+        n_batch = self.n_batch or DEFAULT_N_BATCH
+        # llama_context clamps n_ubatch to n_batch (cparams.n_ubatch = min(n_batch, n_ubatch)): never over a -b given
+        r = replace(self, n_ctx=self.n_ctx or DEFAULT_N_CTX, n_batch=n_batch,
+                    n_ubatch=self.n_ubatch or min(DEFAULT_N_UBATCH, n_batch), kv=kv, prefer=prefer,
                     flash_attn=True if self.flash_attn is None else self.flash_attn,
                     split=None if self.split in (None, "auto") else self.split,
                     reorder=True if self.reorder is None else self.reorder,
                     split_mode=str(self.split_mode or DEFAULT_SPLIT_MODE).lower())
+        if self.tensor_cards is not None:
+            if r.split_mode != "tensor":
+                raise InvalidOption("`tensor_cards` names the cards of tensor mode: give it with split_mode=tensor",
+                                    option="tensor_cards", value=self.tensor_cards)
+            r = replace(r, tensor_cards=tuple(int(i) for i in self.tensor_cards))
         if r.split_mode not in SPLIT_MODES:
             raise InvalidOption(f"`split_mode` {self.split_mode!r}: choose layer, tensor or auto", option="split_mode",
                                 value=self.split_mode)

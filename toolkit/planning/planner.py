@@ -9,13 +9,15 @@ goes to llama.cpp as integer layer counts, which it reproduces exactly.
 
 from __future__ import annotations
 
-import itertools
 import os
+from dataclasses import replace
 
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
-from .memory import Costs, costs, device_cost, estimate_tps, host_cost, kv_by_layer, slots_key
-from . import kvpairs
+from .layer_search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
+                           proportional as _proportional)
+from .memory import Costs, costs, estimate_tps, host_cost, kv_by_layer
+from . import fast_layers, kvpairs, tensor_candidates, ubatch
 from . import tensor as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
@@ -31,133 +33,6 @@ from ..units import GiB
 __all__ = ["plan", "plan_for", "Plan", "DevicePlan", "PlanOptions", "llama_layer_counts"]
 
 
-# --- the search ---------------------------------------------------------------------------------
-
-def _fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float):
-    """Place the top `n_gpu_layer_slots` layer slots (output head included) on devs, filling from the
-    last device backwards, each up to cap_frac of its usable memory. None if they do not all fit."""
-    n = c.info.n_layer
-    counts = [0] * len(devs)
-    hi = n + 1  # slots [lo, hi) remain; slot n is the output head
-    lo_bound = n + 1 - n_gpu_layer_slots
-    first = _first_cuda(devs)
-    for d in range(len(devs) - 1, -1, -1):
-        if hi <= lo_bound:
-            break
-        budget = devs[d].usable * cap_frac
-        take = 0
-        while hi - take - 1 >= lo_bound:
-            start = hi - take - 1
-            has_out = hi == n + 1
-            layers = range(start, min(hi, n))
-            # as in a split; _layout costs the final one exactly
-            key = (start, hi, id(devs[d]), d == first, slots_key(lo_bound, d == first))
-            total = c.totals.get(key)
-            if total is None:
-                total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
-                                                    n_cpu_slots=lo_bound).total
-            if total > budget:
-                break
-            take += 1
-        counts[d] = take
-        hi -= take
-    if hi > lo_bound:
-        return None
-    return counts
-
-
-def _layout(c: Costs, devs: list[Device], counts: list[int]) -> list[DevicePlan]:
-    """Each device's plan for `counts` layer slots per device, the last slot being the output head."""
-    n = c.info.n_layer
-    n_used = sum(1 for k in counts if k)
-    n_cpu_slots = start = n + 1 - sum(counts)
-    first = _first_cuda(devs)
-    out = []
-    for i, (dev, k) in enumerate(zip(devs, counts)):
-        has_out = k > 0 and start + k - 1 == n
-        layers = range(start, min(start + k, n))
-        # a device without layers still gets the op-offload copies when it is the first CUDA device
-        out.append(device_cost(c, layers, has_out, n_used, dev, first_cuda=i == first, n_cpu_slots=n_cpu_slots)
-                   if k or i == first else DevicePlan(dev, []))
-        start += k
-    return out
-
-
-def _first_cuda(devs: list[Device]) -> int | None:
-    """The first CUDA device in llama.cpp's order: the scheduler offloads host-resident weights to the
-    first backend whose offload_op accepts them, and RPC devices (placed first) have none."""
-    return next((i for i, d in enumerate(devs) if d.backend == "cuda"), None)
-
-
-def _orders(devs: list[Device], allow_reorder: bool) -> list[list[int]]:
-    base = list(range(len(devs)))
-    if not allow_reorder or len(devs) > 8:
-        return [base]
-    seen, orders = set(), [base]
-    seen.add(tuple(devs[i].usable for i in base))
-    for perm in itertools.permutations(base):
-        sig = tuple(devs[i].usable for i in perm)
-        if sig not in seen:
-            seen.add(sig)
-            orders.append(list(perm))
-    return orders
-
-
-def _best_split(c: Costs, devs: list[Device], allow_reorder: bool):
-    """(n_gpu_slots, order, counts): the device order that holds the most layer slots, and those
-    slots balanced over its devices."""
-    n = c.info.n_layer
-    best = None
-    for order in _orders(devs, allow_reorder):
-        ds = [devs[i] for i in order]
-        lo, hi = 0, n + 1  # most slots that fit at full capacity
-        if _fill(c, ds, 0, 1.0) is None:
-            continue
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if _fill(c, ds, mid, 1.0) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        if best is None or lo > best[0]:
-            best = (lo, order)
-        if lo == n + 1:  # every slot placed: no later order can hold more (only a larger count replaces it)
-            break
-    if best is None:
-        return None
-    slots, order = best
-    ds = [devs[i] for i in order]
-    # Balance: first as llama.cpp would by default (layers in proportion to memory), kept when every
-    # device holds its share; else the smallest common fill fraction that still places every slot.
-    prop = _proportional(ds, slots)
-    if _counts_fit(c, ds, prop):
-        return slots, order, prop
-    f_lo, f_hi = 0.0, 1.0
-    counts = _fill(c, ds, slots, 1.0)
-    for _ in range(20):
-        mid = (f_lo + f_hi) / 2
-        k = _fill(c, ds, slots, mid)
-        if k is not None:
-            f_hi, counts = mid, k
-        else:
-            f_lo = mid
-    return slots, order, counts
-
-
-def _proportional(devs: list[Device], slots: int) -> list[int]:
-    """Slots in proportion to usable memory, by largest remainder."""
-    total = sum(d.usable for d in devs) or 1
-    exact = [slots * d.usable / total for d in devs]
-    counts = [int(x) for x in exact]
-    for i in sorted(range(len(devs)), key=lambda i: exact[i] - counts[i], reverse=True)[:slots - sum(counts)]:
-        counts[i] += 1
-    return counts
-
-
-def _counts_fit(c: Costs, devs: list[Device], counts: list[int]) -> bool:
-    return all(dp.total <= dp.device.usable for dp in _layout(c, devs, counts))
-
-
 # --- public entry points ------------------------------------------------------------------------
 
 @one_parse  # the model's header parsed once in the call
@@ -168,14 +43,19 @@ def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, de
     `settings` are `PlanOptions` fields by keyword (gpus, profile, rpc, simulate, kv, type_k, type_v,
     flash_attn, split, prefer, n_batch, n_ubatch, cpu_memory, reorder), over `options` if given.
     `devices`: ready `Device` objects (e.g. RPC workers) instead of gpus / profile / rpc / detection.
+    The micro-batch, when `n_ubatch` is not given, is the measured fastest (planning/ubatch.py).
     Raises DoesNotFit naming the smallest change that would fit.
     """
-    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
+    given = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings)
+    opts = given.resolved()
     if devices is None:
         devices, cpu = resolve_devices(opts)
     else:
         cpu = cpu_device(opts.cpu_memory)
-    return plan_for(model, devices, cpu, opts)
+    p = plan_for(model, devices, cpu, opts)
+    if given.n_ubatch is not None:  # never over a micro-batch the user gave
+        return p
+    return ubatch.chosen(p, opts, lambda ub: plan_for(model, devices, cpu, replace(opts, n_ubatch=ub)))
 
 
 def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
@@ -228,9 +108,10 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
 
     def find(tk: str, tv: str):
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
-        if tensor:
-            return tensor_mod.search(c, src, str(path), devices, cpu, opts, tk, tv)
-        p, host = _search(c, str(path), devices, cpu, opts, tk, tv)
+        if tensor:  # every card and the subsets, by estimate; or the cards bench pins (tensor_candidates)
+            pick = tensor_mod.search if opts.tensor_cards is None else tensor_candidates.pinned
+            return pick(c, src, str(path), devices, cpu, opts, tk, tv)
+        p, host = _search(c, str(path), devices, cpu, opts, tk, tv, src)
         if auto_experts and devices and (p is None or p.cpu_layers):
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
             if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
@@ -240,19 +121,33 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     def kv_size(tk: str, tv: str) -> int:
         return sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, tk, tv))
 
-    found, hosts = kvpairs.search(allowed, find, kv_size)
+    for_speed = opts.prefer == "speed" and bool(devices)  # may trade the pair for a faster plan (kvpairs.fastest)
+    found, hosts = kvpairs.search(allowed, find, kv_size, past_full=for_speed)
     if not found:
         if opts.max_kl is not None:  # name the least measured loss that would fit
             more, _ = kvpairs.search([c for c in cands if c not in allowed and c.measured], find, kv_size)
             raise kvpairs.too_lossy(opts.max_kl, min((c for c, _ in more), key=lambda c: c.loss, default=None),
                                     opts.n_ctx)
         raise does_not_fit(cpu, hosts, opts.n_ctx)
-    chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands)
-    p.reason = (p.reason + "; " if tensor else "") + why + _kv_why(chosen, found, fixed is None and len(pairs) > 1,
-                                                                   kv_size, opts.n_ctx)
+    chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands,
+                                    (lambda q: ubatch.estimated_s(q, info, src, opts)) if for_speed else None)
+    traded = why.startswith("KV ") and " for speed" in why
+    p.reason = (p.reason + "; " if tensor else "") + why + ("" if traded else _kv_why(
+        chosen, found, fixed is None and len(pairs) > 1, kv_size, opts.n_ctx))
+    if p.speed.get("layers_moved"):  # fast_layers: the note has the figures
+        p.reason += "; " + p.speed["layers_moved"].split(";")[0]
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
     if opts.split_mode == "auto" and len(devices) > 1:
-        p = tensor_mod.compare(p, src, info, str(path), devices, cpu, opts, cuda, experts)
+        layer = p
+        p = tensor_mod.compare(layer, src, info, str(path), devices, cpu, opts, cuda, experts)
+
+        def over(keep: list[int], why) -> Plan | None:  # tensor mode over those cards, this K/V pair
+            c = costs(info, src, opts, layer.type_k, layer.type_v, cuda)
+            return tensor_candidates.pinned(c, src, str(path), devices, cpu, replace(opts, tensor_cards=tuple(keep)),
+                                            layer.type_k, layer.type_v)[0]
+
+        if not p.speed.get("tensor_refused"):  # every tensor candidate weighed by measurement
+            p = tensor_candidates.measured_best(p, layer, over, devices, ubatch.workload(opts))
     return _settle(experts.apply(p), opts)
 
 
@@ -276,15 +171,34 @@ def _settle(p: Plan, opts: PlanOptions) -> Plan:
     return p
 
 
-def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
+def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str, g=None):
     """(the best plan with these KV types or None if the host cannot hold the rest, the host's plan)."""
     n = c.info.n_layer
     slots, order, counts = _best_split(c, devices, opts.reorder) if devices else (0, [], [])
-    gplans = _layout(c, [devices[i] for i in order], counts) if devices else []
-    host = host_cost(c, n + 1 - slots, sum(1 for k in counts if k), cpu, counts)
+    ds = [devices[i] for i in order]
+    host_of = lambda k: host_cost(c, n + 1 - slots, sum(1 for x in k if x), cpu, k)  # noqa: E731
+
+    shape = []
+
+    def judge(k: list[int]) -> float | None:  # the workload's estimated seconds with split k (planning/speed.py)
+        from .shape import model_shape
+
+        p = _make_plan(c, path, opts, tk, tv, slots, k, _layout(c, ds, k), host_of(k), order, len(devices))
+        shape[:] = shape or [model_shape(c.info, tk, tv, g)]
+        return ubatch.estimated_s(p, c.info, g, opts, shape[0])
+
+    fast = fast_layers.faster(c, ds, counts, host_of, judge) if devices else None  # layers to faster cards
+    if fast:
+        counts = fast[0]
+    gplans = _layout(c, ds, counts) if devices else []
+    host = host_of(counts)
     if host.total > host.device.usable:
         return None, host
-    return _make_plan(c, path, opts, tk, tv, slots, counts, gplans, host, order, len(devices)), host
+    p = _make_plan(c, path, opts, tk, tv, slots, counts, gplans, host, order, len(devices))
+    if fast:
+        p.notes.append(fast[1])
+        p.speed = {**p.speed, "layers_moved": fast[1]}
+    return p, host
 
 
 def _make_plan(c: Costs, path: str, opts: PlanOptions, tk: str, tv: str, slots: int, counts: list[int],

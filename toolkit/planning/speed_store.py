@@ -3,7 +3,9 @@
 One JSON file per measurement under `<ctxq home>/bench/`, named by the hash of what makes it comparable: the model
 file (path, size, modification time), the devices (kind, backend and memory of each, in order; not RPC ports, so a
 `--simulate` set measured once counts for the same set planned again), llama.cpp's version, and the plan's settings
-that change its speed (context, batch sizes, cache types, split mode, tensor_split, layers offloaded). The planner
+that change its speed (context, batch sizes, cache types, split mode, tensor_split, layers offloaded). Each file also
+names its family (the model file, devices and llama.cpp version alone) and micro-batch, so the planner can list the
+micro-batches measured for a model on these devices (`ubatches`) and plan each (planning/ubatch.py). The planner
 only reads here; `runtime.bench` measures and writes.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..paths import ctxq_home
@@ -33,6 +35,8 @@ class Measured:
     tg_tps: list[float] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)  # names, for the output
     llama_cpp: str = ""
+    n_ubatch: int = 0  # the plan's micro-batch (0: a file kept before it was recorded)
+    family: str = ""  # `family(plan)`: the model file, devices and llama.cpp version, no plan settings
 
     @property
     def pp(self) -> float:
@@ -61,18 +65,34 @@ def _llama_version() -> str:
         return "unknown"
 
 
-def key(plan) -> str | None:
-    """What makes a measurement of `plan` comparable (see the module's docstring); None for a model that is not a
-    local file (nothing to measure it against yet)."""
+def _hash(facts: list) -> str:
+    return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
+
+
+def _family_facts(plan) -> list | None:
     path = Path(plan.model)
     if not path.is_file():
         return None
     st = path.stat()
     devices = [(g.device.kind, g.device.backend, g.device.total) for g in plan.gpus]
-    facts = [os.path.realpath(path), st.st_size, st.st_mtime_ns, devices, _llama_version(), plan.n_ctx, plan.n_batch,
-             plan.n_ubatch, plan.type_k, plan.type_v, plan.split_mode, list(plan.tensor_split), plan.n_gpu_layers,
-             plan.n_seq_max]
-    return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns, devices, _llama_version()]
+
+
+def key(plan) -> str | None:
+    """What makes a measurement of `plan` comparable (see the module's docstring); None for a model that is not a
+    local file (nothing to measure it against yet)."""
+    facts = _family_facts(plan)
+    if facts is None:
+        return None
+    return _hash(facts + [plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.type_k, plan.type_v, plan.split_mode,
+                          list(plan.tensor_split), plan.n_gpu_layers, plan.n_seq_max])
+
+
+def family(plan) -> str | None:
+    """The model file, the devices (as in `key`) and llama.cpp's version: measurements of other plans of the same
+    model on the same devices share it."""
+    facts = _family_facts(plan)
+    return None if facts is None else _hash(facts)
 
 
 def folder() -> Path:
@@ -84,6 +104,7 @@ def save(plan, m: Measured) -> Path | None:
     if k is None:
         return None
     out = folder() / f"{k}-{m.n_prompt}-{m.n_gen}-{m.depth}.json"
+    m = replace(m, n_ubatch=plan.n_ubatch, family=family(plan))
     tmp = tempfiles.create(out, "bench")  # a stopped write leaves a temporary the next sweep removes, never half a file
     try:
         tmp.write_text(json.dumps(asdict(m)))
@@ -105,3 +126,19 @@ def lookup(plan) -> Measured | None:
         except (OSError, ValueError, TypeError):
             continue
     return None
+
+
+def ubatches(plan) -> list[int]:
+    """The micro-batches measured for this plan's model on its devices (any plan settings), smallest first."""
+    fam = family(plan)
+    if fam is None or not folder().is_dir():
+        return []
+    found = set()
+    for f in folder().glob("*.json"):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(d, dict) and d.get("family") == fam and isinstance(d.get("n_ubatch"), int) and d["n_ubatch"] > 0:
+            found.add(d["n_ubatch"])
+    return sorted(found)

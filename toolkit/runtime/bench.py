@@ -18,7 +18,7 @@ from typing import Callable
 
 from ..errors import CtxqError, InvalidOption
 from ..planning import speed_store
-from ..planning.options import PlanOptions
+from ..planning.options import DEFAULT_N_UBATCH, PlanOptions
 from ..planning.speed_store import Measured
 from .runner import load_plan, local_workers, make_plan
 
@@ -67,18 +67,35 @@ def measure_plan(plan, rpc, n_prompt: int, n_gen: int, depth: int, reps: int, n_
 
 def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
-    """(mode, plan) for each mode and micro-batch (None: the options' own) that can be planned here, modes first;
-    one that cannot gives (mode, its one-line reason). A micro-batch sizes the compute buffers: a larger one may not
-    fit where a smaller one does."""
+    """(mode, plan) for each mode, each tensor-mode candidate (every card and each subset the planner considers:
+    planning/tensor_candidates.py) and each micro-batch (None: the options' own) that can be planned here, modes
+    first; one that cannot gives (mode, its one-line reason). A micro-batch sizes the compute buffers: a larger one
+    may not fit where a smaller one does."""
     out = []
     for mode in modes:
-        for ub in ubatches:
-            opts = replace(options, split_mode=mode, **({"n_ubatch": ub} if ub is not None else {}))
-            try:
-                out.append((mode, make_plan(model, options=opts)))
-            except CtxqError as e:
-                out.append((mode, f"-ub {ub}: {e}" if ub is not None else str(e)))
+        sets = _card_sets(options) if mode == "tensor" else []
+        for keep, why in sets if len(sets) > 1 else [(None, None)]:
+            for ub in ubatches:
+                # a micro-batch always given: the planner would otherwise take the one measured fastest (ubatch.py)
+                opts = replace(options, split_mode=mode, n_ubatch=ub or options.n_ubatch or DEFAULT_N_UBATCH,
+                               tensor_cards=tuple(keep) if keep is not None else None)
+                try:
+                    out.append((mode, make_plan(model, options=opts)))
+                except CtxqError as e:
+                    where = f"cards {','.join(map(str, keep))}: " if keep is not None else ""
+                    out.append((mode, f"{where}-ub {ub}: {e}" if ub is not None else f"{where}{e}"))
     return out
+
+
+def _card_sets(options: PlanOptions) -> list:
+    from ..planning.devices import resolve_devices
+    from ..planning.tensor_candidates import card_sets
+
+    try:
+        devices, _ = resolve_devices(options.updated(split_mode="tensor").resolved())
+    except CtxqError:  # the plan itself says why, once
+        return []
+    return card_sets(devices)
 
 
 def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prompt: int = 512, n_gen: int = 32,
@@ -116,7 +133,8 @@ def bench(model, options: PlanOptions, *, modes: tuple[str, ...] = MODES, n_prom
             got = run_supervised(measure_plan, p, opts.rpc, n_prompt, n_gen, depth, reps, n_threads, rpc=opts.rpc,
                                  timeout=timeout)
             m = Measured(mode, list(p.tensor_split), n_prompt, n_gen, depth, got["pp"], got["tg"],
-                         [g.device.name for g in p.gpus], speed_store._llama_version())
+                         [g.device.name for g in p.gpus], speed_store._llama_version(), p.n_ubatch,
+                         speed_store.family(p) or "")
             speed_store.save(p, m)
             results.append((mode, p, m))
     return results

@@ -1,0 +1,87 @@
+"""The micro-batch (`-ub`, tokens per graph evaluation) chosen by measurement (issue 44).
+
+A micro-batch sizes every card's compute buffer, so each one is a plan of its own: a larger one can move layers
+or not fit at all, and which is faster depends on the devices (on GPUs a larger one fills the card at prefill; on
+the CPU workers tried here a smaller one was not slower: docs/planner.md). So the planner takes llama.cpp's default
+(512) unless `ctxq bench -ub 128,256,…` measured several micro-batches of this model on these devices
+(`speed_store.ubatches`): then each measured one is planned again (its compute buffers, its split, its mode under
+`-sm auto`), and the plan with the least measured time for the workload (`--prompt-tokens` of prefill, then
+`--gen-tokens` generated) among those that fit is taken. Never over a micro-batch or batch the user gave: the
+caller does not ask when `-ub` was given, and no micro-batch above `-b` is tried.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import CtxqError
+from . import speed_store
+from .options import DEFAULT_N_UBATCH, PlanOptions
+from .plan import Plan
+
+GEN_TOKENS = 128  # speed.DEFAULT_GEN_TOKENS (llama-bench's tg128), as `-sm auto` weighs the modes
+
+
+def workload(opts: PlanOptions) -> tuple[int, int]:
+    """(prompt tokens, generated tokens) the options time a plan for: the context, then 128, unless given."""
+    return (opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
+            GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens)
+
+
+def estimated_s(p: Plan, info, g, opts: PlanOptions, shape=None) -> float | None:
+    """The workload's estimated seconds on plan `p` (planning/speed.py; None where the devices say too little)."""
+    from . import speed
+
+    shape = shape or speed.model_shape(info, p.type_k, p.type_v, g)
+    work = speed.Workload(*workload(opts), n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
+    return speed.estimate(shape, speed.placement_from_plan(p), work).total_s
+
+
+def chosen(base: Plan, opts: PlanOptions, replan: Callable[[int], Plan]) -> Plan:
+    """`base` (planned at the options' micro-batch) or the plan at another measured micro-batch that is faster for
+    the workload by `ctxq bench`'s measurements; the plan's note (and its reason, where the micro-batch changes)
+    says which and why, `speed["ubatch"]` carries the figures. `replan(n)` plans the same options at `-ub n`."""
+    if speed_store.key(base) is None:  # not a local file: nothing can have been measured
+        return base
+    prompt, gen = workload(opts)
+    cands = sorted({u for u in speed_store.ubatches(base) if u <= opts.n_batch} | {base.n_ubatch})
+    plans: dict[int, Plan] = {}
+    refused: dict[int, str] = {}
+    for ub in cands:
+        try:
+            plans[ub] = base if ub == base.n_ubatch else replan(ub)
+        except CtxqError as e:  # the larger compute buffers do not fit, or another reason of the planner's
+            refused[ub] = str(e)
+    totals = {}
+    for ub, p in plans.items():
+        m = speed_store.lookup(p)
+        t = m.total_s(prompt, gen) if m is not None else None
+        if t is not None and not any(g.total > g.device.usable for g in p.gpus):
+            totals[ub] = t
+    if len(totals) < 2:
+        base.notes.append(_unmeasured_note(base, totals, cands))
+        base.speed = {**base.speed, "ubatch": {"n_ubatch": base.n_ubatch, "measured": totals, "basis": "default"}}
+        return base
+    best = min(totals, key=lambda ub: (totals[ub], ub != base.n_ubatch))  # a tie keeps the default
+    p = plans[best]
+    others = ", ".join(f"-ub {ub} {totals[ub]:.1f} s" for ub in sorted(totals) if ub != best)
+    left = "".join(f"; -ub {ub} does not fit: {why}" for ub, why in sorted(refused.items()))
+    unmeasured = [ub for ub in sorted(plans) if ub not in totals]
+    if unmeasured:
+        left += "; not measured with these settings: " + ", ".join(f"-ub {ub}" for ub in unmeasured)
+    p.notes.append(f"micro-batch: -ub {best}, measured: {totals[best]:.1f} s for {prompt:,} prompt and {gen} generated "
+                   f"tokens by ctxq bench on these devices, against {others}{left}")
+    if best != base.n_ubatch:
+        p.reason += (f"; -ub {best} (measured {totals[best]:.1f} s for the workload against "
+                     f"{totals.get(base.n_ubatch, float('nan')):.1f} s at -ub {base.n_ubatch})"
+                     if base.n_ubatch in totals else f"; -ub {best} (measured fastest for the workload)")
+    p.speed = {**p.speed, "ubatch": {"n_ubatch": best, "measured": totals, "refused": refused, "basis": "measured"}}
+    return p
+
+
+def _unmeasured_note(p: Plan, totals: dict, cands: list[int]) -> str:
+    what = ("llama.cpp's default" if p.n_ubatch == DEFAULT_N_UBATCH else "as the options give it")
+    measured = f" (only -ub {next(iter(totals))} is measured with these settings)" if totals else ""
+    sizes = ",".join(str(u) for u in sorted({128, 256, 512, 1024, *cands}) if u <= max(p.n_batch, 512))
+    return (f"micro-batch: -ub {p.n_ubatch}, {what}, not chosen by measurement{measured}: `ctxq bench` with the same "
+            f"options and -ub {sizes} measures each; the plan then takes the fastest that fits")
