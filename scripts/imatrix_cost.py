@@ -47,8 +47,7 @@ def plain_forward(model: str, tokens, n_chunks: int, threads: int) -> float:
                 logits_all=True, verbose=False)
     t0 = time.perf_counter()
     for c in range(n_chunks):
-        llm.reset()
-        llm._ctx.memory_clear(True)
+        llm.reset()  # (eval removes the cells from n_tokens on: a cleared cache)
         llm.eval(tokens[c * CHUNK:(c + 1) * CHUNK])
     seconds = time.perf_counter() - t0
     llm.close()
