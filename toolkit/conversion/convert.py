@@ -312,7 +312,8 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
     if not kind:
         raise ConversionError(f"{src} is already a GGUF; pass a TYPE to quantize it to (e.g. q4_k_m)")
     q = _quantize_module()
-    # (a type that needs an importance matrix and none given: quantize_gguf makes ctxq's own, cached per file)
+    if q.needs_imatrix(kind) and not options.get("imatrix"):  # ctxq's own, made by quantize_gguf (cached per file)
+        options = {**options, "imatrix": q.OWN}
     r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=_qprogress(progress),
                         **options)
     arch, n_tensors = _arch_and_count(r.path)
@@ -356,6 +357,8 @@ def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key:
         if qname != "MXFP4_MOE" and any(t.dtype == "U8" and t.name.endswith("_blocks") for t in ckpt.tensors.values()):
             log.warning("%s stores its experts as MXFP4: %s requantizes them (MXFP4_MOE keeps them as they are)",
                         ckpt.folder, qname)
+        if q.needs_imatrix(qname) and not options.get("imatrix"):  # ctxq's own, of the f16 conversion
+            options = {**options, "imatrix": q.OWN}
         r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=key["extra"], progress=_qprogress(progress),
                             **options)
     finally:

@@ -102,12 +102,17 @@ def check_matches(path: Path, model: Path) -> None:
     wrong = [(n, e, weights[n]) for n, e in sorted(entries.items()) if n in weights and
              (e[0] != weights[n][0] or (e + (1,))[1] != (weights[n] + (1, 1))[2])]
     if missing or wrong:
-        what = (f"{len(missing)} of its {len(entries)} entries name no tensor of it ({missing[0]}, ...)" if missing
-                else f"{wrong[0][0]} has {wrong[0][1][0]} columns x {(wrong[0][1] + (1,))[1]} matrices in the matrix,"
-                     f" the model's weight {wrong[0][2][0]} columns" + (f" x {wrong[0][2][2]}" if len(wrong[0][2]) > 2
-                                                                         else ""))
+        what = (_size_line(*wrong[0]) if wrong
+                else f"{len(missing)} of its {len(entries)} entries name no tensor of it ({missing[0]}, ...)")
         raise ConversionError(f"{path} is not an importance matrix of {model.name}: {what}; make this model's with "
                               f"`ctxq imatrix {model}` or leave --imatrix out (ctxq makes it)")
+
+
+def _size_line(name: str, entry: tuple, weight: tuple) -> str:
+    """llama.cpp's words for the mismatch (llama-quant.cpp), with the shapes."""
+    e, w = entry + (1,), weight + (1, 1)
+    return (f"imatrix size {e[0] * e[1]} is different from tensor size {w[0] * w[2]} for {name} ({e[0]} columns x "
+            f"{e[1]} matrices in the matrix, {w[0]} x {w[2]} in the model)")
 
 
 def cache_key(model: Path, data: bytes, chunk: int, chunks: int | None) -> str:

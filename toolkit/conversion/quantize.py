@@ -62,6 +62,7 @@ NEEDS_IMATRIX = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_
 # one for (tensor_requires_imatrix: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) and IQ3_S, which fit's table
 # measures with one (ctxq.conversion.sensitivity), so that a written mix is the mix the table predicted.
 IMATRIX_TENSOR_TYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"})
+OWN = "ctxq"  # imatrix=OWN: ctxq's own importance matrix of the source (made once per file, cached)
 
 # Default tensor type per file type (llama_ftype_get_default_type) as (bits per weight, block
 # size), from ggml-common.h block layouts; the fallback for rows that are not a multiple of the
@@ -274,8 +275,9 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     follows the quantizer tensor by tensor. `nthread` 0 lets llama.cpp use every hardware thread, as its
     quantize tool does. `tensor_types` {tensor name: ggml type} overrides the mix tensor by tensor (llama.cpp's
     `--tensor-type`; a shape the type cannot hold falls back as llama.cpp's rules say). A type or tensor type that
-    takes an importance matrix (`wants_imatrix`) with none given gets ctxq's own of `src` (cached per file:
-    `result.imatrix`); a given one must be this model's (`imatrix.check_matches`).
+    takes an importance matrix (`wants_imatrix`) gets ctxq's own of `src` with `imatrix=OWN`, or when a mix's
+    `tensor_types` ask for it and none is given (cached per file: `result.imatrix`); a file type that needs one is
+    refused without; a given one must be this model's (`imatrix.check_matches`).
     """
     t0 = time.perf_counter()
     src = Path(src)
@@ -284,11 +286,14 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     dst = Path(dst) if asked else src.with_name(default_output_name(src, name))
     if not src.is_file():
         raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model to `ctxq convert`)")
-    from .imatrix import auto_chunks, check_matches
+    from .imatrix import auto_chunks, check_matches, make_imatrix
 
-    auto = imatrix is None and wants_imatrix(name, tensor_types)  # ctxq makes (or takes) the source's own
-    if imatrix is not None:
-        check_matches(Path(imatrix), src)  # one line for a file that is no imatrix, or another model's
+    # ctxq's own matrix of the source: asked for, or a mix (`tensor_types`, fit's) holding a type that takes one
+    auto = imatrix == OWN or (imatrix is None and bool(tensor_types) and wants_imatrix(name, tensor_types))
+    imatrix = None if imatrix == OWN else imatrix
+    if name in NEEDS_IMATRIX and imatrix is None and not auto:
+        raise ConversionError(f"{name} needs an importance matrix: pass imatrix=FILE (a GGUF imatrix), imatrix="
+                              f"\"{OWN}\" for ctxq's own, or choose a type without one, e.g. Q4_K_M or IQ4_XS")
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConversionError(f"{dst}: the output would overwrite the source; choose another `output` path")
     # The worker loads llama.cpp while this process prepares the job (cache, header, disk).
@@ -309,13 +314,15 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
             log.warning("%s is already quantized: requantizing it to %s loses more quality than "
                         "quantizing the original f16/bf16 model", src, name)
         writable(dst)  # one line for an unwritable destination, before any work
+        if imatrix is not None:
+            check_matches(Path(imatrix), src)  # one line for a file that is no imatrix, or another model's
         tempfiles.sweep(dst.parent)  # what killed runs left here
         _refuse_second_writer(dst)
         need, free = estimate_size(g, name), shutil.disk_usage(dst.parent).free
         if need > free:
             raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about {need / GiB:.2f} "
                                   f"GiB, {free / GiB:.2f} GiB free; free space or write the `output` elsewhere")
-        made = _own_imatrix(src, progress) if auto else None
+        made = make_imatrix(src, chunks=auto_chunks(), progress=progress) if auto else None  # "imatrix:" chunks
         imatrix = made.path if made else imatrix
         part = tempfiles.create(dst, "quantize")
         try:
@@ -390,9 +397,3 @@ def _refuse_second_writer(dst: Path) -> None:
                 and not tempfiles.is_stale(path):
             raise ConversionError(f"another ctxq process (pid {info['pid']}) is writing {dst}; wait for it to finish")
 
-
-def _own_imatrix(src: Path, progress: Progress | None):
-    """ctxq's importance matrix of `src` on the built-in text (cached per file): progress as "imatrix:" chunks."""
-    from .imatrix import auto_chunks, make_imatrix
-
-    return make_imatrix(src, chunks=auto_chunks(), progress=progress)
