@@ -7,6 +7,12 @@ same chunks (512 tokens, one chunk per batch: `-c 512 -b 512`), and prints per t
 and peak memory of each.
 
     .venv/bin/python scripts/imatrix_check.py ~/.cache/ctxq/models/SmolLM2-135M-Instruct.F16.gguf --chunks 8 -j 2
+    .venv/bin/python scripts/imatrix_check.py tiny-moe --chunks 8     # tests' qwen3moe (8 experts, 2 used)
+
+`tiny-moe` stands for the tiny qwen3moe of tests/test_convert_moe.py (`ctxq.testing.moe.tiny_moe_gguf`, made in a
+temporary folder): its experts' rows (MUL_MAT_ID) are summed per expert and counted per expert, and the counts are
+compared too. The last line is the verdict: the worst relative difference over every tensor and whether every count
+is equal.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def run_measured(cmd: list[str], **kw) -> tuple[float, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model")
+    ap.add_argument("model", help="a GGUF model, or `tiny-moe` for tests' tiny qwen3moe")
     ap.add_argument("-f", "--file", help="text (default: ctxq quality's built-in text)")
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
@@ -65,6 +71,10 @@ def main() -> None:
 
     bin_dir = llama_tools.build(jobs=a.jobs, targets=("llama-imatrix",))
     with tempfile.TemporaryDirectory(prefix="imatrix-check-") as tmp:
+        if a.model == "tiny-moe":
+            from ctxq.testing.moe import tiny_moe_gguf
+
+            a.model = str(tiny_moe_gguf(Path(tmp) / "tiny-qwen3moe.gguf"))
         text = Path(a.file) if a.file else Path(tmp) / "licences.txt"
         if not a.file:
             text.write_bytes(builtin_text())
@@ -88,6 +98,8 @@ def main() -> None:
     for name in sorted(set(ls) & set(cs)):
         a_, b_ = cs[name], ls[name]
         rel = np.abs(a_ - b_) / np.maximum(np.abs(b_), 1e-30)
+        if (lc[name] == 0).any():  # an expert never routed to: both hold nothing there (llama.cpp writes zeros)
+            rel = np.where(b_ == 0, np.abs(a_), rel)
         maxes.append(rel.max())
         medians.append(np.median(rel))
         same = np.array_equal(lc[name], cc[name])
@@ -97,6 +109,13 @@ def main() -> None:
     print(f"\n{len(maxes)} tensors ({len(ls)} in llama-imatrix, {len(cs)} in ctxq); in_sum2 relative difference: "
           f"max {max(maxes):.2e}, median of the per-tensor medians {np.median(medians):.2e}, largest per-tensor "
           f"median {max(medians):.2e}; counts differ in {count_diffs} tensors")
+    experts = [n for n in lc if lc[n].size > 1]
+    if experts:
+        routed = sum(int(lc[n].sum()) for n in experts)
+        print(f"experts: {len(experts)} tensors with per-expert counts, {routed:,} routed rows in llama-imatrix, "
+              f"{sum(int(cc[n].sum()) for n in experts if n in cc):,} in ctxq")
+    print(f"verdict: worst relative difference {max(maxes):.2e}; counts "
+          f"{'equal in every tensor' if count_diffs == 0 and set(ls) == set(cs) else f'differ in {count_diffs}'}")
     print(f"llama-imatrix: {l_sec:.1f} s, peak {l_rss / 2**20:.0f} MiB; ctxq: {r.seconds:.1f} s evaluating "
           f"({c_wall:.1f} s with the child's start), peak {r.peak_rss_bytes / 2**20:.0f} MiB "
           f"({a.chunks} chunks of 512 tokens, {a.threads} threads)")

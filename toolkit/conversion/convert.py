@@ -37,7 +37,6 @@ from ..units import MiB
 log = logging.getLogger(__name__)
 
 _DISK_MARGIN = 64 * MiB  # header, alignment padding and the filesystem's own slack
-AUTO_IMATRIX_CHUNKS = 32  # chunks of 512 tokens of the built-in text for an importance matrix convert makes itself
 _COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit id (huggingface_hub's REGEX_COMMIT_HASH)
 
 
@@ -125,11 +124,10 @@ def _target(model, src: Path, folder: Path, kind: str | None, output, pre: str |
     else:
         q = _quantize_module()
         qname, _ = q.parse_type(kind)
-        if q.needs_imatrix(qname) and not quant_options.get("imatrix"):  # refuse before converting anything
-            raise ConversionError(f"{qname} needs an importance matrix: pass imatrix=FILE.gguf, or convert to f16 "
-                                  f"first and quantize that GGUF (ctxq makes the matrix of a GGUF itself)")
-        key = q.make_cache_key(qname, cache_key_extra=_hf_extra(ckpt, pre), **{k: v for k, v in quant_options.items()
-                               if k in _KEYED_OPTIONS})
+        # a type that needs an importance matrix, none given: ctxq's own, made of the f16 conversion (quantize_gguf)
+        auto = q.needs_imatrix(qname) and not quant_options.get("imatrix")
+        key = q.make_cache_key(qname, cache_key_extra=_hf_extra(ckpt, pre), auto_imatrix=_auto_chunks() if auto else
+                               None, **{k: v for k, v in quant_options.items() if k in _KEYED_OPTIONS})
     return _Target(ckpt, name, kind, qname, key, _dest_path(output, name, qname), source)
 
 
@@ -314,19 +312,27 @@ def _quantize_gguf_file(src: Path, kind: str | None, output, force: bool, progre
     if not kind:
         raise ConversionError(f"{src} is already a GGUF; pass a TYPE to quantize it to (e.g. q4_k_m)")
     q = _quantize_module()
-    qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
-    made = None
-    if q.needs_imatrix(kind) and not options.get("imatrix"):  # ctxq's own, on the built-in text (cached)
-        from .imatrix import make_imatrix
-
-        chunks = int(os.environ.get("CTXQ_IMATRIX_CHUNKS") or AUTO_IMATRIX_CHUNKS)  # read when used (tests: 1)
-        made = make_imatrix(src, chunks=chunks, progress=progress)
-        options = {**options, "imatrix": made.path}
-    r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=qprogress, **options)
+    if q.needs_imatrix(kind) and not options.get("imatrix"):  # ctxq's own, made by quantize_gguf (cached per file)
+        options = {**options, "imatrix": q.OWN}
+    r = q.quantize_gguf(src, Path(output) if output else None, kind, force=force, progress=_qprogress(progress),
+                        **options)
     arch, n_tensors = _arch_and_count(r.path)
     return ConvertResult(Path(r.path), r.type, arch, r.size, n_tensors, None, str(src),
                          time.perf_counter() - t0, cached=r.cached, quality=r.quality,
-                         source_was_quantized=r.source_was_quantized, imatrix=made)
+                         source_was_quantized=r.source_was_quantized, imatrix=r.imatrix)
+
+
+def _qprogress(progress: Progress | None):
+    """The quantizer's progress as the "quantize:" phase; ctxq's importance matrix keeps its own "imatrix:"."""
+    if progress is None:
+        return None
+    return lambda d, t, w: progress(d, t, w if w.startswith("imatrix:") else f"quantize:{w}")
+
+
+def _auto_chunks() -> int:
+    from .imatrix import auto_chunks
+
+    return auto_chunks()
 
 
 def _arch_and_count(path) -> tuple[str, int]:
@@ -351,8 +357,9 @@ def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key:
         if qname != "MXFP4_MOE" and any(t.dtype == "U8" and t.name.endswith("_blocks") for t in ckpt.tensors.values()):
             log.warning("%s stores its experts as MXFP4: %s requantizes them (MXFP4_MOE keeps them as they are)",
                         ckpt.folder, qname)
-        qprogress = (lambda d, t, w: progress(d, t, f"quantize:{w}")) if progress else None
-        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=key["extra"], progress=qprogress,
+        if q.needs_imatrix(qname) and not options.get("imatrix"):  # ctxq's own, of the f16 conversion
+            options = {**options, "imatrix": q.OWN}
+        r = q.quantize_gguf(tmp, dest, qname, force=True, cache_key_extra=key["extra"], progress=_qprogress(progress),
                             **options)
     finally:
         tmp.unlink(missing_ok=True)
@@ -360,7 +367,7 @@ def _convert_quantized(ckpt: Checkpoint, name: str, qname: str, dest: Path, key:
         r.quality["reference"] = f"the {mid} conversion"
     arch, n_tensors = _arch_and_count(r.path)
     return ConvertResult(Path(r.path), r.type, arch, r.size, n_tensors, pre, str(ckpt.folder),
-                         time.perf_counter() - t0, quality=r.quality)
+                         time.perf_counter() - t0, quality=r.quality, imatrix=r.imatrix)
 
 
 def _is_cached_at(key: dict, dest: Path) -> bool:

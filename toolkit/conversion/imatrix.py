@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 CHUNK = 512  # llama-imatrix's default context (tools/imatrix/imatrix.cpp main: params.n_ctx = 512)
 BUILTIN = "licences"  # the dataset name written for ctxq quality's built-in text
+AUTO_CHUNKS = 32  # chunks of 512 tokens of the built-in text in the matrix ctxq makes when a quantization needs one
 
 
 @dataclass
@@ -77,6 +78,41 @@ def _check_model(model: Path) -> None:
         raise ConversionError(f"{e}; give a GGUF model (ctxq convert makes one)") from None
     if str(g.metadata.get("general.type", "model")) == "imatrix" or not g.tensors:
         raise ConversionError(f"{model} holds no model weights (an imatrix or a vocabulary file?); give a GGUF model")
+
+
+def auto_chunks() -> int:
+    """The chunks of the matrix ctxq makes itself: AUTO_CHUNKS, or CTXQ_IMATRIX_CHUNKS (read when used; tests: 1)."""
+    return int(os.environ.get("CTXQ_IMATRIX_CHUNKS") or AUTO_CHUNKS)
+
+
+def check_matches(path: Path, model: Path) -> None:
+    """One line (ConversionError) unless `path` is a GGUF importance matrix whose every entry names a weight of the
+    GGUF `model` with the same input width and matrix count: another model's matrix is refused before any work (llama.cpp
+    would skip the names it lacks and quantize those tensors without one, or abort on a size it does not expect)."""
+    from ..gguf.reader import read_gguf
+
+    g = read_gguf(path, skip_arrays=True)  # GGUFError (one line) for a missing or broken file
+    entries = {t.name[: -len(".in_sum2")]: tuple(t.shape) for t in g.tensors if t.name.endswith(".in_sum2")}
+    if not entries or "imatrix.chunk_count" not in g.metadata:
+        raise ConversionError(f"{path} is not a GGUF importance matrix (no *.in_sum2 tensors or imatrix.* keys); "
+                              "make one with `ctxq imatrix MODEL`")
+    weights = {t.name: tuple(t.shape) for t in read_gguf(model, skip_arrays=True).tensors}
+    missing = sorted(n for n in entries if n not in weights)
+    # llama_model_quantize takes an entry of ne0 x ne2 values (llama-quant.cpp): columns, and one row per expert
+    wrong = [(n, e, weights[n]) for n, e in sorted(entries.items()) if n in weights and
+             (e[0] != weights[n][0] or (e + (1,))[1] != (weights[n] + (1, 1))[2])]
+    if missing or wrong:
+        what = (_size_line(*wrong[0]) if wrong
+                else f"{len(missing)} of its {len(entries)} entries name no tensor of it ({missing[0]}, ...)")
+        raise ConversionError(f"{path} is not an importance matrix of {model.name}: {what}; make this model's with "
+                              f"`ctxq imatrix {model}` or leave --imatrix out (ctxq makes it)")
+
+
+def _size_line(name: str, entry: tuple, weight: tuple) -> str:
+    """llama.cpp's words for the mismatch (llama-quant.cpp), with the shapes."""
+    e, w = entry + (1,), weight + (1, 1)
+    return (f"imatrix size {e[0] * e[1]} is different from tensor size {w[0] * w[2]} for {name} ({e[0]} columns x "
+            f"{e[1]} matrices in the matrix, {w[0]} x {w[2]} in the model)")
 
 
 def cache_key(model: Path, data: bytes, chunk: int, chunks: int | None) -> str:

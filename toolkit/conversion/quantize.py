@@ -58,6 +58,11 @@ QUANT_TYPES: dict[str, int] = {
 # requires it for its Q2_K tensors). tests/test_quantize_types.py checks this set against
 # llama.cpp's own dry run.
 NEEDS_IMATRIX = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "Q2_K_S"})
+# Tensor types quantized with an importance matrix when a mix holds them (`tensor_types`): those llama.cpp requires
+# one for (tensor_requires_imatrix: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS) and IQ3_S, which fit's table
+# measures with one (ctxq.conversion.sensitivity), so that a written mix is the mix the table predicted.
+IMATRIX_TENSOR_TYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"})
+OWN = "ctxq"  # imatrix=OWN: ctxq's own importance matrix of the source (made once per file, cached)
 
 # Default tensor type per file type (llama_ftype_get_default_type) as (bits per weight, block
 # size), from ggml-common.h block layouts; the fallback for rows that are not a multiple of the
@@ -97,6 +102,7 @@ class QuantizeResult:
     quality: dict | None  # top1_agreement, mean_kl (nats), max_kl, n_tokens, reference, ...
     source_was_quantized: bool  # requantized: quality is measured against an already quantized model
     quantize_seconds: float | None = None  # the llama_model_quantize call alone (None when cached)
+    imatrix: object = None  # the ImatrixResult ctxq made (or took from its cache) because none was given
 
 
 def parse_type(name: str) -> tuple[str, int]:
@@ -109,6 +115,13 @@ def parse_type(name: str) -> tuple[str, int]:
 
 def needs_imatrix(name: str) -> bool:
     return parse_type(name)[0] in NEEDS_IMATRIX
+
+
+def wants_imatrix(name: str, tensor_types: dict[str, str] | None = None) -> bool:
+    """Whether quantizing to `name` with these per-tensor types takes an importance matrix (ctxq makes its own when
+    none is given): the file type needs one, or a tensor type is one of IMATRIX_TENSOR_TYPES."""
+    return needs_imatrix(name) or any(str(t).strip().upper() in IMATRIX_TENSOR_TYPES
+                                      for t in (tensor_types or {}).values())
 
 
 def ggml_type(name: str | None, what: str) -> int | None:
@@ -188,9 +201,12 @@ def _write_json(path: Path, obj) -> None:
 def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_key_extra: dict | None = None,
                    imatrix: str | os.PathLike | None = None, output_tensor_type: str | None = None,
                    token_embedding_type: str | None = None, leave_output_tensor: bool = False,
-                   pure: bool = False, tensor_types: dict[str, str] | None = None) -> dict:
+                   pure: bool = False, tensor_types: dict[str, str] | None = None,
+                   auto_imatrix: int | None = None) -> dict:
     """What determines a quantized file's bytes. `cache_key_extra` (e.g. {"hf_repo": ..., "revision":
-    ...}) stands for the source when given, so a caller can look up a result before making the source."""
+    ...}) stands for the source when given, so a caller can look up a result before making the source.
+    `auto_imatrix`: the chunks of ctxq's own importance matrix, made of the source when none is given (it follows
+    from the source, the built-in text and the versions, so a key needs no matrix file)."""
     if cache_key_extra is None and source is None:
         raise ValueError("make_cache_key needs a source file or cache_key_extra")
     name, ftype = parse_type(type)
@@ -209,6 +225,8 @@ def make_cache_key(type: str, *, source: str | os.PathLike | None = None, cache_
     }
     if tensor_types:  # (absent otherwise: the keys of files made before it stay valid)
         key["tensor_types"] = sorted((n, ggml_type(t, n)) for n, t in tensor_types.items())
+    if auto_imatrix is not None and not imatrix:
+        key["imatrix"] = {"ctxq": auto_imatrix, "chunk": 512}
     return json.loads(json.dumps(key, sort_keys=True))  # as stored: tuples in `cache_key_extra` become lists
 
 
@@ -239,6 +257,7 @@ def _cache_store(key: dict, result: QuantizeResult) -> None:
            "size": st.st_size, "created": time.time()}
     rec.pop("cached")
     rec.pop("quantize_seconds")
+    rec.pop("imatrix")
     _write_json(_record_path(key), rec)
 
 
@@ -255,7 +274,10 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     the quality gate compares the result with `src` on the built-in text. `progress(done, total, tensor)`
     follows the quantizer tensor by tensor. `nthread` 0 lets llama.cpp use every hardware thread, as its
     quantize tool does. `tensor_types` {tensor name: ggml type} overrides the mix tensor by tensor (llama.cpp's
-    `--tensor-type`; a shape the type cannot hold falls back as llama.cpp's rules say).
+    `--tensor-type`; a shape the type cannot hold falls back as llama.cpp's rules say). A type or tensor type that
+    takes an importance matrix (`wants_imatrix`) gets ctxq's own of `src` with `imatrix=OWN`, or when a mix's
+    `tensor_types` ask for it and none is given (cached per file: `result.imatrix`); a file type that needs one is
+    refused without; a given one must be this model's (`imatrix.check_matches`).
     """
     t0 = time.perf_counter()
     src = Path(src)
@@ -264,19 +286,22 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
     dst = Path(dst) if asked else src.with_name(default_output_name(src, name))
     if not src.is_file():
         raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model to `ctxq convert`)")
-    if name in NEEDS_IMATRIX and imatrix is None:
-        raise ConversionError(f"{name} needs an importance matrix: pass imatrix=FILE (a GGUF imatrix "
-                              f"from llama-imatrix), or choose a type without one, e.g. Q4_K_M or IQ4_XS")
-    if imatrix is not None:
-        _check_imatrix(Path(imatrix))
+    from .imatrix import auto_chunks, check_matches, make_imatrix
+
+    # ctxq's own matrix of the source: asked for, or a mix (`tensor_types`, fit's) holding a type that takes one
+    auto = imatrix == OWN or (imatrix is None and bool(tensor_types) and wants_imatrix(name, tensor_types))
+    imatrix = None if imatrix == OWN else imatrix
+    if name in NEEDS_IMATRIX and imatrix is None and not auto:
+        raise ConversionError(f"{name} needs an importance matrix: pass imatrix=FILE (a GGUF imatrix), imatrix="
+                              f"\"{OWN}\" for ctxq's own, or choose a type without one, e.g. Q4_K_M or IQ4_XS")
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConversionError(f"{dst}: the output would overwrite the source; choose another `output` path")
     # The worker loads llama.cpp while this process prepares the job (cache, header, disk).
-    with Worker(lean=not check and imatrix is None) as worker:
+    with Worker(lean=not check and imatrix is None and not auto) as worker:
         key = make_cache_key(name, source=None if cache_key_extra else src, cache_key_extra=cache_key_extra,
                              imatrix=imatrix, output_tensor_type=output_tensor_type,
-                             token_embedding_type=token_embedding_type,
-                             leave_output_tensor=leave_output_tensor, pure=pure, tensor_types=tensor_types)
+                             token_embedding_type=token_embedding_type, leave_output_tensor=leave_output_tensor,
+                             pure=pure, tensor_types=tensor_types, auto_imatrix=auto_chunks() if auto else None)
         rec = None if force else (cache_record(key) or _adopted(dst, src, name, key))
         if rec is not None:
             res = _cached(worker, rec, key, src, name, check, t0)
@@ -289,12 +314,16 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
             log.warning("%s is already quantized: requantizing it to %s loses more quality than "
                         "quantizing the original f16/bf16 model", src, name)
         writable(dst)  # one line for an unwritable destination, before any work
+        if imatrix is not None:
+            check_matches(Path(imatrix), src)  # one line for a file that is no imatrix, or another model's
         tempfiles.sweep(dst.parent)  # what killed runs left here
         _refuse_second_writer(dst)
         need, free = estimate_size(g, name), shutil.disk_usage(dst.parent).free
         if need > free:
             raise ConversionError(f"not enough disk space in {dst.parent}: {name} needs about {need / GiB:.2f} "
                                   f"GiB, {free / GiB:.2f} GiB free; free space or write the `output` elsewhere")
+        made = make_imatrix(src, chunks=auto_chunks(), progress=progress) if auto else None  # "imatrix:" chunks
+        imatrix = made.path if made else imatrix
         part = tempfiles.create(dst, "quantize")
         try:
             job = {"src": str(src), "out": str(part), "ftype": ftype, "nthread": nthread,
@@ -312,7 +341,7 @@ def quantize_gguf(src: Path, dst: Path | None, type: str, *, imatrix: Path | Non
         if quality is not None:
             quality["reference_is_quantized"] = was_quantized
         res = QuantizeResult(dst, name, dst.stat().st_size, False, time.perf_counter() - t0, quality, was_quantized,
-                             out.get("quantize_seconds"))
+                             out.get("quantize_seconds"), made)
         _cache_store(key, res)
         return res
 
@@ -368,9 +397,3 @@ def _refuse_second_writer(dst: Path) -> None:
                 and not tempfiles.is_stale(path):
             raise ConversionError(f"another ctxq process (pid {info['pid']}) is writing {dst}; wait for it to finish")
 
-
-def _check_imatrix(path: Path) -> None:
-    g = read_gguf(path, skip_arrays=True)  # GGUFError for a missing or broken file
-    if not any(t.name.endswith(".in_sum2") for t in g.tensors) or "imatrix.chunk_count" not in g.metadata:
-        raise ConversionError(f"{path} is not a GGUF importance matrix (no *.in_sum2 tensors or "
-                              "imatrix.* keys); make one with llama-imatrix")

@@ -1,21 +1,25 @@
 """What each tensor group's precision costs the answers: the table `ctxq convert MODEL fit` chooses by.
 
 A group is one layer's attention, its dense FFN or its experts, the token embeddings or the output head
-(`groups`). For every candidate type (`CANDIDATES`, llama.cpp's K-types, IQ4_XS and Q8_0) llama.cpp's quantizer
-says, in a dry run, which type each tensor really gets (a row too short for a 256-block falls back as its rules
-say) and so each group's bytes. Its loss at each type is then predicted from two measurements:
+(`groups`). For every candidate type (`CANDIDATES`: llama.cpp's K-types, the IQ types from IQ2_XXS to IQ4_XS, Q8_0)
+llama.cpp's quantizer says, in a dry run, which type each tensor really gets (a row too short for a 256-block falls
+back as its rules say) and so each group's bytes; an IQ type that no tensor takes (every row falls back) is left out.
+Its loss at each type is then predicted from two measurements:
 
-- the error e_g(t) = sum ||W - Q_t(W)||^2 of the group's weights at type t: the whole model quantized `pure` to t
-  by llama.cpp's quantizer, read back and dequantized (gguf-py), against the source's weights;
+- the error e_g(t) = sum_j a_j ||W_:j - Q_t(W)_:j||^2 of the group's weights at type t, a_j the mean squared input of
+  column j from the model's importance matrix (`weight_errors`; ctxq's own, made once per file as `ctxq convert`
+  makes it): the whole model quantized `pure` to t by llama.cpp's quantizer (the IQ types with the matrix), read
+  back and dequantized (gguf-py), against the source's weights;
 - the sensitivity s_g: the KL divergence (next-token distributions against the source, `ctxq.quality.measure` on a
   calibration text) that the group adds when it alone moves from Q8_0 to the probe type, everything else at Q8_0
   (ExLlamaV3's measurement), per unit of the error that move adds.
 
 The predicted loss of group g at type t is s_g * e_g(t): KL is second order in a small change of the weights, so
 at a given place it grows with the squared error; the model's loss is the sum over groups. `method="error"` takes
-s_g = 1, the weights' error alone (llama.cpp PR 15550's criterion, without an importance matrix), which
-docs/quantize.md compares on held-out text. A header without weights (a Hub checkpoint's) gets `prior`: each
-group's bits against the weights llama.cpp's own mixes give its kinds, no measurement.
+s_g = 1, the weights' error alone (llama.cpp PR 15550's criterion, here weighted as llama.cpp's quantizers weight
+it), which docs/quantize.md compares on held-out text. A header without weights (a Hub checkpoint's) gets `prior`:
+each group's bits against the weights llama.cpp's own mixes give its kinds, no measurement. IQ2_XXS and IQ2_XS
+need an importance matrix entry, which only blk.* weights have: the embeddings and the output head never take them.
 """
 
 from __future__ import annotations
@@ -37,10 +41,20 @@ from ..paths import ctxq_home
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = ("Q2_K", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
+# By bits per weight (ggml-common.h blocks). The IQ types below 3.5 bits are measured with the model's importance
+# matrix (ctxq's own: `imatrix`), and kept only where some tensor takes them (`layout`).
+CANDIDATES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K", "IQ3_XXS", "IQ3_S", "Q3_K", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K",
+              "Q8_0")
+IMATRIX_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")  # quantization.IMATRIX_TENSOR_TYPES's candidates
+# ggml asserts an importance matrix for these (quantize_row_iq2_xxs_impl, _iq2_xs_impl: "missing quantization
+# weights"), and the matrix holds only blk.* weights: the token embeddings and the output head cannot take them.
+NEEDS_WEIGHTS = ("IQ2_XXS", "IQ2_XS")
+# The file type whose tensors a pure run gives each candidate: llama_ftype_get_default_type maps the IQ2_S file type
+# to IQ2_XS tensors and IQ2_M to IQ2_S. (As a tensor type, `tensor_types`, a candidate is its own name.)
+FTYPE = {"IQ2_S": "IQ2_M"}
 BASE, PROBE = "Q8_0", "Q3_K"  # the probes: one group at PROBE, the rest at BASE
 METHODS = ("kl", "error")
-VERSION = 1  # of the table's computation, in its cache key
+VERSION = 2  # of the table's computation, in its cache key (2: errors weighted by the importance matrix)
 CALIBRATION_CTX = 1024  # tokens a probe reads (the second half scored)
 # A header without weights: llama.cpp's mixes give the output head and attention's V more bits than the rest
 # (llama_tensor_get_type_impl: output Q6_K in every K mix, attn_v and half the ffn_down one step up).
@@ -72,6 +86,7 @@ class Table:
     measured_on: str = ""  # the calibration: text, tokens
     base_kl: float | None = None  # the all-Q8_0 model's measured KL
     details: dict = field(default_factory=dict)  # error and sensitivity per group (kl/error methods)
+    excluded: list = field(default_factory=list)  # [group, type] a group cannot take: loss inf, its largest bytes
 
     def option_costs(self) -> list[list[tuple[int, float]]]:
         return [list(zip(self.bytes[g.name], self.loss[g.name])) for g in self.groups]
@@ -101,7 +116,9 @@ def layout(src: Path, types=CANDIDATES) -> Table:
     """The groups, their bytes and tensor types at each candidate (dry runs of llama.cpp's quantizer); no loss yet."""
     from .dryrun import dry_run
 
-    runs = {t: dry_run(src, t, pure=True) for t in types}
+    runs = {t: dry_run(src, FTYPE.get(t, t), pure=True) for t in types}
+    types = [t for t in types if t not in IMATRIX_TYPES or _taken(runs[t], t)]  # an IQ type all rows refuse: a copy
+    runs = {t: runs[t] for t in types}
     index = {t: {n: (shape, ggml) for n, shape, ggml in r} for t, r in runs.items()}
     base = runs[types[-1]]
     # a tensor some candidate quantizes (norms stay F32 whatever the type)
@@ -112,16 +129,51 @@ def layout(src: Path, types=CANDIDATES) -> Table:
         groups.setdefault(gname, Group(gname, kind, [], il)).tensors.append(n)
     index = {t: {n: (shape, ggml) for n, shape, ggml in r} for t, r in runs.items()}
     size, ttypes = {}, {}
+    excluded = []
     for g in groups.values():
         size[g.name] = [sum(_nbytes(*index[t][n]) for n in g.tensors) for t in types]
         ttypes[g.name] = [{n: index[t][n][1] for n in g.tensors} for t in types]
+        for j, t in enumerate(types):  # never chosen: no byte saved, an infinite loss
+            if t in NEEDS_WEIGHTS and any(_unweighted(n, t, index[t][n][1]) for n in g.tensors):
+                excluded.append([g.name, t])
+                size[g.name][j] = max(size[g.name])
     moving = set(movable)
     from ..gguf.writer import DEFAULT_ALIGNMENT, round_up
 
     fixed = round_up(header_bytes(src), DEFAULT_ALIGNMENT) + sum(_nbytes(shape, ggml) for n, shape, ggml in base if n not in moving)
     order = sorted(groups.values(), key=lambda x: (x.layer if x.layer is not None else (-1 if x.kind == "embeddings"
                                                                                          else 1 << 30), x.name))
-    return Table(str(src), list(types), order, size, ttypes, {}, fixed, "")
+    return Table(str(src), list(types), order, size, ttypes, {}, fixed, "", excluded=excluded)
+
+
+def _unweighted(name: str, type: str, ggml: int) -> bool:
+    """A tensor that would get `type` (one of NEEDS_WEIGHTS) with no importance matrix entry (not a blk.* weight)."""
+    from gguf import GGMLQuantizationType as T
+
+    return not name.startswith("blk.") and ggml == int(T[type])
+
+
+def _exclude(table: Table) -> Table:
+    for gname, t in table.excluded:
+        if t in table.types and gname in table.loss:
+            table.loss[gname][table.types.index(t)] = math.inf
+    return table
+
+
+def _taken(run, type: str) -> bool:
+    """Whether some tensor gets `type` itself in its pure dry run (not the fallback of rows it cannot hold: IQ4_NL)."""
+    from gguf import GGMLQuantizationType as T
+
+    return any(ggml == int(T[type]) for _, _, ggml in run)
+
+
+def without(table: Table, drop) -> Table:
+    """The table without the candidate types `drop` (the IQ types, when no importance matrix can be made)."""
+    keep = [i for i, t in enumerate(table.types) if t not in drop]
+    pick = lambda d: {g: [v[i] for i in keep] for g, v in d.items()}  # noqa: E731
+    return Table(table.source, [table.types[i] for i in keep], table.groups, pick(table.bytes),
+                 pick(table.tensor_types), pick(table.loss), table.fixed_bytes, table.method,
+                 excluded=[e for e in table.excluded if e[1] not in drop])
 
 
 def header_bytes(src: Path) -> int:
@@ -140,7 +192,7 @@ def prior(table: Table, src: Path) -> Table:
         table.loss[g.name] = [PRIOR_WEIGHT.get(g.kind, 1.0) * numel * 2.0 ** (-2 * 8 * b / numel)
                               for b in table.bytes[g.name]]
     table.method = "prior"
-    return table
+    return _exclude(table)
 
 
 def _cache_dir() -> Path:
@@ -175,34 +227,55 @@ def _text_half(i: int) -> Path:
     return path
 
 
-def _key(src: Path, types, text: Path | None, n_ctx: int) -> str:
+def _key(src: Path, types, text: Path | None, n_ctx: int, imatrix: Path | None) -> str:
+    from ..digest import file_digest
     from ..planning.quality_store import file_id
 
     stamp = [VERSION, file_id(str(src)), list(types), text.name if text else None, n_ctx,
-             md.version("llama_cpp_python")]
+             md.version("llama_cpp_python"), file_digest(imatrix) if imatrix else None]
     return hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:24]
 
 
+def model_imatrix(src: Path, progress=None) -> Path | None:
+    """ctxq's importance matrix of `src` (made once per file, as `ctxq convert` makes it for a type that needs one,
+    so the file written later takes the same); None, said in the log, where llama.cpp cannot make one."""
+    from .imatrix import auto_chunks, make_imatrix
+
+    try:
+        return make_imatrix(src, chunks=auto_chunks(), progress=progress).path
+    except ConversionError as e:
+        log.warning("no importance matrix for %s (%s): the fit leaves out %s and weights no error", src.name, e,
+                    ", ".join(IMATRIX_TYPES))
+        return None
+
+
 def measure(table: Table, src: Path, *, method: str = "kl", text: Path | None = None, n_ctx: int = CALIBRATION_CTX,
-            progress=None, plan_options: dict | None = None) -> Table:
+            progress=None, plan_options: dict | None = None, imatrix: Path | None | bool = True) -> Table:
     """Errors at every type and, for the kl method, each group's measured sensitivity; `table.loss` by `method`.
-    Cached per source file and types (and text and context for the sensitivities)."""
+    `imatrix` True: ctxq's own importance matrix of `src` (`model_imatrix`) quantizes the IQ types and weights every
+    error; a path: that matrix; False: none (the IQ types are left out, the errors unweighted). Cached per source
+    file, types and matrix (and text and context for the sensitivities). The table returned may be a new one
+    (`without` the IQ types)."""
     if method not in METHODS:
         raise ConversionError(f"unknown fit method {method!r}: use one of {', '.join(METHODS)}")
+    imatrix = model_imatrix(src, progress) if imatrix is True else (Path(imatrix) if imatrix else None)
+    if imatrix is None:
+        table = without(table, IMATRIX_TYPES)
     label = text.name if text else "licences (calibration half)"
     text = text or calibration_text()
-    cached = _cache_dir() / f"table-{_key(src, table.types, text, n_ctx)}.json"
-    errors_file = _cache_dir() / f"errors-{_key(src, table.types, None, 0)}.json"
+    cached = _cache_dir() / f"table-{_key(src, table.types, text, n_ctx, imatrix)}.json"
+    errors_file = _cache_dir() / f"errors-{_key(src, table.types, None, 0, imatrix)}.json"
     d = json.loads(cached.read_text()) if cached.exists() else None
     if d is None or (method == "error" and errors_file.exists()):
         if d is None:
             d = {"details": {"sensitivity": None}, "base_kl": None, "measured_on": ""}
         if errors_file.exists():
-            d["details"]["error"] = json.loads(errors_file.read_text())
+            d["details"].update(json.loads(errors_file.read_text()))
         else:
             with _work() as tmp:
-                d["details"]["error"] = _errors(table, src, Path(tmp), progress)
-            _write(errors_file, d["details"]["error"])
+                d["details"]["error"], d["details"]["error_unweighted"] = _errors(table, src, Path(tmp), progress,
+                                                                                  imatrix)
+            _write(errors_file, {"error": d["details"]["error"], "error_unweighted": d["details"]["error_unweighted"]})
         if method == "kl":
             with _work() as tmp:
                 d["details"]["sensitivity"], d["base_kl"] = _sensitivities(
@@ -210,7 +283,9 @@ def measure(table: Table, src: Path, *, method: str = "kl", text: Path | None = 
             d["measured_on"] = f"{label}, {n_ctx:,} tokens"
             _write(cached, d)
     table.details, table.base_kl = d["details"], d["base_kl"]
-    table.measured_on = d["measured_on"] if method == "kl" else "the weights (no text)"
+    table.details["imatrix"] = str(imatrix) if imatrix else None
+    weights = "the weights, by the importance matrix" if imatrix else "the weights (no text)"
+    table.measured_on = d["measured_on"] if method == "kl" else weights
     return losses(table, method)
 
 
@@ -237,39 +312,35 @@ def losses(table: Table, method: str) -> Table:
     err, sens = table.details["error"], table.details["sensitivity"]
     table.loss = {g.name: [(sens[g.name] if method == "kl" else 1.0) * e for e in err[g.name]] for g in table.groups}
     table.method = method
-    return table
+    return _exclude(table)
 
 
 def _quantize(src: Path, out: Path, type: str, tensor_types: dict[str, str] | None = None) -> None:
-    from .dryrun import quantize_raw
+    from .weight_errors import quantize_pure
 
-    quantize_raw(src, out, type, tensor_types=tensor_types)
+    quantize_pure(src, out, type, tensor_types)
 
 
-def _errors(table: Table, src: Path, tmp: Path, progress) -> dict[str, list[float]]:
-    """e_g(t) for every group and type: each type's pure file, dequantized, against the source's weights."""
-    import numpy as np
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+def weighted_error(w, q, a) -> float:
+    """sum_j a_j sum_i (W_ij - Q_ij)^2 (`weight_errors.weighted_error`): the criterion of method "error"."""
+    from .weight_errors import weighted_error as we
 
-    source = GGUFReader(str(src))
-    weights = {t.name: t for t in source.tensors}
-    out = {g.name: [0.0] * len(table.types) for g in table.groups}
-    owner = {n: g.name for g in table.groups for n in g.tensors}
-    for j, qt in enumerate(table.types):
-        if progress:
-            progress(j, len(table.types) + len(table.groups) + 1, f"measure:error at {qt}")
-        path = tmp / f"pure-{qt}.gguf"
-        _quantize(src, path, qt)
-        for t in GGUFReader(str(path)).tensors:
-            if t.name not in owner:
-                continue
-            s = weights[t.name]
-            w = dequantize(s.data, s.tensor_type).astype(np.float32)
-            q = dequantize(t.data, t.tensor_type).astype(np.float32)
-            out[owner[t.name]][j] += float(np.square(w.reshape(-1) - q.reshape(-1), dtype=np.float64).sum())
-        path.unlink()
-    return out
+    return we(w, q, a)
+
+
+def _errors(table: Table, src: Path, tmp: Path, progress, imatrix: Path | None = None) -> tuple[dict, dict]:
+    """e_g(t) for every group and type, weighted by the importance matrix and unweighted (`weight_errors.errors`):
+    the IMATRIX_TYPES quantized with the matrix, the others without, as a written mix is
+    (`quantize.IMATRIX_TENSOR_TYPES`); an excluded tensor at Q8_0 (its option is never chosen)."""
+    from .weight_errors import errors
+
+    spare = {qt: {n: BASE for gn, t in table.excluded if t == qt for n in _group(table, gn).tensors
+                  if not n.startswith("blk.")} for qt in table.types}
+    return errors(table, src, tmp, progress, imatrix, IMATRIX_TYPES, spare, FTYPE)
+
+
+def _group(table: Table, name: str) -> Group:
+    return next(g for g in table.groups if g.name == name)
 
 
 def _sensitivities(table: Table, src: Path, errors: dict, tmp: Path, text: Path, n_ctx: int, progress,
