@@ -154,6 +154,7 @@ class FitResult:
     plan: object = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    joint: object = None  # fit --ctx: the pairs searched and the one chosen (`joint.Joint`)
 
     def to_dict(self) -> dict:
         from gguf import GGMLQuantizationType as T
@@ -163,7 +164,8 @@ class FitResult:
                 "predicted_loss": self.mix.predicted_loss, "groups": self.mix.group_types(),
                 "tensors": {n: T(t).name for n, _, t in self.mix.tensors}, "summary": self.mix.summary(),
                 "quality": self.quality, "seconds": round(self.seconds, 2), "notes": self.notes,
-                "plan": self.plan.to_dict() if self.plan is not None and hasattr(self.plan, "to_dict") else None}
+                "plan": self.plan.to_dict() if self.plan is not None and hasattr(self.plan, "to_dict") else None,
+                **(self.joint.to_dict() if self.joint is not None else {})}
 
 
 def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=None, plan_options=None) -> S.Table:
