@@ -41,6 +41,9 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
             from ..gguf.reader import read_gguf  # the one parse every later reading of it is served from
 
             read_gguf(src)
+            from ..conversion.joint import check_pair
+
+            check_pair(src, kv, **devices)  # a pair the devices cannot run: refused before anything is measured
         table_ = fitting.table_for(src, method, progress=bars)
         if n_ctx:
             from ..conversion.joint import joint_fit

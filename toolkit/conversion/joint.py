@@ -134,6 +134,18 @@ def candidate_pairs(info, devices, kv: str | None) -> list[tuple[str, str]]:
     return [pair]
 
 
+def check_pair(src: Path, kv: str | None, options=None, **settings) -> None:
+    """`candidate_pairs`' refusal of a pair the devices cannot run, before anything is measured."""
+    if not kv:
+        return
+    from ..gguf.info import model_info
+    from ..planning.devices import resolve_devices
+    from ..planning.options import PlanOptions
+
+    devices, _ = resolve_devices((options or PlanOptions()).updated(**settings).resolved())
+    candidate_pairs(model_info(str(src)), devices, kv)
+
+
 def precise_files(src: Path) -> list[Path]:
     """`src` and the files beside it of the same model at f32, f16, bf16 or Q8_0 (name: <stem>[-.]<TYPE>.gguf)."""
     def split(p: Path):
