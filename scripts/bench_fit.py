@@ -142,8 +142,8 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
                       f"| {r.skipped} |", flush=True)
                 continue
             if r.pair not in measured:
-                out = F.fit(src, r.mix.size, tmp / f"joint-{r.type_k}-{r.type_v}.gguf", table=r.mix.table,
-                            check=False, held_out=False, force=True)
+                out = F.fit(src, r.mix.size, tmp / f"joint-{r.type_k}-{r.type_v}.gguf", mix=r.mix, check=False,
+                            held_out=False, force=True)
                 measured[r.pair] = measure_combined(out.path, src, r.type_k, r.type_v, n_ctx)
                 out.path.unlink()
             q = measured[r.pair]

@@ -99,7 +99,7 @@ def test_joint_fit_on_a_simulated_card_takes_the_least_total(smollm3, tmp_path):
     assert out.stat().st_size == d["size"]
     totals = [p["total"] for p in d["pairs"] if p["total"] is not None]
     chosen = next(p for p in d["pairs"] if (p["type_k"], p["type_v"]) == (d["type_k"], d["type_v"]))
-    assert chosen["total"] == min(totals) and d["size"] <= chosen["mix_bytes"]  # (fit chooses again: its header)
+    assert chosen["total"] == min(totals) and chosen["mix_bytes"] == d["size"]
     assert d["predicted"]["total"] == pytest.approx(chosen["weights_loss"] + chosen["kv_loss"])
     assert (d["plan"]["type_k"], d["plan"]["type_v"], d["plan"]["cpu_layers"]) == (d["type_k"], d["type_v"], 0)
     q = d["quality"]

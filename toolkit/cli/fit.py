@@ -51,7 +51,7 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
             joint = joint_fit(src, table_, n_ctx, kv=kv, **devices)
             target, table_ = joint.chosen.mix.size, joint.chosen.mix.table  # (the embeddings at their best: host)
         result = fitting.fit(src, target, output, table=table_, progress=bars, check=check, force=force,
-                             held_out=joint is None)
+                             held_out=joint is None, mix=joint.chosen.mix if joint else None)
         if joint is not None:
             from ..conversion.joint_measure import measure_combined
 

@@ -178,17 +178,19 @@ def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=N
 
 def fit(src: str | os.PathLike, target: int, output: str | os.PathLike | None = None, *, method: str = "kl",
         progress=None, check: bool = True, held_out: bool = True, force: bool = False,
-        table: S.Table | None = None) -> FitResult:
-    """Quantize the GGUF `src` to the least-loss mix of at most `target` bytes, written at `output` (default
-    `<name>-fit-<size>.gguf` beside it); its KL against `src` on held-out text when `held_out`."""
+        table: S.Table | None = None, mix: Mix | None = None) -> FitResult:
+    """Quantize the GGUF `src` to the least-loss mix of at most `target` bytes (or `mix`, chosen already), written
+    at `output` (default `<name>-fit-<size>.gguf` beside it); its KL against `src` on held-out text when `held_out`."""
     from .quantize import quantize_gguf
 
     t0 = time.perf_counter()
     src = Path(src)
     if not src.is_file():
         raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model folder)")
-    table = table or table_for(src, method, progress=progress)
-    mix = choose(table, target, src)
+    if mix is None:
+        table = table or table_for(src, method, progress=progress)
+        mix = choose(table, target, src)
+    table = mix.table
     dst = Path(output) if output else src.with_name(f"{_stem(src)}-fit-{_size_label(target)}.gguf")
     res = quantize_gguf(src, dst, _base_type(mix), pure=True, tensor_types=mix.tensor_types(), check=check,
                         force=force, progress=progress)
