@@ -149,7 +149,7 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
             q = measured[r.pair]
             print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | {r.mix.size:,} | {r.weights_loss:.5f} "
                   f"| {r.kv_loss:.5f} | {r.total:.5f} | {q['mean_kl']:.5f} | {100 * q['top1_agreement']:.1f} % "
-                  f"| {r.kv_source.replace('ctxq', 'default')} |", flush=True)
+                  f"| {'default table' if r.kv_source.startswith('ctxq') else r.kv_source} |", flush=True)
         print(f"|  | (search: {search:.0f} s; pairs: " + ", ".join(
             f"{r.pair} {'%.4f' % r.total if r.total is not None else r.skipped}" for r in j.rows) + ") |", flush=True)
 
