@@ -7,7 +7,14 @@
 2. A Llama-3-70B-shaped f16 header (no weights) on 16,16,16,8,8 GiB at 65,536 tokens: the budget the plan of
    Q4_K_M leaves for weights, the mix's size from llama.cpp's dry run, its use per card.
 
+3. The K/V pair and the mix chosen together (`fit --ctx`, issue 45): SmolLM2 f16 at 4,096 tokens on one simulated
+   card (RPC: every pair at speed) of three capacities: the one where llama.cpp's Q4_K_M with a q8_0/q8_0 cache just
+   holds every layer, and 10 % below and above. Per capacity the joint choice and the fixed pairs q8_0/q8_0,
+   q8_0/q4_0, q4_0/q4_0, each with the mix that fills its remainder: bytes, predicted and measured combined KL
+   (against f16 weights with an f16 cache, held-out half), top-1.
+
     .venv/bin/python scripts/bench_fit.py [--sizes Q3_K_M,Q4_K_M,Q5_K_M] [--skip-70b]
+    .venv/bin/python scripts/bench_fit.py --joint-only [--joint-ctx 4096]
 
 The KL table of SmolLM2 (69 quantizer runs and 62 measured probes) takes about 10 minutes on 2 cores the first time;
 it is cached under ctxq's cache (fit/).
@@ -86,17 +93,84 @@ def llama70b(tmp: Path) -> None:
         print(f"- mix {line}")
 
 
+JOINT_FIXED = (("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"))
+
+
+def _capacity(src: Path, n_ctx: int, tmp: Path) -> float:
+    """GiB of one simulated card on which llama.cpp's Q4_K_M of `src` with a q8_0/q8_0 cache just holds every layer
+    at n_ctx (bisected to 1 MiB)."""
+    from ctxq.conversion.dryrun import dry_run
+    from ctxq.conversion.fit_budget import _all_on_gpus, _plan_tensors
+    from ctxq.planning.devices import cpu_device, simulated_devices
+    from ctxq.planning.options import PlanOptions
+
+    tensors = dry_run(src, "Q4_K_M")
+    opts = PlanOptions(n_ctx=n_ctx, kv="q8_0/q8_0").resolved()
+    lo, hi = 0.05, 4.0
+    while hi - lo > 1 / 1024:
+        mid = (lo + hi) / 2
+        p = _plan_tensors(src, tensors, tmp, "q4km", simulated_devices(f"{mid:.4f}"), cpu_device(None), opts)
+        lo, hi = (lo, mid) if p is not None and _all_on_gpus(p) else (mid, hi)
+    return hi
+
+
+def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
+    from ctxq.conversion import fit as F
+    from ctxq.conversion.convert import convert
+    from ctxq.conversion.joint import joint_fit
+    from ctxq.conversion.joint_measure import measure_combined
+    from ctxq.testing.models import rebuild_smollm2_hf
+
+    src = Path(src) if src else convert(rebuild_smollm2_hf(), "f16").path
+    table = F.table_for(src, "kl", progress=_dots)
+    cap = _capacity(src, n_ctx, tmp)
+    print(f"\nSmolLM2-135M-Instruct f16, {n_ctx:,} tokens, one simulated card (RPC); Q4_K_M + q8_0/q8_0 just holds "
+          f"every layer at {cap:.4f} GiB. KL in nats against f16 weights with an f16 cache, held-out half.\n")
+    print("| card GiB | row | K/V | KV MiB | mix bytes | predicted weights | predicted KV | predicted total "
+          "| measured KL | top-1 | KV loss from |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for f in (0.9, 1.0, 1.1):
+        gib = round(cap * f, 4)
+        t0 = time.perf_counter()
+        j = joint_fit(src, table, n_ctx, simulate=f"{gib}", also=JOINT_FIXED)
+        search = time.perf_counter() - t0
+        rows = [("joint", j.chosen)] + [(f"fixed", r) for r in j.rows if (r.type_k, r.type_v) in JOINT_FIXED]
+        measured = {}
+        for name, r in rows:
+            if r.mix is None:
+                print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | - | - | {r.kv_loss:.5f} | - | - | - "
+                      f"| {r.skipped} |", flush=True)
+                continue
+            if r.pair not in measured:
+                out = F.fit(src, r.mix.size, tmp / f"joint-{r.type_k}-{r.type_v}.gguf", mix=r.mix, check=False,
+                            held_out=False, force=True)
+                measured[r.pair] = measure_combined(out.path, src, r.type_k, r.type_v, n_ctx)
+                out.path.unlink()
+            q = measured[r.pair]
+            print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | {r.mix.size:,} | {r.weights_loss:.5f} "
+                  f"| {r.kv_loss:.5f} | {r.total:.5f} | {q['mean_kl']:.5f} | {100 * q['top1_agreement']:.1f} % "
+                  f"| {'default table' if r.kv_source.startswith('ctxq') else r.kv_source} |", flush=True)
+        print(f"|  | (search: {search:.0f} s; pairs: " + ", ".join(
+            f"{r.pair} {'%.4f' % r.total if r.total is not None else r.skipped}" for r in j.rows) + ") |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="Q3_K_M,Q4_K_M,Q5_K_M")
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
+    ap.add_argument("--joint-only", action="store_true", help="only section 3 (the pair and the mix together)")
+    ap.add_argument("--skip-joint", action="store_true")
+    ap.add_argument("--joint-ctx", type=int, default=4096)
+    ap.add_argument("--joint-src", help="SmolLM2's f16 GGUF for section 3 (default: ctxq's conversion of it)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="ctxq-bench-fit-") as tmp:
-        if not a.skip_smollm2:
+        if not a.skip_smollm2 and not a.joint_only:
             smollm2(Path(tmp), a.sizes.split(","))
-        if not a.skip_70b:
+        if not a.skip_70b and not a.joint_only:
             llama70b(Path(tmp))
+        if not a.skip_joint:
+            joint(Path(tmp), a.joint_ctx, a.joint_src)
     return 0
 
 

@@ -28,19 +28,24 @@ from .plan import device_options
 @click.option("--method", type=click.Choice(["kl", "error"]), default="kl", show_default=True,
               help="With TYPE fit: choose by measured KL per tensor group, or by the weights' error alone.")
 @click.option("--json", "as_json", is_flag=True, help="With TYPE fit: the result as JSON.")
+@click.option("--kv", default=None, metavar="TYPE|K/V",
+              help="With TYPE fit --ctx: fix the KV-cache pair (q8_0, q8_0/q4_0); default: chosen with the mix.")
+@click.option("--simulate", default=None, metavar="GiB,…",
+              help="With TYPE fit or auto: plan for local RPC workers standing for GPUs of these sizes.")
 @device_options
 def convert_cmd(model: str, type: str | None, output: str | None, revision: str | None, pre: str | None,
                 imatrix: str | None, output_tensor_type: str | None, token_embedding_type: str | None,
                 leave_output_tensor: bool, pure: bool, no_check: bool, force: bool, n_ctx: int | None,
-                target_size: str | None, method: str, as_json: bool, gpus: str | None, profile: str | None,
-                rpc: str | None):
+                target_size: str | None, method: str, as_json: bool, kv: str | None, simulate: str | None,
+                gpus: str | None, profile: str | None, rpc: str | None):
     """Convert MODEL (a Hugging Face folder, a hub id, or a GGUF) to TYPE.
 
     TYPE is f32, f16, bf16 or q8_0 (default: the checkpoint's own float type), or any llama.cpp
     quantization such as q4_k_m, which is made from an f16/bf16 conversion. TYPE auto picks the
     type `ctxq plan MODEL --ctx N` recommends for the devices (--gpus/--profile/--rpc, or detected).
-    TYPE fit chooses a type per tensor group by measured loss, for a file of at most --target-size or the
-    largest that holds --ctx N tokens on the devices with every layer on a GPU.
+    TYPE fit chooses a type per tensor group by measured loss, for a file of at most --target-size; with
+    --ctx N, the KV-cache pair and the mix together, the least predicted loss (weights + cache) that holds N
+    tokens on the devices with every layer on a GPU, then measured (--kv fixes the pair).
     """
     from ..conversion.convert import convert
     from ..errors import CtxqError
@@ -49,16 +54,17 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
         from .fit import fit_command
 
         return fit_command(model, output, target_size=target_size, n_ctx=n_ctx, method=method, as_json=as_json,
-                           force=force, check=not no_check, revision=revision, gpus=gpus, profile=profile, rpc=rpc)
-    if target_size or as_json:
-        raise CtxqError("--target-size and --json go with TYPE fit")
+                           force=force, check=not no_check, revision=revision, gpus=gpus, profile=profile, rpc=rpc,
+                           simulate=simulate, kv=kv)
+    if target_size or as_json or kv:
+        raise CtxqError("--target-size, --kv and --json go with TYPE fit")
     if type and type.lower() == "auto":
         if not n_ctx:
             raise CtxqError("convert MODEL auto needs --ctx N (the context that must fit) and the devices "
                             "(--gpus, --profile or --rpc; default: the GPUs present)")
         from ..conversion.hfplan import plan_hf
 
-        r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc)
+        r = plan_hf(model, n_ctx, gpus=gpus, profile=profile, rpc=rpc, simulate=simulate)
         if r.recommended is None:
             raise CtxqError(f"no quantization fits {n_ctx} tokens on these devices: "
                             + next((c.why_not for c in r.candidates if c.why_not), "see ctxq plan"))
@@ -66,8 +72,8 @@ def convert_cmd(model: str, type: str | None, output: str | None, revision: str 
         p = r.recommended.plan
         click.echo(f"auto: {type} ({human(r.recommended.size)}, KV {p.type_k}, {p.cpu_layers} layers on the CPU "
                    f"at {n_ctx:,} tokens; see `ctxq plan {model} --ctx {n_ctx}`)", err=True)
-    elif n_ctx or gpus or profile or rpc:
-        raise CtxqError("--ctx, --gpus, --profile and --rpc go with TYPE auto")
+    elif n_ctx or gpus or profile or rpc or simulate:
+        raise CtxqError("--ctx, --gpus, --profile, --rpc and --simulate go with TYPE auto or fit")
 
     quant = {k: v for k, v in dict(imatrix=imatrix, output_tensor_type=output_tensor_type,
                                    token_embedding_type=token_embedding_type,

@@ -154,6 +154,7 @@ class FitResult:
     plan: object = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    joint: object = None  # fit --ctx: the pairs searched and the one chosen (`joint.Joint`)
 
     def to_dict(self) -> dict:
         from gguf import GGMLQuantizationType as T
@@ -163,7 +164,8 @@ class FitResult:
                 "predicted_loss": self.mix.predicted_loss, "groups": self.mix.group_types(),
                 "tensors": {n: T(t).name for n, _, t in self.mix.tensors}, "summary": self.mix.summary(),
                 "quality": self.quality, "seconds": round(self.seconds, 2), "notes": self.notes,
-                "plan": self.plan.to_dict() if self.plan is not None and hasattr(self.plan, "to_dict") else None}
+                "plan": self.plan.to_dict() if self.plan is not None and hasattr(self.plan, "to_dict") else None,
+                **(self.joint.to_dict() if self.joint is not None else {})}
 
 
 def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=None, plan_options=None) -> S.Table:
@@ -176,17 +178,19 @@ def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=N
 
 def fit(src: str | os.PathLike, target: int, output: str | os.PathLike | None = None, *, method: str = "kl",
         progress=None, check: bool = True, held_out: bool = True, force: bool = False,
-        table: S.Table | None = None) -> FitResult:
-    """Quantize the GGUF `src` to the least-loss mix of at most `target` bytes, written at `output` (default
-    `<name>-fit-<size>.gguf` beside it); its KL against `src` on held-out text when `held_out`."""
+        table: S.Table | None = None, mix: Mix | None = None) -> FitResult:
+    """Quantize the GGUF `src` to the least-loss mix of at most `target` bytes (or `mix`, chosen already), written
+    at `output` (default `<name>-fit-<size>.gguf` beside it); its KL against `src` on held-out text when `held_out`."""
     from .quantize import quantize_gguf
 
     t0 = time.perf_counter()
     src = Path(src)
     if not src.is_file():
         raise ConversionError(f"{src}: no such file; pass a GGUF model (or a Hugging Face model folder)")
-    table = table or table_for(src, method, progress=progress)
-    mix = choose(table, target, src)
+    if mix is None:
+        table = table or table_for(src, method, progress=progress)
+        mix = choose(table, target, src)
+    table = mix.table
     dst = Path(output) if output else src.with_name(f"{_stem(src)}-fit-{_size_label(target)}.gguf")
     res = quantize_gguf(src, dst, _base_type(mix), pure=True, tensor_types=mix.tensor_types(), check=check,
                         force=force, progress=progress)

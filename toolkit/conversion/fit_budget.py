@@ -6,7 +6,7 @@ layer on a GPU.
    plan says "what it leaves for weights": on each GPU, its weights plus what stays free. The fit spends that on
    weights and never buys weight bits with a cheaper cache (a plan of a larger fixed mix would: Q5_K_M holds 64k
    on 3x16 + 2x8 GiB for a 70B only beside a q4_0 cache, mean KL 0.07, ten times q8_0's).
-2. With that pair fixed, the mix's target size is bisected: each candidate mix (`fit.choose`: llama.cpp's dry run)
+2. With that pair fixed, the mix's target size is bisected (`largest_mix`, also the joint search's step per pair): each candidate mix (`fit.choose`: llama.cpp's dry run)
    is written header-only and planned (`planner.plan_for`, CUDA terms, compute buffers and margins included) until
    the largest that still fits every card is found to within `TOLERANCE`.
 The token embeddings live in host memory (llama.cpp's input layer is the CPU's): a model with its own output head
@@ -124,28 +124,49 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
         kv = f"{ref_plan.type_k}/{ref_plan.type_v}"
         fixed = opts.updated(kv=kv).resolved()
         leaves = sum(d.weights + d.free for d in ref_plan.gpus)
-        largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
-        lo, hi = smallest, largest
-        best = None
-        for step in range(MAX_STEPS):  # invariant: lo fits (or is the smallest), hi does not (or is the largest)
-            target = hi if step == 0 else (lo + hi) // 2
-            mix = choose(table, target, src)
-            p = _plan_tensors(src, mix.tensors, folder, f"mix{step}", devices, cpu, fixed)
-            ok = p is not None and _all_on_gpus(p)
-            log.info("fit: %.3f GiB %s", mix.size / GiB, "fits" if ok else "does not fit")
-            if ok:
-                best, lo = (mix, p), max(lo, mix.size)
-                if step == 0:
-                    break
-            else:
-                hi = target
-            if hi - lo <= TOLERANCE * lo:
-                break
+        best = largest_mix(src, table, folder, devices, cpu, fixed)
         if best is None:
-            mix = choose(table, lo, src)
-            p = _plan_tensors(src, mix.tensors, folder, "lo", devices, cpu, fixed)
-            if p is None or not _all_on_gpus(p):
-                raise ConversionError(f"no mix holds {n_ctx:,} tokens with every layer on these GPUs with KV {kv}")
-            best = (mix, p)
+            raise ConversionError(f"no mix holds {n_ctx:,} tokens with every layer on these GPUs with KV {kv}")
     mix, plan = best
     return Budget(mix, plan, kv, ref, leaves, sum(d.weights for d in plan.gpus))
+
+
+def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hint: int | None = None):
+    """(mix, plan): the largest mix of `table` whose plan under `opts` (its KV pair fixed) holds every layer on the
+    GPUs, its target bisected to within `TOLERANCE`; None when not even the smallest does. `hint`, a size expected
+    near the answer (another pair's answer moved by the difference of their caches), brackets it in two plans."""
+    smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+    largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
+    tag = (opts.kv or "kv").replace("/", "-")
+    state = {"lo": smallest, "hi": largest, "best": None, "n": 0}
+
+    def probe(target: int) -> bool:
+        mix = choose(table, target, src)
+        state["n"] += 1
+        p = _plan_tensors(src, mix.tensors, folder, f"{tag}-{state['n']}", devices, cpu, opts)
+        ok = p is not None and _all_on_gpus(p)
+        log.info("fit (KV %s): %.4f GiB %s", opts.kv, mix.size / GiB, "fits" if ok else "does not fit")
+        if ok:
+            if state["best"] is None or mix.size >= state["best"][0].size:
+                state["best"] = (mix, p)
+            state["lo"] = max(state["lo"], target)  # the mix of any target up to this one fits
+        else:
+            state["hi"] = min(state["hi"], target)
+        return ok
+
+    if probe(largest):
+        return state["best"]
+    if hint is not None and smallest < hint < largest:  # a bracket around the hint: 2 % of it each side
+        step = max(int(0.02 * hint), 1)
+        if probe(hint):
+            probe(min(hint + step, largest - 1))
+        elif hint - step > smallest:
+            probe(hint - step)
+    for _ in range(MAX_STEPS):  # invariant: lo fits (or is the smallest), hi does not
+        if state["hi"] - state["lo"] <= TOLERANCE * state["lo"]:
+            break
+        probe((state["lo"] + state["hi"]) // 2)
+    if state["best"] is None:
+        if not probe(smallest):
+            return None
+    return state["best"]

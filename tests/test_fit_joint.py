@@ -1,0 +1,124 @@
+"""`ctxq convert MODEL fit --ctx N`: the K/V cache pair and the mix chosen together (issue 45).
+
+The chooser is a pure function over rows (exhaustive small cases); the search runs on real files: a random 4-layer
+SmolLM3 written by llama.cpp's converter (cheap), and SmolLM2-135M with the pair fixed by --kv (slow: a table,
+a bisection, a quantization and a measurement)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+import pytest
+
+from ctxq.conversion.joint import Row, dominated, least_total
+
+from .conftest import run_ctxq
+
+
+def _row(name: str, kv_bytes: int, kv_loss: float, weights_loss: float | None) -> Row:
+    k, _, v = name.partition("/")
+    return Row(k, v or k, kv_bytes, kv_loss, "test", weights_loss=weights_loss)
+
+
+def test_the_joint_choice_is_the_least_predicted_total_exhaustively():
+    """Every assignment of losses from a small grid to three or four pairs: the row chosen has the least total of the
+    rows with a mix, ties to the smaller KV loss; none chosen when no row has a mix."""
+    grid = [None, 0.0, 0.01, 0.02, 0.05]
+    kv = [0.0, 0.0045, 0.0106, 0.0706]
+    for n in (3, 4):
+        for weights in itertools.product(grid, repeat=n):
+            rows = [_row(f"p{i}", 100 - 10 * i, kv[i], w) for i, w in enumerate(weights)]
+            got = least_total(rows)
+            have = [r for r in rows if r.weights_loss is not None]
+            if not have:
+                assert got is None
+                continue
+            best = min(r.weights_loss + r.kv_loss for r in have)
+            assert got.total == pytest.approx(best)
+            assert got.kv_loss == min(r.kv_loss for r in have if r.total == pytest.approx(best))
+
+
+def test_a_dominated_pair_never_wins_when_the_weights_lose_less_with_more_room():
+    """The search skips a pair with a larger cache and no less loss than another: on random cards where the mix's
+    loss falls with the room the cache leaves, the least total over the undominated rows is the least over all."""
+    rng = random.Random(45)
+    for _ in range(300):
+        cap = rng.randint(200, 400)
+        pairs = [(rng.randint(10, 150), rng.choice([0.0, 0.004, 0.006, 0.01, 0.02, 0.07])) for _ in range(rng.randint(2, 7))]
+        curve = sorted((rng.random() for _ in range(5)), reverse=True)
+
+        def weights(room):  # a non-increasing loss of the room left: a step function of it
+            return None if room < 50 else curve[min(4, (room - 50) // 60)]
+
+        rows = [_row(f"p{i}", b, loss, weights(cap - b)) for i, (b, loss) in enumerate(pairs)]
+        skip = dominated(rows)
+        for i, o in skip.items():
+            assert o.kv_bytes <= rows[i].kv_bytes and o.kv_loss <= rows[i].kv_loss
+        everyone, kept = least_total(rows), least_total([r for i, r in enumerate(rows) if i not in skip])
+        assert (everyone is None) == (kept is None)
+        if everyone is not None:
+            assert kept.total == pytest.approx(everyone.total)
+
+
+@pytest.fixture(scope="module")
+def smollm3():
+    from ctxq.testing import upstream_models
+
+    return upstream_models.build("smollm3")
+
+
+def test_a_pair_the_devices_cannot_run_is_one_line_and_writes_nothing(smollm3, tmp_path):
+    """Described GPUs are CUDA cards: llama.cpp's default build runs q8_0/q4_0 only by converting at every step."""
+    out = tmp_path / "never.gguf"
+    r = run_ctxq("convert", str(smollm3), "fit", "--ctx", "1024", "--gpus", "1", "--kv", "q8_0/q4_0", "-o", str(out))
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "q8_0/q4_0" in lines[0] and "at speed" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and os.listdir(tmp_path) == []
+
+
+def test_a_budget_no_pair_fits_is_one_line_and_writes_nothing(smollm3, tmp_path):
+    out = tmp_path / "never.gguf"
+    r = run_ctxq("convert", str(smollm3), "fit", "--ctx", "4096", "--simulate", "0.01", "-o", str(out))
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "does not hold 4,096 tokens" in lines[0], r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_joint_fit_on_a_simulated_card_takes_the_least_total(smollm3, tmp_path):
+    """Every pair runs at speed on an RPC card: the pair written is the row of least predicted total, the plan of
+    the file holds every layer with it, and the combination is measured against the source with an f16 cache."""
+    out = tmp_path / "joint.gguf"
+    r = run_ctxq("convert", str(smollm3), "fit", "--ctx", "1024", "--simulate", "0.2", "-o", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert out.stat().st_size == d["size"]
+    totals = [p["total"] for p in d["pairs"] if p["total"] is not None]
+    chosen = next(p for p in d["pairs"] if (p["type_k"], p["type_v"]) == (d["type_k"], d["type_v"]))
+    assert chosen["total"] == min(totals) and chosen["mix_bytes"] == d["size"]
+    assert d["predicted"]["total"] == pytest.approx(chosen["weights_loss"] + chosen["kv_loss"])
+    assert (d["plan"]["type_k"], d["plan"]["type_v"], d["plan"]["cpu_layers"]) == (d["type_k"], d["type_v"], 0)
+    q = d["quality"]
+    assert (q["type_k"], q["type_v"]) == (d["type_k"], d["type_v"]) and q["mean_kl"] > 0
+    assert q["reference"].startswith(smollm3.name) and "f16/f16" in q["reference"]
+    assert any(p["skipped"] for p in d["pairs"])  # pruned rows say why
+
+
+@pytest.mark.slow
+def test_kv_fixes_the_pair_on_smollm2(smollm2, tmp_path):
+    """SmolLM2-135M (Q4_1 source, the weights' error method): --kv q4_0 writes the mix that fills what a q4_0/q4_0
+    cache leaves on a simulated card, one row, measured with that cache."""
+    out = tmp_path / "kv.gguf"
+    r = run_ctxq("convert", str(smollm2), "fit", "--ctx", "512", "--simulate", "0.25", "--kv", "q4_0", "--method",
+                 "error", "--no-check", "-o", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["type_k"], d["type_v"], d["fixed"]) == ("q4_0", "q4_0", True)
+    assert [p["pair"] for p in d["pairs"]] == ["q4_0/q4_0"] and d["pairs"][0]["mix_bytes"] == d["size"]
+    assert (d["plan"]["type_k"], d["plan"]["type_v"], d["plan"]["cpu_layers"]) == ("q4_0", "q4_0", 0)
+    assert out.stat().st_size == d["size"]
+    assert d["quality"]["type_k"] == "q4_0" and 0 < d["quality"]["mean_kl"] < 1 and d["quality"]["n_ctx"] == 512
