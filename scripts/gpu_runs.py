@@ -167,6 +167,14 @@ def start_ctxq_workers(n: int, timeout_s: float, device: str = "CUDA0") -> tuple
     raise RuntimeError(f"no RPC worker could start on {device}")
 
 
+def _release(ws: list[dict], result: dict) -> None:
+    """Stop the stage's workers and record them (without their process handles) in its result."""
+    stop_workers(ws)
+    for w in ws:
+        w.pop("proc", None)
+    result["workers"] = ws
+
+
 def stop_workers(workers: list[dict]) -> None:
     for w in workers:
         if w["proc"].poll() is None:
@@ -207,10 +215,7 @@ def workers(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
                        plan=res["plan"], timings={k: res[k] for k in ("load_s", "prefill_s", "ttft_s", "prefill_tps")})
             run["worker_baseline"] = {str(w["pid"]): sampler.first.get(w["pid"]) for w in ws}
     finally:
-        stop_workers(ws)
-        for w in ws:
-            w.pop("proc", None)
-        result["workers"] = ws
+        _release(ws, result)
     return result
 
 
@@ -299,10 +304,7 @@ def split(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
         for mode, row in result["modes"].items():  # the planner's estimate of each mode, beside its measurement
             row["estimate"] = (auto.get("speed") or {}).get(mode)
     finally:
-        stop_workers(ws)
-        for w in ws:
-            w.pop("proc", None)
-        result["workers"] = ws
+        _release(ws, result)
     return result
 
 
