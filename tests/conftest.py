@@ -22,6 +22,9 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 # Every plan made in the tests (in this process and in the `ctxq` children, which inherit it) fails when
 # its weights, KV, state or output buffer differ from llama.cpp's own accounting (ctxq.planning.referee).
 os.environ.setdefault("CTXQ_REFEREE", "strict")
+# The importance matrix ctxq makes itself (IQ types in convert and in fit's tables) over one chunk of 512 tokens,
+# not 32 (ten minutes on 2 cores): what a test checks is that it is made and used, not its statistics.
+os.environ.setdefault("CTXQ_IMATRIX_CHUNKS", "1")
 
 
 @pytest.fixture(scope="session")
