@@ -119,7 +119,10 @@ def test_kv_fixes_the_pair_on_smollm2(smollm2, tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert (d["type_k"], d["type_v"], d["fixed"]) == ("q4_0", "q4_0", True)
-    assert [p["pair"] for p in d["pairs"]] == ["q4_0/q4_0"] and d["pairs"][0]["mix_bytes"] == d["size"]
+    assert [p["pair"] for p in d["pairs"]] == ["q4_0/q4_0"]
+    # the mix's tensors are the file's; a mix with IQ types is written with ctxq's importance matrix, whose
+    # quantize.imatrix.* keys llama.cpp adds to the header (the dry run, made without the matrix, lacks them)
+    assert 0 <= d["size"] - d["pairs"][0]["mix_bytes"] <= 4096
     assert (d["plan"]["type_k"], d["plan"]["type_v"], d["plan"]["cpu_layers"]) == ("q4_0", "q4_0", 0)
     assert out.stat().st_size == d["size"]
     assert d["quality"]["type_k"] == "q4_0" and 0 < d["quality"]["mean_kl"] < 1 and d["quality"]["n_ctx"] == 512
