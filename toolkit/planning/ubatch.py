@@ -41,10 +41,9 @@ def chosen(base: Plan, opts: PlanOptions, replan: Callable[[int], Plan]) -> Plan
     """`base` (planned at the options' micro-batch) or the plan at another measured micro-batch that is faster for
     the workload by `ctxq bench`'s measurements; the plan's note (and its reason, where the micro-batch changes)
     says which and why, `speed["ubatch"]` carries the figures. `replan(n)` plans the same options at `-ub n`."""
-    if speed_store.key(base) is None:  # not a local file: nothing can have been measured
-        return base
     prompt, gen = workload(opts)
-    cands = sorted({u for u in speed_store.ubatches(base) if u <= opts.n_batch} | {base.n_ubatch})
+    local = speed_store.key(base) is not None  # not a local file (a Hub plan): nothing can have been measured yet
+    cands = sorted({u for u in (speed_store.ubatches(base) if local else []) if u <= opts.n_batch} | {base.n_ubatch})
     plans: dict[int, Plan] = {}
     refused: dict[int, str] = {}
     for ub in cands:
