@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 
+import numpy as np
 import pytest
 
 from ctxq.conversion.joint import Row, dominated, least_total
+from ctxq.conversion.joint_scale import SLOPE, fitted
 
 from .conftest import run_ctxq
 
@@ -106,6 +109,29 @@ def test_joint_fit_on_a_simulated_card_takes_the_least_total(smollm3, tmp_path):
     assert (q["type_k"], q["type_v"]) == (d["type_k"], d["type_v"]) and q["mean_kl"] > 0
     assert q["reference"].startswith(smollm3.name) and "f16/f16" in q["reference"]
     assert any(p["skipped"] for p in d["pairs"])  # pruned rows say why
+    # the table's losses put on the measurement's scale by anchor mixes measured as the result is (joint_scale)
+    sc = d["scale"]
+    assert len(sc["anchors"]) >= 2 and sc["n_ctx"] == 1024
+    sizes = [x["size"] for x in sc["anchors"]]
+    assert sizes == sorted(sizes) and all(x["measured"] > 0 and x["table"] > 0 for x in sc["anchors"])
+    b, a = np.polyfit(np.log([x["table"] for x in sc["anchors"]]), np.log([x["measured"] for x in sc["anchors"]]), 1)
+    if SLOPE[0] < b < SLOPE[1]:
+        assert (sc["a"], sc["b"]) == pytest.approx((a, b), rel=1e-6, abs=1e-9)
+    for p in d["pairs"]:
+        if p["table_loss"] is not None:
+            assert p["weights_loss"] == pytest.approx(math.exp(sc["a"]) * p["table_loss"] ** sc["b"])
+    assert d["predicted"]["weights_table"] == chosen["table_loss"]
+
+
+def test_the_scale_is_the_least_squares_line_in_logs():
+    """joint_scale.fitted: an exact power law comes back; one anchor keeps the slope 1; a slope beyond SLOPE is
+    held at its edge."""
+    pts = [(x, 0.7 * x ** 0.8) for x in (0.3, 0.05, 0.004)]
+    a, b = fitted(pts)
+    assert (math.exp(a), b) == pytest.approx((0.7, 0.8))
+    assert fitted([(0.02, 0.05)]) == pytest.approx((math.log(2.5), 1.0))
+    assert fitted([(0.1, 0.1), (0.01, 0.0001)])[1] == SLOPE[1]
+    assert fitted([]) == (0.0, 1.0)
 
 
 @pytest.mark.slow
@@ -126,3 +152,23 @@ def test_kv_fixes_the_pair_on_smollm2(smollm2, tmp_path):
     assert (d["plan"]["type_k"], d["plan"]["type_v"], d["plan"]["cpu_layers"]) == ("q4_0", "q4_0", 0)
     assert out.stat().st_size == d["size"]
     assert d["quality"]["type_k"] == "q4_0" and 0 < d["quality"]["mean_kl"] < 1 and d["quality"]["n_ctx"] == 512
+
+
+@pytest.mark.slow
+def test_error_method_keeps_the_planners_pair(smollm2, tmp_path):
+    """The error method's losses are not KL, so they are never added to a cache's KL: without --kv the pair is the
+    planner's for llama.cpp's Q4_K_M on those devices, one row, and the output says why."""
+    out = tmp_path / "err.gguf"
+    r = run_ctxq("convert", str(smollm2), "fit", "--ctx", "512", "--simulate", "0.25", "--method", "error",
+                 "--no-check", "-o", str(out), "--json", env={"CTXQ_IMATRIX_CHUNKS": "1"}, timeout=1500)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["fixed"] is False and len(d["pairs"]) == 1 and d["pairs"][0]["pair"] == f"{d['type_k']}/{d['type_v']}"
+    note = next(n for n in d["notes"] if "not chosen with the mix" in n)
+    assert f"KV {d['type_k']}/{d['type_v']}, the planner's for Q4_K_M" in note
+    ref = tmp_path / "q4km.gguf"
+    q = run_ctxq("convert", str(smollm2), "q4_k_m", "--no-check", "-o", str(ref))
+    assert q.returncode == 0, q.stderr
+    p = run_ctxq("plan", str(ref), "--ctx", "512", "--simulate", "0.25", "--json")
+    assert p.returncode == 0, p.stderr
+    assert (json.loads(p.stdout)["type_k"], json.loads(p.stdout)["type_v"]) == (d["type_k"], d["type_v"])

@@ -48,7 +48,8 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
         if n_ctx:
             from ..conversion.joint import joint_fit
 
-            joint = joint_fit(src, table_, n_ctx, kv=kv, **devices)
+            joint = joint_fit(src, table_, n_ctx, kv=kv, **devices,
+                              progress=lambda label, done, total: bars(done, total, f"measure:anchor {label}"))
             target, table_ = joint.chosen.mix.size, joint.chosen.mix.table  # (the embeddings at their best: host)
         result = fitting.fit(src, target, output, table=table_, progress=bars, check=check, force=force,
                              held_out=joint is None, mix=joint.chosen.mix if joint else None)
@@ -85,10 +86,17 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
 
 def _joint_lines(joint, result, n_ctx: int) -> None:
     c, q, p = joint.chosen, result.quality, result.plan
-    how = "given (--kv)" if joint.fixed else "the least predicted total of the pairs the devices run at speed"
+    kl = result.mix.table.method == "kl"
+    how = ("given (--kv)" if joint.fixed else "the least predicted total of the pairs the devices run at speed"
+           if kl else "the planner's (see the note)")
     click.echo(f"KV {c.pair} with this mix: {how}; mean KL in nats, KV at {n_ctx:,} tokens:")
     click.echo(table(joint.table(), ["K/V", "KV MiB", "mix MiB", "weights KL", "KV KL", "total", "KV loss from"]))
-    click.echo(f"predicted: weights {c.weights_loss:.5f} + KV {c.kv_loss:.5f} = {c.total:.5f}")
+    if joint.scale is not None:
+        click.echo(joint.scale.line())
+    click.echo(f"predicted: weights {c.weights_loss:.5f} (table {c.table_loss:.5f}) + KV {c.kv_loss:.5f} = "
+               f"{c.total:.5f}" if kl else
+               f"predicted: the weights' error {c.weights_loss:.5g} (the {result.mix.table.method} method's unit, "
+               f"not KL); KV {c.kv_loss:.5f}")
     click.echo(f"measured: mean KL {q['mean_kl']:.5f}, p99 {q['p99_kl']:.4f}, top-1 {100 * q['top1_agreement']:.1f} % "
                f"(this file with a {c.pair} cache vs {q['reference']}; {q['text']}, {q['n_ctx']:,} tokens)")
     if q.get("reference_why") and q["reference_why"] != "the source":

@@ -96,7 +96,6 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
     over `options`)."""
     from ..planning.devices import resolve_devices
     from ..planning.options import PlanOptions
-    from .dryrun import dry_run
 
     opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
     devices, cpu = resolve_devices(opts)
@@ -106,21 +105,7 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
                               "or give --target-size")
     with tempfile.TemporaryDirectory(prefix="ctxq-fit-plan-") as tmp:
         folder = Path(tmp)
-        ref = ref_plan = None
-        for qt in FIXED_MIXES:
-            p = _plan_tensors(src, dry_run(src, qt), folder, qt, devices, cpu, opts)
-            if p is not None and _all_on_gpus(p):
-                ref, ref_plan = qt, p
-                break
-        smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
-        if ref_plan is None:  # none of llama.cpp's mixes fits: the pair the smallest mix gets
-            mix = choose(table, smallest, src)
-            ref_plan = _plan_tensors(src, mix.tensors, folder, "smallest", devices, cpu, opts)
-            ref = "the smallest mix"
-            if ref_plan is None or not _all_on_gpus(ref_plan):
-                raise ConversionError(f"even the smallest mix ({smallest / GiB:.2f} GiB) does not hold {n_ctx:,} "
-                                      "tokens with every layer on these GPUs: a shorter context, more GPUs, or "
-                                      "`ctxq plan` for what moves to the CPU")
+        ref, ref_plan = reference_plan(src, table, folder, devices, cpu, opts)
         kv = f"{ref_plan.type_k}/{ref_plan.type_v}"
         fixed = opts.updated(kv=kv).resolved()
         leaves = sum(d.weights + d.free for d in ref_plan.gpus)
@@ -129,6 +114,25 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
             raise ConversionError(f"no mix holds {n_ctx:,} tokens with every layer on these GPUs with KV {kv}")
     mix, plan = best
     return Budget(mix, plan, kv, ref, leaves, sum(d.weights for d in plan.gpus))
+
+
+def reference_plan(src: Path, table: S.Table, folder: Path, devices, cpu, opts) -> tuple[str, object]:
+    """(the fixed mix whose plan chose the pair, that plan): llama.cpp's Q4_K_M, else Q3_K_M, Q2_K, the first whose
+    plan puts every layer on the GPUs, else the table's smallest mix."""
+    from .dryrun import dry_run
+
+    for qt in FIXED_MIXES:
+        p = _plan_tensors(src, dry_run(src, qt), folder, qt, devices, cpu, opts)
+        if p is not None and _all_on_gpus(p):
+            return qt, p
+    smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+    mix = choose(table, smallest, src)
+    p = _plan_tensors(src, mix.tensors, folder, "smallest", devices, cpu, opts)
+    if p is None or not _all_on_gpus(p):
+        raise ConversionError(f"even the smallest mix ({smallest / GiB:.2f} GiB) does not hold {opts.n_ctx:,} "
+                              "tokens with every layer on these GPUs: a shorter context, more GPUs, or "
+                              "`ctxq plan` for what moves to the CPU")
+    return "the smallest mix", p
 
 
 def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hint: int | None = None):

@@ -15,7 +15,6 @@ no more room for weights; the plan's memory grows with the cache's bytes). Their
 from __future__ import annotations
 
 import logging
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,6 @@ from .fit import Mix
 log = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = "ctxq's default table (SmolLM2-135M Q4_1, 2,048 tokens)"  # kvpairs.DEFAULT_KL
-PRECISE = ("f32", "f16", "bf16", "q8_0")  # files whose `ctxq quality` measures this model's KV pairs
 FIRST = ("q8_0", "q8_0")  # searched first: the pair llama.cpp's Q4_K_M plan keeps on most cards (a good bound)
 
 
@@ -41,7 +39,8 @@ class Row:
     kv_bytes: int  # the cache at the context, every layer
     kv_loss: float  # mean KL against an f16 cache (nats)
     kv_source: str  # where kv_loss comes from
-    weights_loss: float | None = None  # the mix's predicted loss (fit's table); None: no mix
+    weights_loss: float | None = None  # the mix's predicted loss on the measurement's scale; None: no mix
+    table_loss: float | None = None  # the same from fit's table alone (joint_scale maps one to the other)
     mix: Mix | None = None
     plan: object = None
     skipped: str = ""  # why no mix was searched or none holds the context
@@ -57,6 +56,7 @@ class Row:
     def to_dict(self) -> dict:
         return {"pair": self.pair, "type_k": self.type_k, "type_v": self.type_v, "kv_bytes": self.kv_bytes,
                 "mix_bytes": self.mix.size if self.mix else None, "weights_loss": self.weights_loss,
+                "table_loss": self.table_loss,
                 "kv_loss": self.kv_loss, "kv_source": self.kv_source, "total": self.total,
                 "skipped": self.skipped or None}
 
@@ -88,13 +88,15 @@ class Joint:
     fixed: bool  # the pair was given (--kv)
     kv_measured_on: str | None  # the file whose `ctxq quality` measurements were used, if any
     notes: list[str] = field(default_factory=list)
+    scale: object = None  # joint_scale.Scale: the table's losses on the measurement's scale (None: not mapped)
 
     def to_dict(self) -> dict:
         c = self.chosen
         return {"type_k": c.type_k, "type_v": c.type_v, "fixed": self.fixed,
-                "predicted": {"weights": c.weights_loss, "kv": c.kv_loss, "total": c.total},
+                "predicted": {"weights": c.weights_loss, "kv": c.kv_loss, "total": c.total,
+                              "weights_table": c.table_loss},
                 "kv_measured_on": self.kv_measured_on, "pairs": [r.to_dict() for r in self.rows],
-                "notes": self.notes}
+                "scale": self.scale.to_dict() if self.scale else None, "notes": self.notes}
 
     def table(self) -> list[list[str]]:
         """The rows side by side, as text cells (CLI)."""
@@ -146,25 +148,21 @@ def check_pair(src: Path, kv: str | None, options=None, **settings) -> None:
     candidate_pairs(model_info(str(src)), devices, kv)
 
 
-def precise_files(src: Path) -> list[Path]:
-    """`src` and the files beside it of the same model at f32, f16, bf16 or Q8_0 (name: <stem>[-.]<TYPE>.gguf)."""
-    def split(p: Path):
-        m = re.match(r"(?i)^(.*)[-.]([a-z0-9_]+)\.gguf$", p.name)
-        return (m.group(1).lower(), m.group(2).lower()) if m else (p.stem.lower(), "")
-
-    stem, _ = split(src)
-    others = [p for p in sorted(src.parent.glob("*.gguf")) if p != src and split(p)[0] == stem
-              and split(p)[1] in PRECISE]
-    return [src] + sorted(others, key=lambda p: PRECISE.index(split(p)[1]))
-
-
 def pair_losses(src: Path, n_ctx: int, pairs: list[tuple[str, str]]):
     """({pair: (mean KL, where it comes from)}, the file measured or None): this model's `ctxq quality`
     measurements at the context (else the longest measured), else ctxq's default table."""
     from ..planning import kvpairs
+    from ..planning.quality_store import results
+    from .joint_measure import MAX_MEASURE_CTX, precise_files
 
-    found, where = {}, None
-    for f in precise_files(src):
+    found, where, on = {}, None, ""
+    held, ctx = S.held_out_text().name, min(n_ctx, MAX_MEASURE_CTX)
+    for f in precise_files(src):  # first: the text and context the written combination is measured on
+        found = {(r.type_k, r.type_v): r for r in results(str(f)) if r.text == held and r.n_ctx == ctx}
+        if found:
+            where, on = f, ", the held-out half"
+            break
+    for f in precise_files(src) if not found else ():
         found = kvpairs.measurements(str(f), n_ctx)
         if found:
             where = f
@@ -175,7 +173,7 @@ def pair_losses(src: Path, n_ctx: int, pairs: list[tuple[str, str]]):
         if (k, v) in (("f16", "f16"), ("bf16", "bf16"), ("f32", "f32")):
             out[(k, v)] = (0.0, "the reference")
         elif r is not None:
-            out[(k, v)] = (r.mean_kl, f"measured on {where.name} at {r.n_ctx:,} tokens")
+            out[(k, v)] = (r.mean_kl, f"measured on {where.name} at {r.n_ctx:,} tokens{on}")
         else:
             key = tuple("f16" if t in ("bf16", "f32") else t for t in (k, v))
             out[(k, v)] = (kvpairs.DEFAULT_KL.get(key, float("inf")), DEFAULT_SOURCE)
@@ -183,7 +181,7 @@ def pair_losses(src: Path, n_ctx: int, pairs: list[tuple[str, str]]):
 
 
 def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, also=(), options=None,
-              **settings) -> Joint:
+              progress=None, **settings) -> Joint:
     """The pair and the mix with the least predicted total loss that hold n_ctx tokens with every layer on the
     devices' GPUs (`settings`: PlanOptions fields, over `options`). `kv` fixes the pair; `also`: pairs whose mix is
     searched even where the rules above would skip them (a benchmark's fixed rows)."""
@@ -191,7 +189,8 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
     from ..planning.devices import resolve_devices
     from ..planning.memory import kv_by_layer
     from ..planning.options import PlanOptions
-    from .fit_budget import host_embeddings, largest_mix
+    from .fit_budget import host_embeddings, largest_mix, reference_plan
+    from .joint_measure import MAX_MEASURE_CTX
 
     opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
     devices, cpu = resolve_devices(opts)
@@ -199,12 +198,20 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
         raise ConversionError("fit --ctx needs GPUs to fill: --gpus 16,16,8, --profile, --rpc, --simulate, or GPUs "
                               "present; or give --target-size")
     info = model_info(str(src))
+    notes, given = [], kv is not None
+    if table.method != "kl" and kv is None:  # the weights' error is not KL: it cannot be weighed against a cache's
+        with tempfile.TemporaryDirectory(prefix="ctxq-fit-ref-") as tmp:
+            ref, p = reference_plan(src, table, Path(tmp), devices, cpu, opts)
+        kv = f"{p.type_k}/{p.type_v}"
+        notes.append(f"the {table.method} method ranks the weights by their error, not KL, so the pair is not chosen "
+                     f"with the mix: KV {kv}, the planner's for {ref} (--method kl chooses both; --kv fixes it)")
     pairs = candidate_pairs(info, devices, kv)
     also = [tuple(p) for p in also]
     losses, where = pair_losses(src, n_ctx, pairs + [p for p in also if p not in pairs])
     rows = [Row(k, v, sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, k, v)), *losses[(k, v)])
             for k, v in dict.fromkeys(pairs + [p for p in also if p not in pairs])]
     table = host_embeddings(table)
+    scale = None  # the table's sums on the measurement's scale (joint_scale): measured once a mix fits
     skip = {} if kv else {id(rows[i]): o for i, o in dominated(rows).items()}
     order = sorted(rows, key=lambda r: (r.pair != "/".join(FIRST), r.kv_loss, r.kv_bytes))
     best, prev = None, None
@@ -223,7 +230,12 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
                 r.skipped = "no mix fits"
                 continue
             r.mix, r.plan = found
-            r.weights_loss = r.mix.predicted_loss
+            if scale is None and table.method == "kl":
+                from .joint_scale import weights_scale
+
+                scale = weights_scale(src, table, n_ctx, progress=progress)
+            r.table_loss = r.mix.predicted_loss
+            r.weights_loss = scale(r.table_loss) if scale else r.table_loss
             prev = r
             if best is None or r.total < best.total:
                 best = r
@@ -234,11 +246,8 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
         raise ConversionError(f"even the smallest mix ({smallest / GiB:.2f} GiB) with {with_kv} does not hold "
                               f"{n_ctx:,} tokens with every layer on these GPUs: a shorter context, more GPUs, or "
                               "`ctxq plan` for what moves to the CPU")
-    notes = []
-    if table.method != "kl":
-        notes.append(f"the weights' losses are the {table.method} method's, not KL: the totals add unlike units "
-                     "(--method kl measures them)")
     if any(r.kv_source == DEFAULT_SOURCE for r in rows):
-        notes.append(f"KV losses not measured on this model come from {DEFAULT_SOURCE}; measure them: ctxq quality "
-                     f"{src} --ctx {n_ctx}")
-    return Joint(rows, chosen, n_ctx, bool(kv), str(where) if where else None, notes)
+        notes.append(f"KV losses not measured on this model come from {DEFAULT_SOURCE}; measure them where the "
+                     f"result is measured: ctxq quality {src} --ctx {min(n_ctx, MAX_MEASURE_CTX)} -f "
+                     f"{S.held_out_text()} --kv all")
+    return Joint(rows, chosen, n_ctx, given, str(where) if where else None, notes, scale)

@@ -2,19 +2,15 @@
 weights that run here with an f16 cache, on the held-out half of the built-in text (the mix was chosen on the
 first half). The predicted total adds two losses measured apart; this says what they cost together.
 
-`ctxq quality --against` holds the cache equal on both sides (each pair against the reference at the same pair);
-this runs the reference at f16/f16 and the candidate at its pair, through the same worker, cache of reference
-distributions and scores.
+It is `ctxq quality FILE --against REF --whole --kv PAIR` (the reference at f16/f16, the file at its pair: the
+whole configuration's loss) on the held-out text.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import tempfile
+import re
 from pathlib import Path
-
-import numpy as np
 
 from ..errors import DoesNotFit
 from . import sensitivity as S
@@ -24,14 +20,25 @@ log = logging.getLogger(__name__)
 # The measurement's longest context: the held-out half of the built-in text holds about 17,000 SmolLM2 tokens, and
 # a reference pass beyond 8,192 tokens takes minutes on a few CPU cores; a longer fit is measured at this context.
 MAX_MEASURE_CTX = 8192
+PRECISE = ("f32", "f16", "bf16", "q8_0")  # files whose `ctxq quality` measures this model's KV pairs
+
+
+def precise_files(src: Path) -> list[Path]:
+    """`src` and the files beside it of the same model at f32, f16, bf16 or Q8_0 (name: <stem>[-.]<TYPE>.gguf)."""
+    def split(p: Path):
+        m = re.match(r"(?i)^(.*)[-.]([a-z0-9_]+)\.gguf$", p.name)
+        return (m.group(1).lower(), m.group(2).lower()) if m else (p.stem.lower(), "")
+
+    stem, _ = split(src)
+    others = [p for p in sorted(src.parent.glob("*.gguf")) if p != src and split(p)[0] == stem
+              and split(p)[1] in PRECISE]
+    return [src] + sorted(others, key=lambda p: PRECISE.index(split(p)[1]))
 
 
 def reference_file(src: Path, n_ctx: int, plan_options: dict) -> tuple[Path, str]:
     """(the most precise file of this model that runs here with an f16 cache at n_ctx, why it is the reference):
-    `src` where its plan holds, else f32/f16/bf16/Q8_0 files beside it (`joint.precise_files`)."""
+    `src` where its plan holds, else f32/f16/bf16/Q8_0 files beside it (`precise_files`)."""
     from ..planning.planner import plan
-    from .joint import precise_files
-
     files = precise_files(src)
     for f in files:
         try:
@@ -50,25 +57,16 @@ def measure_combined(path: str | Path, src: str | Path, type_k: str, type_v: str
                      plan_options: dict | None = None, progress=None) -> dict:
     """Mean KL, p99, top-1 agreement and perplexity of `path` with a type_k/type_v cache against the reference
     (`reference_file`) with an f16 cache, on the held-out half of the built-in text at min(n_ctx, MAX_MEASURE_CTX)
-    tokens (the second half of them scored); the reference's distributions are cached."""
-    from ..quality import measurement as Q
-    from ..quality import stats
+    tokens (the second half of them scored): `ctxq quality PATH --against REF --whole --kv PAIR`; the reference's
+    distributions are cached."""
+    from ..quality.measurement import Measurement, measure
 
     ctx = min(n_ctx, MAX_MEASURE_CTX)
     opts = plan_options or {}
     ref, why = reference_file(Path(src), ctx, opts)
-    m = Q.Measurement(n_ctx=ctx, text=str(S.held_out_text()), plan_options=opts, progress=progress,
-                      keep_results=False)
-    data = m.text_bytes()
-    sha = hashlib.sha256(data).hexdigest()
-    with tempfile.TemporaryDirectory(prefix="ctxq-joint-") as tmp:
-        text_file = Path(tmp) / "text"
-        text_file.write_bytes(data)
-        refs = Q._reference(str(ref), m, "f16", "f16", text_file, sha)
-        scored = Path(tmp) / "scored.npz"
-        Q._run(str(path), m, type_k, type_v, f"{Path(path).name} {type_k}/{type_v}",
-               {"text": str(text_file), "tokens": str(Q._tokens(refs, tmp)), "reference": str(refs)}, scored)
-        with np.load(scored) as z:
-            scores = stats.Scores(z["kl"], z["same_top"], z["nll"])
-    return {**scores.summary(), "type_k": type_k, "type_v": type_v, "n_ctx": ctx, "text": "licences (held-out half)",
-            "reference": f"{ref.name} with an f16/f16 cache", "reference_why": why}
+    m = Measurement(n_ctx=ctx, text=str(S.held_out_text()), plan_options=opts, progress=progress, keep_results=False)
+    r = measure(path, m, [(type_k, type_v)], against=ref, whole=True)[0]
+    return {"mean_kl": r.mean_kl, "p99_kl": r.p99_kl, "top1_agreement": r.top1_agreement, "ppl": r.ppl,
+            "n_scored": r.n_scored, "type_k": type_k, "type_v": type_v, "n_ctx": ctx,
+            "text": "licences (held-out half)", "reference": f"{ref.name} with an f16/f16 cache",
+            "reference_why": why}
