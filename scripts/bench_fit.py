@@ -126,20 +126,20 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
     cap = _capacity(src, n_ctx, tmp)
     print(f"\nSmolLM2-135M-Instruct f16, {n_ctx:,} tokens, one simulated card (RPC); Q4_K_M + q8_0/q8_0 just holds "
           f"every layer at {cap:.4f} GiB. KL in nats against f16 weights with an f16 cache, held-out half.\n")
-    print("| card GiB | row | K/V | KV MiB | mix bytes | predicted weights | predicted KV | predicted total "
-          "| measured KL | top-1 | KV loss from |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| card GiB | row | K/V | KV MiB | mix bytes | table weights | predicted weights | predicted KV "
+          "| predicted total | measured KL | measured / predicted | top-1 | KV loss from |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for f in (0.9, 1.0, 1.1):
         gib = round(cap * f, 4)
         t0 = time.perf_counter()
         j = joint_fit(src, table, n_ctx, simulate=f"{gib}", also=JOINT_FIXED)
         search = time.perf_counter() - t0
-        rows = [("joint", j.chosen)] + [(f"fixed", r) for r in j.rows if (r.type_k, r.type_v) in JOINT_FIXED]
+        rows = [("joint", j.chosen)] + [("fixed", r) for r in j.rows if (r.type_k, r.type_v) in JOINT_FIXED]
         measured = {}
         for name, r in rows:
             if r.mix is None:
-                print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | - | - | {r.kv_loss:.5f} | - | - | - "
-                      f"| {r.skipped} |", flush=True)
+                print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | - | - | - | {r.kv_loss:.5f} | - | - "
+                      f"| - | - | {r.skipped} |", flush=True)
                 continue
             if r.pair not in measured:
                 out = F.fit(src, r.mix.size, tmp / f"joint-{r.type_k}-{r.type_v}.gguf", mix=r.mix, check=False,
@@ -147,9 +147,12 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
                 measured[r.pair] = measure_combined(out.path, src, r.type_k, r.type_v, n_ctx)
                 out.path.unlink()
             q = measured[r.pair]
-            print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | {r.mix.size:,} | {r.weights_loss:.5f} "
-                  f"| {r.kv_loss:.5f} | {r.total:.5f} | {q['mean_kl']:.5f} | {100 * q['top1_agreement']:.1f} % "
+            print(f"| {gib} | {name} | {r.pair} | {r.kv_bytes / 2**20:.1f} | {r.mix.size:,} | {r.table_loss:.5f} "
+                  f"| {r.weights_loss:.5f} | {r.kv_loss:.5f} | {r.total:.5f} | {q['mean_kl']:.5f} "
+                  f"| {q['mean_kl'] / r.total:.2f} | {100 * q['top1_agreement']:.1f} % "
                   f"| {'default table' if r.kv_source.startswith('ctxq') else r.kv_source} |", flush=True)
+        if j.scale is not None:
+            print(f"|  | ({j.scale.line()}) |", flush=True)
         print(f"|  | (search: {search:.0f} s; pairs: " + ", ".join(
             f"{r.pair} {'%.4f' % r.total if r.total is not None else r.skipped}" for r in j.rows) + ") |", flush=True)
 
