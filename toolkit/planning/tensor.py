@@ -209,7 +209,7 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
     shape = speed.model_shape(c.info, tk, tv, g)
     cands = []
     for keep, why in [(list(range(len(devices))), None), *subsets(devices)]:
-        p, host = _search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
+        p, host = search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
         total = speed.estimate(shape, speed.placement_from_plan(p), work).total_s if p is not None else None
         cands.append((p, host, keep, why, total))
     fit = [x for x in cands if x[0] is not None]
@@ -222,9 +222,6 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
     if len(keep) == len(devices):
         return p, host
     every = cands[0]
-    p.device_order = keep
-    p.llama_devices = [llama_name(devices, i) for i in keep]
-    p.left_out = [{"device": devices[i].name, "why": why} for i in range(len(devices)) if i not in keep]
     if every[0] is None:
         than = "tensor mode over every card does not fit"
     elif every[0].cpu_layers > p.cpu_layers:
@@ -232,14 +229,23 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
     else:
         than = (f"estimated {total:.1f} s for {work.prompt_tokens:,} prompt and {work.gen_tokens} generated tokens "
                 f"against {every[4]:.1f} s over every card (estimates, not measurements)")
-    p.reason += f"; {len(devices) - len(keep)} card(s) left out ({why}): {than}"
-    p.notes.append("left out of tensor mode: " + ", ".join(x["device"] for x in p.left_out)
-                   + f" ({why}); llama.cpp is given only " + ", ".join(p.llama_devices)
-                   + " (-dev; a card with proportion 0 would still hold a whole compute buffer)")
+    mark_left_out(p, devices, keep, why, than)
     return p, host
 
 
-def _search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
+def mark_left_out(p: Plan, devices: list[Device], keep: list[int], why: str, than: str | None = None) -> None:
+    """A plan over `keep` of `devices`: llama.cpp is given only those (-dev); the reason and a note say which were
+    left out, why, and (`than`) against what."""
+    p.device_order = keep
+    p.llama_devices = [llama_name(devices, i) for i in keep]
+    p.left_out = [{"device": devices[i].name, "why": why} for i in range(len(devices)) if i not in keep]
+    p.reason += f"; {len(devices) - len(keep)} card(s) left out ({why})" + (f": {than}" if than else "")
+    p.notes.append("left out of tensor mode: " + ", ".join(x["device"] for x in p.left_out)
+                   + f" ({why}); llama.cpp is given only " + ", ".join(p.llama_devices)
+                   + " (-dev; a card with proportion 0 would still hold a whole compute buffer)")
+
+
+def search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
     """search() over exactly these cards."""
     cards = _Cards(c, g, devices, cpu, opts, tk, tv)
     n = c.info.n_layer

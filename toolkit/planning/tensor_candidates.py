@@ -14,7 +14,7 @@ from . import speed_store
 from . import tensor as tensor_mod
 from .devices import Device
 from .plan import Plan
-from .tensor_subset import llama_name, subsets
+from .tensor_subset import subsets
 
 
 def card_sets(devices: list[Device]) -> list[tuple[list[int], str | None]]:
@@ -31,21 +31,10 @@ def pinned(c, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, t
         raise InvalidOption(f"tensor_cards {list(opts.tensor_cards)}: give 2 or more of the cards 0 to "
                             f"{len(devices) - 1}", option="tensor_cards", value=opts.tensor_cards)
     why = dict((tuple(k), w) for k, w in card_sets(devices)).get(tuple(keep), "as asked")
-    p, host = tensor_mod._search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
+    p, host = tensor_mod.search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
     if p is not None and len(keep) < len(devices):
-        mark_left_out(p, devices, keep, why)
+        tensor_mod.mark_left_out(p, devices, keep, why)
     return p, host
-
-
-def mark_left_out(p: Plan, devices: list[Device], keep: list[int], why: str) -> None:
-    """A plan over `keep` of `devices`: llama.cpp is given only those (as `tensor.search` marks its choice)."""
-    p.device_order = keep
-    p.llama_devices = [llama_name(devices, i) for i in keep]
-    p.left_out = [{"device": devices[i].name, "why": why} for i in range(len(devices)) if i not in keep]
-    p.reason += f"; {len(devices) - len(keep)} card(s) left out ({why})"
-    p.notes.append("left out of tensor mode: " + ", ".join(x["device"] for x in p.left_out)
-                   + f" ({why}); llama.cpp is given only " + ", ".join(p.llama_devices)
-                   + " (-dev; a card with proportion 0 would still hold a whole compute buffer)")
 
 
 def measured_best(chosen: Plan, layer: Plan, plan_cards, devices: list[Device], work: tuple[int, int]) -> Plan:
