@@ -11,7 +11,11 @@
    card (RPC: every pair at speed) of three capacities: the one where llama.cpp's Q4_K_M with a q8_0/q8_0 cache just
    holds every layer, and 10 % below and above. Per capacity the joint choice and the fixed pairs q8_0/q8_0,
    q8_0/q4_0, q4_0/q4_0, each with the mix that fills its remainder: bytes, predicted and measured combined KL
-   (against f16 weights with an f16 cache, held-out half), top-1.
+   (against f16 weights with an f16 cache, held-out half), top-1. Where the source has `ctxq quality` measurements
+   of three or more pairs on the held-out half at the context, the candidates are those pairs (each pair at 4,096
+   tokens on 2 CPU cores takes 40 s to 10 min: CPU flash attention dequantizes q5_x/iq4_nl slowly); else every pair,
+   the unmeasured at the default table's losses. Measure them first:
+       ctxq quality SRC --ctx 4096 -f ~/.cache/ctxq/fit/text-held-out-*.txt --kv q8_0,q8_0/q5_1,...
 
     .venv/bin/python scripts/bench_fit.py [--sizes Q3_K_M,Q4_K_M,Q5_K_M] [--skip-70b]
     .venv/bin/python scripts/bench_fit.py --joint-only [--joint-ctx 4096]
@@ -124,6 +128,14 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
     src = Path(src) if src else convert(rebuild_smollm2_hf(), "f16").path
     table = F.table_for(src, "kl", progress=_dots)
     cap = _capacity(src, n_ctx, tmp)
+    from ctxq.conversion import sensitivity as S
+    from ctxq.planning.quality_store import results
+
+    held = S.held_out_text().name  # the pairs `ctxq quality SRC --ctx N -f <held-out> --kv ...` measured there
+    only = sorted({(r.type_k, r.type_v) for r in results(str(src)) if r.text == held and r.n_ctx == n_ctx})
+    if len(only) < 3:
+        only = None
+    print(f"\nKV pairs: {'those measured on this file, held-out half, ' + format(n_ctx, ',') + ' tokens: ' + ', '.join(f'{k}/{v}' for k, v in only) if only else 'every pair (few measured on the held-out half: default table)'}")
     print(f"\nSmolLM2-135M-Instruct f16, {n_ctx:,} tokens, one simulated card (RPC); Q4_K_M + q8_0/q8_0 just holds "
           f"every layer at {cap:.4f} GiB. KL in nats against f16 weights with an f16 cache, held-out half.\n")
     print("| card GiB | row | K/V | KV MiB | mix bytes | table weights | predicted weights | predicted KV "
@@ -132,7 +144,7 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
     for f in (0.9, 1.0, 1.1):
         gib = round(cap * f, 4)
         t0 = time.perf_counter()
-        j = joint_fit(src, table, n_ctx, simulate=f"{gib}", also=JOINT_FIXED)
+        j = joint_fit(src, table, n_ctx, simulate=f"{gib}", also=JOINT_FIXED, only=only)
         search = time.perf_counter() - t0
         rows = [("joint", j.chosen)] + [("fixed", r) for r in j.rows if (r.type_k, r.type_v) in JOINT_FIXED]
         measured = {}

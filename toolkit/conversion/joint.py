@@ -181,10 +181,11 @@ def pair_losses(src: Path, n_ctx: int, pairs: list[tuple[str, str]]):
 
 
 def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, also=(), options=None,
-              progress=None, **settings) -> Joint:
+              progress=None, only=None, **settings) -> Joint:
     """The pair and the mix with the least predicted total loss that hold n_ctx tokens with every layer on the
     devices' GPUs (`settings`: PlanOptions fields, over `options`). `kv` fixes the pair; `also`: pairs whose mix is
-    searched even where the rules above would skip them (a benchmark's fixed rows)."""
+    searched even where the rules above would skip them (a benchmark's fixed rows); `only`: the candidates limited
+    to these pairs (a benchmark's measured pairs)."""
     from ..gguf.info import model_info
     from ..planning.devices import resolve_devices
     from ..planning.memory import kv_by_layer
@@ -206,6 +207,8 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
         notes.append(f"the {table.method} method ranks the weights by their error, not KL, so the pair is not chosen "
                      f"with the mix: KV {kv}, the planner's for {ref} (--method kl chooses both; --kv fixes it)")
     pairs = candidate_pairs(info, devices, kv)
+    if only is not None:
+        pairs = [p for p in pairs if p in set(map(tuple, only))]
     also = [tuple(p) for p in also]
     losses, where = pair_losses(src, n_ctx, pairs + [p for p in also if p not in pairs])
     rows = [Row(k, v, sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, k, v)), *losses[(k, v)])
