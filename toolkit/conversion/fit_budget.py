@@ -131,10 +131,12 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
     return Budget(mix, plan, kv, ref, leaves, sum(d.weights for d in plan.gpus))
 
 
-def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hint: int | None = None):
+def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hint: int | None = None,
+                tolerance: float = TOLERANCE):
     """(mix, plan): the largest mix of `table` whose plan under `opts` (its KV pair fixed) holds every layer on the
-    GPUs, its target bisected to within `TOLERANCE`; None when not even the smallest does. `hint`, a size expected
-    near the answer (another pair's answer moved by the difference of their caches), brackets it in two plans."""
+    GPUs, its target bisected to within `tolerance` of it; None when not even the smallest does. `hint`, a size
+    expected near the answer (another pair's answer moved by the difference of their caches), brackets it in two
+    plans."""
     smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
     largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
     tag = (opts.kv or "kv").replace("/", "-")
@@ -163,7 +165,7 @@ def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hin
         elif hint - step > smallest:
             probe(hint - step)
     for _ in range(MAX_STEPS):  # invariant: lo fits (or is the smallest), hi does not
-        if state["hi"] - state["lo"] <= TOLERANCE * state["lo"]:
+        if state["hi"] - state["lo"] <= tolerance * state["lo"]:
             break
         probe((state["lo"] + state["hi"]) // 2)
     if state["best"] is None:
