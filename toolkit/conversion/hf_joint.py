@@ -182,7 +182,9 @@ def _search(src: Path, table: S.Table, rows, devices, cpu, opts, hint):
     from .joint import FIRST, dominated
 
     skip = {id(rows[i]): o for i, o in dominated(rows).items()} if len(rows) > 1 else {}
-    room = sum(d.usable for d in devices) + (max(table.bytes["token_embd"]) if "token_embd" in table.bytes else 0)
+    # the largest file any cache leaves room for: the GPUs' memory, the token embeddings (host memory) and the header
+    room = sum(d.usable for d in devices) + (max(table.bytes["token_embd"]) if "token_embd" in table.bytes else 0) \
+        + S.header_bytes(src)
     smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
     best = prev = None
     with tempfile.TemporaryDirectory(prefix="ctxq-plan-fit-") as tmp:
@@ -206,7 +208,7 @@ def _search(src: Path, table: S.Table, rows, devices, cpu, opts, hint):
             else:
                 guess = None
             found = largest_mix(src, table, Path(tmp), devices, cpu, opts.updated(kv=r.pair).resolved(), guess,
-                                tolerance=TOLERANCE)
+                                tolerance=TOLERANCE, room=room - r.kv_bytes)
             if found is None:
                 r.skipped = "no mix fits"
                 continue
