@@ -57,6 +57,14 @@ def test_70b_config_recommends_a_type_that_fits(smollm2, tmp_path):
     d = json.loads(out.stdout)
     assert [c["type"] for c in d["candidates"] if c["recommended"]] == ["Q5_K_M"]
     assert all(c["quality"] for c in d["candidates"])
+    # the two stages composed (issue 45, tests/test_hf_joint.py): the mix and pair `convert … fit --ctx` would choose
+    from ctxq.planning.kvpairs import at_speed
+
+    f = d["fitted"]
+    assert (f["type_k"], f["type_v"]) in at_speed(True)  # described cards: CUDA's default build
+    assert f["total"] == pytest.approx(f["weights_loss"] + f["kv_loss"])
+    assert f["mix_bytes"] > by["Q4_K_M"].size  # it fills what Q4_K_M leaves beside a q8_0 cache
+    assert f["command"] == f"ctxq convert {hf} fit --ctx 65536 --gpus 16,16,16,8,8"
 
 
 def test_every_candidate_is_planned_with_the_given_options(tmp_path):

@@ -167,8 +167,9 @@ def render_hf(r) -> str:
             rows.append([("* " if c.recommended else "  ") + c.type, f"{c.size / GiB:.2f}", "no", "-", "-", "-",
                          c.quality])
             continue
+        # types that need an importance matrix: `ctxq convert` makes ctxq's own when --imatrix is not given
         rows.append([("* " if c.recommended else "  ") + c.type, f"{c.size / GiB:.2f}",
-                     "yes" + (" (needs --imatrix)" if c.needs_imatrix else ""), f"{p.type_k}/{p.type_v}",
+                     "yes" + (" (ctxq makes an imatrix)" if c.needs_imatrix else ""), f"{p.type_k}/{p.type_v}",
                      str(p.cpu_layers), f"{p.est_decode_tps:.1f}" if p.est_decode_tps else "-", c.quality])
     out = [f"{r.model} at {r.n_ctx:,} tokens:",
            table(rows, ["type", "GiB", "fits", "KV", "CPU layers", "tok/s (est.)", "quality (llama.cpp)"]),
@@ -189,33 +190,49 @@ def _plan_hf(model, options, as_json, svg_path):
     if svg_path:  # one picture per plan; a table of candidates has several
         raise click.ClickException("--svg draws one plan; plan the converted GGUF with it")
     r = hfplan.plan_hf(model, options=options)
+    fitted = _fitted(model, r, options)
     if as_json:
         echo_json({"model": r.model, "n_ctx": r.n_ctx, "candidates": [
             {"type": c.type, "size": c.size, "fits": c.fits, "recommended": c.recommended,
              "needs_imatrix": c.needs_imatrix, "quality": c.quality, "why_not": c.why_not,
-             "plan": c.plan.to_dict() if c.plan else None} for c in r.candidates]})
+             "plan": c.plan.to_dict() if c.plan else None} for c in r.candidates],
+            "fitted": fitted if isinstance(fitted, dict) else fitted.to_dict() if fitted else None})
     else:
         click.echo(render_hf(r))
-        line = _fitted_line(model, r, options)
-        if line:
+        for line in _fitted_lines(fitted, r.n_ctx):
             click.echo(line)
 
 
-def _fitted_line(model, r, options) -> str | None:
-    """What `ctxq convert MODEL fit --ctx N` would hold on these GPUs (a mix planned from the header, no weights)."""
-    from ..conversion import fit as fitting
-    from ..conversion.fit_budget import fit_to_plan
+def _fitted(model, r, options):
+    """The mix and K/V pair `ctxq convert MODEL fit --ctx N` would choose together on these devices, predicted from
+    the header (`hf_joint.fitted`); {"error": why} where no mix holds every layer on the GPUs; None where nothing is
+    to be gained (f16 weights hold every layer) or no type fits at all."""
+    from ..conversion import hf_joint
     from ..errors import CtxqError
-    from ..conversion import hfplan
 
     rec = r.recommended
-    if rec is None or not rec.plan.gpus or rec.plan.cpu_layers or rec.type in ("F16", "BF16", "Q8_0"):
-        return None  # no fixed mix holds every layer on the GPUs (nor does a fitted one), or one loses ~nothing
-    src = hfplan.header_gguf(hfplan._resolve(model))
+    if rec is None or not rec.plan.gpus or (rec.type in ("F16", "BF16") and not rec.plan.cpu_layers):
+        return None
     try:
-        b = fit_to_plan(src, fitting.table_for(src, measure=False), r.n_ctx, options=options)
+        return hf_joint.fitted(r.model, r.source, r.n_ctx, options, reference=rec.plan)
     except CtxqError as e:
-        return f"a fitted mix: {e}"
-    return (f"a fitted {b.mix.size / 1e9:.1f} GB mix holds {r.n_ctx:,} tokens on these cards with KV {b.kv} "
-            f"({100 * b.fill:.1f} % of what {b.reference} leaves for weights): ctxq convert {r.model} fit "
-            f"--ctx {r.n_ctx} ...")
+        return {"error": str(e), "command": hf_joint.command(r.model, r.n_ctx, options)}
+
+
+def _fitted_lines(f, n_ctx: int) -> list[str]:
+    if f is None:
+        return []
+    if isinstance(f, dict):
+        return [f"fitted mix and KV (ctxq convert … fit --ctx): {f['error']}"]
+    return [f"fitted: a {f.mix_bytes / 1e9:.1f} GB mix with KV {f.pair} holds {n_ctx:,} tokens with every layer on the "
+            f"GPUs; predicted mean KL {f.total:.4f} = weights {f.weights_loss:.4f} (a prior from the header, scaled "
+            f"to KL on SmolLM2's measured fits) + KV {f.kv_loss:.5f} ({_kv_basis(f.kv_source)}); predicted, not "
+            "measured",
+            f"make and measure it: {f.command}   (it measures this model's own table and may choose another mix or "
+            "pair)"]
+
+
+def _kv_basis(source: str) -> str:
+    from ..conversion.joint import DEFAULT_SOURCE
+
+    return "ctxq's default table, measured on SmolLM2 at 2,048 tokens" if source == DEFAULT_SOURCE else source

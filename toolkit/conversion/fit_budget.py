@@ -135,10 +135,13 @@ def reference_plan(src: Path, table: S.Table, folder: Path, devices, cpu, opts) 
     return "the smallest mix", p
 
 
-def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hint: int | None = None):
+def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hint: int | None = None,
+                tolerance: float = TOLERANCE, room: int | None = None):
     """(mix, plan): the largest mix of `table` whose plan under `opts` (its KV pair fixed) holds every layer on the
-    GPUs, its target bisected to within `TOLERANCE`; None when not even the smallest does. `hint`, a size expected
-    near the answer (another pair's answer moved by the difference of their caches), brackets it in two plans."""
+    GPUs, its target bisected to within `tolerance` of it; None when not even the smallest does. `hint`, a size
+    expected near the answer (another pair's answer moved by the difference of their caches), brackets it in two
+    plans. `room`: mix bytes known not to fit (the GPUs' memory less the cache, plus what stays in host memory); a
+    larger mix is not planned."""
     smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
     largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
     tag = (opts.kv or "kv").replace("/", "-")
@@ -147,7 +150,10 @@ def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hin
     def probe(target: int) -> bool:
         mix = choose(table, target, src)
         state["n"] += 1
-        p = _plan_tensors(src, mix.tensors, folder, f"{tag}-{state['n']}", devices, cpu, opts)
+        if room is not None and mix.size > room:
+            p = None
+        else:
+            p = _plan_tensors(src, mix.tensors, folder, f"{tag}-{state['n']}", devices, cpu, opts)
         ok = p is not None and _all_on_gpus(p)
         log.info("fit (KV %s): %.4f GiB %s", opts.kv, mix.size / GiB, "fits" if ok else "does not fit")
         if ok:
@@ -167,7 +173,7 @@ def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hin
         elif hint - step > smallest:
             probe(hint - step)
     for _ in range(MAX_STEPS):  # invariant: lo fits (or is the smallest), hi does not
-        if state["hi"] - state["lo"] <= TOLERANCE * state["lo"]:
+        if state["hi"] - state["lo"] <= tolerance * state["lo"]:
             break
         probe((state["lo"] + state["hi"]) // 2)
     if state["best"] is None:

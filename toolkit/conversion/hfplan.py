@@ -57,6 +57,8 @@ class Candidate:
     plan: Plan | None
     why_not: str = ""
     quality: str = ""
+    # an importance matrix is used: llama.cpp's quantizer needs one for this type, and `ctxq convert` makes ctxq's
+    # own (of the f16 conversion, cached) where --imatrix gives none
     needs_imatrix: bool = False
     recommended: bool = False
 
@@ -66,6 +68,7 @@ class HFPlan:
     model: str
     n_ctx: int
     candidates: list[Candidate] = field(default_factory=list)
+    source: Path | None = None  # the header-only f16/bf16 GGUF the candidates were predicted from
 
     @property
     def recommended(self) -> Candidate | None:
@@ -151,7 +154,7 @@ def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=None,
     src = header_gguf(folder)
     if types is None:
         types = MOE_CANDIDATES if _is_moe(src) else CANDIDATES
-    result = HFPlan(str(model), opts.n_ctx)
+    result = HFPlan(str(model), opts.n_ctx, source=src)
     for qt in types:
         if qt.upper() in ("F16", "BF16"):
             path, size, needs = src, src.stat().st_size, False  # the sparse file has the full size
@@ -164,7 +167,8 @@ def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=None,
         except DoesNotFit as e:
             c.why_not = str(e)
         result.candidates.append(c)
-    fitting = [c for c in result.candidates if c.fits and not c.needs_imatrix]
+    # a type that needs an importance matrix may be recommended: `ctxq convert` makes one when none is given
+    fitting = [c for c in result.candidates if c.fits]
     on_gpu = [c for c in fitting if c.plan.cpu_layers == 0 and c.plan.gpus]
     # the candidates come in quality order: the first that fits all on the GPUs, else the one
     # with the fewest layers on the CPU
