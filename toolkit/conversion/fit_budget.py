@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import ConversionError, DoesNotFit
 from ..units import GiB
 from . import sensitivity as S
-from .fit import Mix, choose
+from .fit import Mix, choose, smallest_size
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def fit_to_plan(src: Path, table: S.Table, n_ctx: int, options=None, **settings)
             if p is not None and _all_on_gpus(p):
                 ref, ref_plan = qt, p
                 break
-        smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+        smallest = smallest_size(table, src)
         if ref_plan is None:  # none of llama.cpp's mixes fits: the pair the smallest mix gets
             mix = choose(table, smallest, src)
             ref_plan = _plan_tensors(src, mix.tensors, folder, "smallest", devices, cpu, opts)
@@ -135,7 +135,7 @@ def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hin
     """(mix, plan): the largest mix of `table` whose plan under `opts` (its KV pair fixed) holds every layer on the
     GPUs, its target bisected to within `TOLERANCE`; None when not even the smallest does. `hint`, a size expected
     near the answer (another pair's answer moved by the difference of their caches), brackets it in two plans."""
-    smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+    smallest = smallest_size(table, src)
     largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
     tag = (opts.kv or "kv").replace("/", "-")
     state = {"lo": smallest, "hi": largest, "best": None, "n": 0}
