@@ -17,8 +17,15 @@
    the unmeasured at the default table's losses. Measure them first:
        ctxq quality SRC --ctx 4096 -f ~/.cache/ctxq/fit/text-held-out-*.txt --kv q8_0,q8_0/q5_1,...
 
+4. The importance matrix (`--imatrix-rows`, issue 45): SmolLM2 f16 at the sizes of llama.cpp's Q2_K and Q3_K_M
+   (made without a matrix), ctxq's fit with ctxq's own matrix (IQ2_XXS ... IQ3_S among the candidates, the errors
+   weighted by it, the file written with it) and without (no IQ candidates, unweighted errors, no matrix in the
+   file), beside llama.cpp's Q2_K and Q3_K_M quantized with and without the same matrix: bytes, the held-out mean
+   KL, p99, top-1, seconds.
+
     .venv/bin/python scripts/bench_fit.py [--sizes Q3_K_M,Q4_K_M,Q5_K_M] [--skip-70b]
     .venv/bin/python scripts/bench_fit.py --joint-only [--joint-ctx 4096]
+    .venv/bin/python scripts/bench_fit.py --imatrix-rows [--imatrix-sizes Q2_K,Q3_K_M] [--imatrix-methods kl,error]
 
 The KL table of SmolLM2 (69 quantizer runs and 62 measured probes) takes about 10 minutes on 2 cores the first time;
 it is cached under ctxq's cache (fit/).
@@ -169,6 +176,87 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
             f"{r.pair} {'%.4f' % r.total if r.total is not None else r.skipped}" for r in j.rows) + ") |", flush=True)
 
 
+def imatrix_rows(tmp: Path, src: str | None, sizes: list[str], methods: list[str], full: bool = False) -> None:
+    from ctxq.conversion import fit as F
+    from ctxq.conversion.convert import convert
+    from ctxq.conversion.quantize import OWN, quantize_gguf
+    from ctxq.testing.models import rebuild_smollm2_hf
+
+    src = Path(src) if src else convert(rebuild_smollm2_hf(), "f16").path
+    tables = {}
+    for method in methods:
+        for matrix in ("with", "without"):
+            t0 = time.perf_counter()
+            if method == "kl" and matrix == "without" and not full:
+                t = _kl_without_matrix(tables["kl", "with"], F.table_for(src, "error", imatrix=False))
+            else:
+                t = F.table_for(src, method, progress=_dots, imatrix=matrix == "with")
+            tables[method, matrix] = t
+            print(f"\n{method} table {matrix} the matrix: {time.perf_counter() - t0:.1f} s (cached after the first "
+                  f"run); candidates {', '.join(t.types)}; matrix {t.details.get('imatrix')}", file=sys.stderr)
+    print(f"\n{src.name}: fit with and without ctxq's importance matrix; held-out: the built-in text's second half, "
+          "2,048 tokens, 1,023 positions scored; KL(f16 || file) in nats\n")
+    print("| size of | file | matrix | bytes | mean KL | p99 KL | top-1 | seconds |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for qt in sizes:
+        target = None
+        for matrix in ("without", "with"):
+            t0 = time.perf_counter()
+            fixed = quantize_gguf(src, tmp / f"{qt}-{matrix}.gguf", qt, check=False, force=True,
+                                  imatrix=OWN if matrix == "with" else None)
+            q = F.held_out_quality(fixed.path, src)
+            _imrow(qt, f"llama.cpp {qt}", matrix, fixed.size, q, time.perf_counter() - t0)
+            target = target or fixed.size  # the fits' target: llama.cpp's file without a matrix
+            fixed.path.unlink()
+        for method in methods:
+            for matrix in ("with", "without"):
+                t0 = time.perf_counter()
+                r = F.fit(src, target, tmp / f"fit-{method}-{matrix}-{qt}.gguf", table=tables[method, matrix],
+                          check=False, force=True)
+                if matrix == "with" and not F.mix_imatrix(r.mix):  # no IQ type chosen: K types, no matrix
+                    matrix = "with (no IQ type chosen: written without)"
+                _imrow(qt, f"ctxq fit ({method})", matrix, r.size, r.quality, time.perf_counter() - t0)
+                for line in r.mix.summary():
+                    print(f"|  |  {line} | | | | | | |")
+                Path(r.path).unlink()
+                if matrix == "without":  # the same mix written with the matrix: what the matrix gives the K types
+                    t0 = time.perf_counter()
+                    same = quantize_gguf(src, tmp / f"same-{method}-{qt}.gguf", F._base_type(r.mix), pure=True,
+                                         tensor_types=r.mix.tensor_types(), check=False, force=True,
+                                         imatrix=Path(tables[method, "with"].details["imatrix"]))
+                    _imrow(qt, f"ctxq fit ({method}), the mix above", "written with", same.size,
+                           F.held_out_quality(same.path, src), time.perf_counter() - t0)
+                    same.path.unlink()
+
+
+def _kl_without_matrix(with_: "S.Table", bare: "S.Table") -> "S.Table":
+    """The kl table without the matrix from the one with it and the unweighted error table (`table_for(src, "error",
+    imatrix=False)`): the probes (one group at Q3_K, the rest Q8_0) are quantized without a matrix in both, so each
+    group's measured dKL is the same; only the error it is divided by changes (sensitivity.py's `_sensitivities`:
+    s_g = max(dKL, floor) / d_err). `table_for(src, "kl", imatrix=False)` measures the same 62 probes again
+    (`--imatrix-full`), half an hour on 2 shared cores."""
+    import copy
+
+    from ctxq.conversion import sensitivity as S
+
+    t = copy.copy(bare)
+    err_w, err_u, sens = (with_.details[k] for k in ("error", "error_unweighted", "sensitivity"))
+    ib, ip = with_.types.index(S.BASE), with_.types.index(S.PROBE)
+    jb, jp = bare.types.index(S.BASE), bare.types.index(S.PROBE)
+    for g in bare.groups:  # the unweighted errors with the matrix are those without it (the K types: no matrix)
+        assert abs(err_u[g.name][ip] - bare.details["error"][g.name][jp]) <= 1e-9 * err_u[g.name][ip], g.name
+    t.details = {**bare.details, "sensitivity": {
+        g: (sens[g] * (err_w[g][ip] - err_w[g][ib]) / (e[jp] - e[jb]) if e[jp] > e[jb] else 0.0)
+        for g, e in bare.details["error"].items()}}
+    t.base_kl, t.measured_on = with_.base_kl, with_.measured_on
+    return S.losses(t, "kl")
+
+
+def _imrow(qt, name, matrix, size, q, seconds):
+    print(f"| {qt} | {name} | {matrix} | {size:,} | {q['mean_kl']:.5f} | {q['p99_kl']:.4f} | "
+          f"{100 * q['top1_agreement']:.1f} % | {seconds:.1f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="Q3_K_M,Q4_K_M,Q5_K_M")
@@ -177,9 +265,19 @@ def main() -> int:
     ap.add_argument("--joint-only", action="store_true", help="only section 3 (the pair and the mix together)")
     ap.add_argument("--skip-joint", action="store_true")
     ap.add_argument("--joint-ctx", type=int, default=4096)
-    ap.add_argument("--joint-src", help="SmolLM2's f16 GGUF for section 3 (default: ctxq's conversion of it)")
+    ap.add_argument("--joint-src", help="SmolLM2's f16 GGUF for sections 3 and 4 (default: ctxq's conversion of it)")
+    ap.add_argument("--imatrix-rows", action="store_true",
+                    help="only section 4: the fit with and without the importance matrix")
+    ap.add_argument("--imatrix-sizes", default="Q2_K,Q3_K_M")
+    ap.add_argument("--imatrix-methods", default="kl", help="fit's methods for section 4 (kl, error)")
+    ap.add_argument("--imatrix-full", action="store_true",
+                    help="measure the kl table without the matrix again rather than from the same probes")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="ctxq-bench-fit-") as tmp:
+        if a.imatrix_rows:
+            imatrix_rows(Path(tmp), a.joint_src, a.imatrix_sizes.split(","), a.imatrix_methods.split(","),
+                         a.imatrix_full)
+            return 0
         if not a.skip_smollm2 and not a.joint_only:
             smollm2(Path(tmp), a.sizes.split(","))
         if not a.skip_70b and not a.joint_only:

@@ -116,9 +116,9 @@ class Mix:
 def choose(table: S.Table, target: int, src: Path) -> Mix:
     """The least-loss mix whose file (llama.cpp's dry run, header included) is at most `target` bytes."""
     from ..gguf.writer import sparse_size
-    from .dryrun import dry_run
+    from .dryrun import dry_run, written_header_bytes
 
-    smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+    smallest = smallest_size(table, src)
     budget = target - table.fixed_bytes
     for _ in range(4):
         choice = allocate(table.option_costs(), budget)
@@ -128,11 +128,34 @@ def choose(table: S.Table, target: int, src: Path) -> Mix:
                                   "target, or more memory")
         mix = Mix(table, choice)
         mix.tensors = dry_run(src, _base_type(mix), tensor_types=mix.tensor_types(), pure=True)
-        mix.size = sparse_size(S.header_bytes(src), mix.tensors)
+        # the file `fit` writes holds the keys of the matrix it is quantized with. (The dry run needs no matrix: a
+        # pure run's types never read it, llama-quant.cpp's llama_tensor_get_type, and a lean worker is 0.4 s faster)
+        mix.size = sparse_size(written_header_bytes(src, mix_imatrix(mix)), mix.tensors)
         if mix.size <= target:
             return mix
         budget -= mix.size - target  # the header grew (the quantizer's keys): give those bytes back
     raise ConversionError(f"no mix of this model comes within {target:,} bytes: give a slightly larger target")
+
+
+def smallest_size(table: S.Table, src: Path) -> int:
+    """The bytes of `table`'s smallest mix at most: every group at its least bytes, and a header that holds the
+    matrix's keys when the table has a matrix (its least types are then IQ types, written with it)."""
+    from ..gguf.writer import DEFAULT_ALIGNMENT
+    from .dryrun import written_header_bytes
+
+    keys = 0
+    if table.details.get("imatrix"):  # (+ one alignment: the header's padding may take a step more)
+        keys = written_header_bytes(src, Path(table.details["imatrix"])) - written_header_bytes(src) + DEFAULT_ALIGNMENT
+    return table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups) + keys
+
+
+def mix_imatrix(mix: Mix) -> Path | None:
+    """The importance matrix `fit` writes `mix` with: the table's (ctxq's own, which quantized its IQ types) when a
+    tensor type takes one (`quantize.wants_imatrix`), else none (the K types as the table measured them)."""
+    from .quantize import wants_imatrix
+
+    path = mix.table.details.get("imatrix")
+    return Path(path) if path and wants_imatrix(_base_type(mix), mix.tensor_types()) else None
 
 
 def _base_type(mix: Mix) -> str:
@@ -168,12 +191,15 @@ class FitResult:
                 **(self.joint.to_dict() if self.joint is not None else {})}
 
 
-def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=None, plan_options=None) -> S.Table:
-    """The layout and losses of `src` by `method` (kl, error; prior without weights)."""
+def table_for(src: Path, method: str = "kl", *, measure: bool = True, progress=None, plan_options=None,
+              imatrix: Path | bool = True) -> S.Table:
+    """The layout and losses of `src` by `method` (kl, error; prior without weights). `imatrix` (`S.measure`): True,
+    ctxq's own importance matrix (the IQ types among the candidates, the errors weighted by it); a path, that one;
+    False, none (no IQ candidates, the errors unweighted, and so no matrix in the file written)."""
     table = S.layout(src)
     if not measure:
         return S.prior(table, src)
-    return S.measure(table, src, method=method, progress=progress, plan_options=plan_options)
+    return S.measure(table, src, method=method, progress=progress, plan_options=plan_options, imatrix=imatrix)
 
 
 def fit(src: str | os.PathLike, target: int, output: str | os.PathLike | None = None, *, method: str = "kl",
@@ -193,7 +219,7 @@ def fit(src: str | os.PathLike, target: int, output: str | os.PathLike | None = 
     table = mix.table
     dst = Path(output) if output else src.with_name(f"{_stem(src)}-fit-{_size_label(target)}.gguf")
     res = quantize_gguf(src, dst, _base_type(mix), pure=True, tensor_types=mix.tensor_types(), check=check,
-                        force=force, progress=progress)
+                        force=force, progress=progress, imatrix=mix_imatrix(mix))
     if res.size != mix.size:  # the dry run is the quantizer's own: a difference is a bug to hear about
         log.warning("the fitted file is %d bytes, its dry run said %d", res.size, mix.size)
     result = FitResult(res.path, res.size, target, mix, table.method, seconds=0.0)

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import ConversionError, DoesNotFit
 from ..units import GiB
 from . import sensitivity as S
-from .fit import Mix, choose
+from .fit import Mix, choose, smallest_size
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def reference_plan(src: Path, table: S.Table, folder: Path, devices, cpu, opts) 
         p = _plan_tensors(src, dry_run(src, qt), folder, qt, devices, cpu, opts)
         if p is not None and _all_on_gpus(p):
             return qt, p
-    smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+    smallest = smallest_size(table, src)
     mix = choose(table, smallest, src)
     p = _plan_tensors(src, mix.tensors, folder, "smallest", devices, cpu, opts)
     if p is None or not _all_on_gpus(p):
@@ -142,7 +142,7 @@ def largest_mix(src: Path, table: S.Table, folder: Path, devices, cpu, opts, hin
     expected near the answer (another pair's answer moved by the difference of their caches), brackets it in two
     plans. `room`: mix bytes known not to fit (the GPUs' memory less the cache, plus what stays in host memory); a
     larger mix is not planned."""
-    smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
+    smallest = smallest_size(table, src)
     largest = table.fixed_bytes + sum(max(table.bytes[g.name]) for g in table.groups)
     tag = (opts.kv or "kv").replace("/", "-")
     state = {"lo": smallest, "hi": largest, "best": None, "n": 0}
