@@ -40,7 +40,12 @@ class Stopped:
 
     def signal(self, sig: int) -> tuple[int, str]:
         self.proc.send_signal(sig)
-        _, err = self.proc.communicate()
+        try:  # a command that does not end on a stop signal fails here instead of holding the suite
+            _, err = self.proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            pytest.fail(f"ctxq did not end within 300 s of signal {sig}: {err[-2000:]}")
         return self.proc.returncode, err
 
 
