@@ -17,22 +17,7 @@ from ctxq.conversion.imatrix import auto_chunks, make_imatrix
 from ctxq.conversion.quantize import quantize_gguf
 from ctxq.gguf.writer import sparse_size
 
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        h = tmp_path_factory.mktemp("home")
-        mp.setenv("CTXQ_HOME", str(h))
-        mp.setenv("CTXQ_IMATRIX_CHUNKS", "1")
-        yield h
-
-
-@pytest.fixture(scope="module")
-def wide(home, tmp_path_factory):
-    from ctxq.testing.moe import tiny_moe_gguf
-
-    return tiny_moe_gguf(tmp_path_factory.mktemp("m") / "moe256.gguf", n_embd=256, n_ff_exp=256, head_dim=64,
-                         n_layer=2)
+from .test_iq_fit import home, wide  # noqa: F401 (the same module-scoped home and wide MoE model)
 
 
 def _types(path) -> set[str]:
