@@ -64,22 +64,29 @@ _GPUS_RE = re.compile(r"^(?:(\d+)\s*[x×*]\s*)?(\d+(?:\.\d+)?)$")
 
 
 def parse_gpus(spec: str | list[float] | tuple[float, ...]) -> list[Device]:
-    """`"16,16,16,8,8"`, `"3x16,2x8"` or a list of GiB sizes -> described GPUs, in that order."""
+    """`"16,16,16,8,8"`, `"3x16,2x8"` or a list of GiB sizes -> described GPUs, in that order. A size may name its
+    card, `"3x16=RTX 4060 Ti,2x8=RTX 4060"`: the planner then takes its speed facts from the known cards
+    (planning.devices.KNOWN_CARDS) without a profile."""
     sizes: list[float] = []
+    names: list[str | None] = []
     if isinstance(spec, str):
         for part in filter(None, (p.strip() for p in spec.split(","))):
-            m = _GPUS_RE.match(part.lower().removesuffix("gib").removesuffix("gb").strip())
-            if not m:
-                raise InvalidOption(f"`gpus` {spec!r}: {part!r} is not a size in GiB; write e.g. 16,16,16,8,8 or 3x16,2x8",
-                                    option="gpus", value=spec)
-            sizes += [float(m.group(2))] * int(m.group(1) or 1)
+            part, _, card = part.partition("=")
+            m = _GPUS_RE.match(part.strip().lower().removesuffix("gib").removesuffix("gb").strip())
+            if not m or (_ and not card.strip()):
+                raise InvalidOption(f"`gpus` {spec!r}: {part!r} is not a size in GiB; write e.g. 16,16,16,8,8, 3x16,2x8 "
+                                    "or 3x16=RTX 4060 Ti,2x8=RTX 4060", option="gpus", value=spec)
+            k = int(m.group(1) or 1)
+            sizes += [float(m.group(2))] * k
+            names += [card.strip() or None] * k
     else:
         sizes = [float(s) for s in spec]
+        names = [None] * len(sizes)
     if not sizes or any(s <= 0 for s in sizes):
         raise InvalidOption(f"`gpus` {spec!r}: give one or more positive sizes in GiB, e.g. 16,16,16,8,8",
                             option="gpus", value=spec)
-    return [Device(name=f"GPU{i}", kind="gpu", total=int(s * GiB), usable=int(s * GiB),
-                   bandwidth=DEFAULT_GPU_BANDWIDTH) for i, s in enumerate(sizes)]
+    return [Device(name=f"GPU{i} {n}" if n else f"GPU{i}", kind="gpu", total=int(s * GiB), usable=int(s * GiB),
+                   bandwidth=DEFAULT_GPU_BANDWIDTH) for i, (s, n) in enumerate(zip(sizes, names))]
 
 
 def list_profiles() -> list[str]:

@@ -50,6 +50,14 @@ the all-reduce scratch of one full micro-batch) are compared with the plan's; a 
 one is flagged UNDER (the never-under rule):
 
     .venv/bin/python scripts/accuracy.py --tensor --out docs/accuracy-table.md
+
+`--spill` (section spill, issue 53) takes plans that keep the dense FFN weights of some layers in host memory, every
+layer's attention and KV cache on the cards: SmolLM2 (tiny target) and the real geometries of Llama-3-8B, Qwen2.5-7B
+(biased QKV) and Phi-3-mini (a fused gate+up) at 16k, f16/q8_0/q4_0, on 2 and 3 RPC devices whose sizes are chosen so
+the planner spills (a share of what every layer and its cache need, lowered until the plan keeps FFN weights on the
+host); each device and the host against the real load with the plan's overrides:
+
+    .venv/bin/python scripts/accuracy.py --spill --out docs/accuracy-table.md
 """
 
 from __future__ import annotations
@@ -116,9 +124,12 @@ def main() -> int:
                     "smollm2 and issue 22's tiny hybrids; section parallel)")
     ap.add_argument("--out", default=None, help="write the table as a Markdown section of this file")
     ap.add_argument("--section", default=None, help="the section of --out (default: by the matrix)")
+    ap.add_argument("--spill", action="store_true", help="plans with FFN weights in host memory (section spill)")
     a = ap.parse_args()
     if a.tensor:
         return _tensor(a)
+    if a.spill:
+        return _spill(a, ap)
     if a.quick:
         a.models, a.devices, a.ctx, a.kv = "llama3-8b,gemma2-9b", "cpu,rpc5", "4096", "f16,q8_0"
     if a.hybrid:  # the defaults of the hybrid matrix where not given
@@ -364,6 +375,66 @@ def _tensor(a) -> int:
     write(True)
     return 0 if bad == 0 else 1
 
+
+
+SPILL = dict(models="smollm2,llama3-8b,qwen2.5-7b,phi3-mini", devices="rpc2,rpc3", ctx="16384", kv="f16,q8_0,q4_0")
+
+
+def _spill_sizes(model: str, n: int, ctx: int, kv: str) -> list[float] | None:
+    """Equal RPC devices (GiB) on which the planner keeps FFN weights on the host and no whole layer: from what every
+    layer and its cache need, shares lowered by 4 % until the plan spills (None when none does)."""
+    from ctxq.planning.devices import Device
+    from ctxq.planning.planner import plan
+
+    info = model_info(model)
+    need = sum(la.weight_bytes for la in info.layers) + _kv_per_token(info, kv) * ctx
+    for share in [2.0 - 0.04 * i for i in range(40)]:  # from room to spare (compute buffers, margins) down
+        gib = round(need * share / n / GiB, 2)
+        devs = [Device(name=f"RPC{i}", kind="rpc", total=int(gib * GiB), usable=int(gib * GiB)) for i in range(n)]
+        try:
+            p = plan(model, ctx, devices=devs, kv=kv)
+        except CtxqError:
+            return None
+        if p.cpu_layers:
+            return None
+        if p.cpu_ffn_layers:
+            return [gib] * n
+    return None
+
+
+def _spill(a, ap) -> int:
+    for k, v in SPILL.items():
+        if getattr(a, k) == ap.get_default(k):
+            setattr(a, k, v)
+    target, tmp = Target(TARGET_REL, TARGET_ABS), Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
+    target.tiny = Target(TINY_REL, TINY_ABS)
+    rows, t0 = [], time.time()
+    for name in a.models.split(","):
+        model = _model(a, name, tmp)
+        for dev in a.devices.split(","):
+            n = len(DEVICE_SETS[dev])
+            for ctx in map(int, a.ctx.split(",")):
+                for kv in a.kv.split(","):
+                    sizes = _spill_sizes(model, n, ctx, kv)
+                    if sizes is None:
+                        print(f"skip {name} {dev} {ctx} {kv}: no device size makes the plan spill", flush=True)
+                        continue
+                    with start_workers(n) as w:
+                        r = check_cell(model, ctx, kv, sizes, workers=w, search=True, label=f"{name} {dev} {ctx} {kv}")
+                    label = f"{kv}, {'x'.join(f'{s:g}' for s in sizes[:1])} GiB x {n}"
+                    for d in r.devices:
+                        status = "UNDER" if d.under else "ok" if target.of(name).holds(d) else "OVER"
+                        rows.append([name, dev, ctx, label, d.name, d.planned_total / MiB, d.real_total / MiB,
+                                     d.shown_error / MiB, status, "yes" if r.layers_match else "NO"])
+                        print(f"{r.label} {d.name}: planned {d.planned_total / MiB:.2f} MiB, llama.cpp "
+                              f"{d.real_total / MiB:.2f}, {status}", flush=True)
+                    if a.out:
+                        _write(a.out, a.section or "spill", rows, target, sys.argv[1:], done=False)
+    if a.out:
+        _write(a.out, a.section or "spill", rows, target, sys.argv[1:], done=True)
+    bad = sum(1 for r in rows if r[8] != "ok" or r[9] != "yes")
+    print(f"{len(rows)} device rows, {bad} outside the target, {time.time() - t0:.0f} s")
+    return 1 if bad else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -200,7 +200,7 @@ run() {
             sed -n '/^NVIDIA GPUs/,/^CPU:/p' "$OUT/doctor.txt" | grep -v '^CPU:' || true
             local left=$((budget - (SECONDS - start)))
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s $((left > 0 ? left : 0)) \
-                --stages "${GPU_CHECK_STAGES:-doctor,cells,workers,split,speed}"
+                --stages "${GPU_CHECK_STAGES:-doctor,cells,workers,split,speed,spill}"
             parallel_table
         else
             python3 scripts/gpu_check.py checks --out "$OUT" --deadline-s 0 --failed-build

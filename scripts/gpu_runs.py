@@ -49,6 +49,10 @@ class Matrix:
     split_ctx: int = 16384
     split_bench: tuple[int, int, int] = (512, 16, 2)  # ctxq bench -p, -n, -r
     smollm2_header: Path | None = None  # default: $GPU_DIR/smollm2-header.gguf
+    # the spill stage (issue 53): a model one size too big for the card, both placements at 32k
+    spill_geometry: str = "llama3-8b"
+    spill_ctx: int = 32768
+    spill_prompt: int = 32768 - 64
     reader: Callable = nvml_or_fake  # () -> (read, why-not-NVML or None)
 
 
@@ -308,4 +312,35 @@ def split(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     return result
 
 
-STAGE_FUNCS = {"doctor": doctor, "cells": cells, "workers": workers, "speed": speed, "split": split}
+@keeps_partial
+def spill(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
+    """Issue 53 on a real card declared smaller than the model (`--reserve`: the card's free memory less the model's
+    weights and half its cache): `ctxq plan` of both placements (FFN weights in host memory; whole layers on the
+    CPU) with their estimated times, then `ctxq bench` of each at -p spill_prompt -n 32: measured prefill and decode
+    beside the estimate."""
+    from ctxq.gguf.info import model_info
+    from ctxq.units import GiB
+
+    model = _synthetic(m.spill_geometry)
+    info = model_info(model)
+    gpus = [d for d in _ctxq_json(["doctor"], stage.left())["ggml_devices"] if d.get("type") in ("gpu", "igpu")]
+    if not gpus:
+        raise RuntimeError("no GPU among ggml's devices")
+    free = float(gpus[0]["free"])
+    room = sum(la.weight_bytes for la in info.layers) * 0.8  # a fifth of the weights does not fit
+    reserve = max(0.0, (free - room) / GiB)
+    common = [model, "-c", str(m.spill_ctx), "--reserve", f"{reserve:.2f}"]
+    result.update(model=m.spill_geometry, n_ctx=m.spill_ctx, reserve_gib=round(reserve, 2))
+    for how in ("weights", "layers"):
+        stage.check(15)
+        p = _ctxq_json(["plan", *common, "--offload", how], stage.left())
+        row = {"cpu_layers": p["cpu_layers"], "cpu_ffn_layers": len(p["cpu_ffn_layers"]),
+               "estimate": p["speed"].get("read")}
+        result[how] = row
+        b = _ctxq_json(["bench", *common, "--offload", how, "-p", str(m.spill_prompt), "-n", "32", "-r", "1"],
+                       stage.left())
+        row["bench"] = b
+    return result
+
+
+STAGE_FUNCS = {"doctor": doctor, "cells": cells, "workers": workers, "speed": speed, "split": split, "spill": spill}

@@ -57,7 +57,8 @@ def test_run_without_flags_leaves_every_option_unset(record):
     assert isinstance(r.exception, Reached), r.output
     assert calls[0][1]["options"] == PlanOptions()  # "not given": the library's defaults apply
     assert PlanOptions().resolved() == PlanOptions(n_ctx=4096, n_batch=2048, n_ubatch=512, kv="auto",
-                                                   prefer="quality", flash_attn=True, reorder=True, split_mode="layer")
+                                                   prefer="quality", flash_attn=True, reorder=True, split_mode="layer",
+                                                   offload="auto", prefer_given=False)
 
 
 def test_serve_flags_reach_the_plan(record):

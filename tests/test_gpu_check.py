@@ -36,7 +36,7 @@ def test_unknown_stage_is_refused_with_the_known_ones(tmp_path, capsys):
         main(["checks", "--out", str(tmp_path), "--stages", "doctor,warp"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "warp" in err and "doctor, cells, workers, split, speed" in err
+    assert "warp" in err and "doctor, cells, workers, split, speed, spill" in err
     assert not (tmp_path / "gpu_check.json").exists()
 
 

@@ -44,7 +44,10 @@ def _record(model, pairs: dict, n_ctx: int = N_CTX, text: str = "contract.txt"):
 
 
 def _fits(model, kv):
-    return plan(model, N_CTX, simulate=TIGHT, kv=kv).cpu_layers == 0
+    """Every weight and every layer's cache on the devices: neither whole layers nor FFN weights on the host (a
+    pair that fits only by spilling FFN weights never replaces a smaller cache that fits: planning/spill.py)."""
+    p = plan(model, N_CTX, simulate=TIGHT, kv=kv)
+    return p.cpu_layers == 0 and not p.cpu_ffn_layers
 
 
 def test_default_order_takes_the_least_lossy_pair_that_fits(smollm2, home):
@@ -80,8 +83,12 @@ def test_max_kl_holds_moves_layers_or_refuses(smollm2, home):
     _record(smollm2, {"q8_0/q8_0": 0.004, "iq4_nl/iq4_nl": 0.010, "q4_0/q4_0": 0.050})
     p = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.02)
     assert (p.type_k, p.type_v) == ("iq4_nl", "iq4_nl") and p.cpu_layers == 0
-    held = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.005)  # only q8_0 or better: layers go to the CPU
-    assert (held.type_k, held.type_v) == ("q8_0", "q8_0") and held.cpu_layers > 0
+    held = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.005)  # only q8_0 or better: FFN weights go to the host,
+    # every layer's cache stays on the devices (planning/spill.py); offload=layers moves whole layers instead
+    assert (held.type_k, held.type_v) == ("q8_0", "q8_0") and held.cpu_layers == 0 and held.cpu_ffn_layers
+    assert held.host.kv == 0
+    layers = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.005, offload="layers")
+    assert (layers.type_k, layers.type_v) == ("q8_0", "q8_0") and layers.cpu_layers > 0 and layers.host.kv > 0
     with pytest.raises(DoesNotFit, match=r"the least measured loss that fits is q8_0/q8_0, mean KL 0\.004") as e:
         plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.0, cpu_memory=int(1.5 * 2**30))  # f16 needs 1.74 GiB of host
     assert e.value.option == "max_kl"

@@ -21,7 +21,7 @@ FLAGS = {
     "check": "--no-check", "hf_file": "--hf-file", "max_body": "--max-body", "max_queue": "--max-queue",
     "timeout": "--timeout", "shutdown_timeout": "--shutdown-timeout", "session": "--session",
     "cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe", "max_kl": "--max-kl", "against": "--against",
-    "n_prompt": "-p", "n_gen": "-n", "depth": "-d", "reps": "-r",
+    "n_prompt": "-p", "n_gen": "-n", "depth": "-d", "reps": "-r", "offload": "--offload",
 }
 # flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
 _SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure", "cpu_moe"}

@@ -102,6 +102,11 @@ def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False
                      help=f"Tokens per graph evaluation (sizes the compute buffers).  [default: {DEFAULT_N_UBATCH}]"),
         click.option("-b", "--batch", "n_batch", type=int, default=None,
                      help=f"Tokens per decode call of the prefill.  [default: {DEFAULT_N_BATCH}]"),
+        click.option("--offload", type=click.Choice(["auto", "weights", "layers"]), default=None,
+                     help="When the cards cannot hold everything at the context: weights (dense FFN weights of "
+                          "chosen layers in host memory, -ot; attention and the whole KV cache stay on the cards), "
+                          "layers (whole layers with their KV cache on the CPU, -ngl), or auto (the one estimated "
+                          "faster to read the context; weights when that cannot be estimated).  [default: auto]"),
         click.option("-cmoe", "--cpu-moe", "cpu_moe", is_flag=True, default=None,
                      callback=lambda ctx, param, v: v or None,
                      help="Keep the expert weights of a mixture-of-experts model in CPU memory (llama.cpp's "

@@ -61,6 +61,11 @@ def render_plan(p, *, title: str | None = None) -> str:
         if whole:
             lines.append(f"quality: {whole}")
     lines += _expert_lines(p)
+    from ..planning.spill import describe, reading_lines
+
+    if (spilled := describe(p)) is not None:
+        lines.append(spilled)
+    lines += reading_lines(p.speed.get("read") or {})
     if p.est_decode_tps:
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "
                      "(from memory bandwidth; an estimate, not a measurement)")

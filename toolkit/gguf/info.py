@@ -65,12 +65,20 @@ KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # Routed-expert tensors (common/common.h LLM_FFN_EXPS_REGEX, searched in the name).
 EXPERT_RE = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+# A layer's dense FFN weights and biases (not the routed or shared experts, the router or the norm): what a plan
+# may keep in host memory while the layer's attention and KV stay on its card (llama/overrides.py's FFN_REGEX).
+FFN_RE = re.compile(r"^blk\.\d+\.ffn_(up|down|gate|gate_up)\.")
 
 
 def block_of(name: str) -> int | None:
     """The layer a tensor belongs to, or None for tensors outside the blocks."""
     m = BLOCK_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def is_ffn(name: str) -> bool:
+    """A dense FFN tensor (FFN_RE): what a plan that spills weights keeps in host memory."""
+    return FFN_RE.match(name) is not None
 
 
 def is_expert(name: str) -> bool:
@@ -119,6 +127,7 @@ class LayerFacts:
     # K, V row widths of its own KV when llama.cpp's accounting gave them (planning.facts; MLA: no V); None: heads
     k_width: int | None = None
     v_width: int | None = None
+    ffn_bytes: int = 0  # of dense_bytes, the dense FFN's weights and biases (FFN_RE)
 
     @property
     def kind(self) -> str:
@@ -241,7 +250,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     n_swa, swa_layers = _sliding_layers(g, arch, n_layer, attention)
     state = _state_bytes(g, n_embd)
 
-    dense, expert = [0] * n_layer, [0] * n_layer
+    dense, expert, ffn = [0] * n_layer, [0] * n_layer, [0] * n_layer
     expert_names: list[set[str]] = [set() for _ in range(n_layer)]
     routers = [False] * n_layer
     token_embd = output = other = 0
@@ -258,6 +267,8 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
             if mtp[il]:
                 continue  # TENSOR_SKIP: not loaded
             (expert if is_expert(t.name) else dense)[il] += t.nbytes
+            if is_ffn(t.name):
+                ffn[il] += t.nbytes
             if is_expert(t.name):
                 expert_names[il].add(t.name.split(".")[2])
             routers[il] |= t.name.split(".")[2] == "ffn_gate_inp"
@@ -272,7 +283,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     layers = [LayerFacts(attention=attention[il], sliding=swa_layers[il], recurrent=recurrent[il],
                          n_head=n_head[il], n_head_kv=n_head_kv[il] if attention[il] else 0,
                          state_bytes=state if recurrent[il] else 0, dense_bytes=dense[il], expert_bytes=expert[il],
-                         mtp=mtp[il])
+                         mtp=mtp[il], ffn_bytes=ffn[il])
               for il in range(n_layer)]
     tied = g.tensor("output.weight") is None
     if tied and g.tensor("token_embd.weight") is not None:

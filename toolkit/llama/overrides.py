@@ -48,6 +48,20 @@ def experts_pattern(layers: Iterable[int]) -> str:
     return f"blk\\.({'|'.join(map(str, layers))}){FFN_EXPS_REGEX}"
 
 
+# A layer's dense FFN (gguf.info.FFN_RE): the weights a plan keeps in host memory when the cards cannot hold them all,
+# the layer's attention and KV cache staying on its card. The dot after the name keeps ffn_gate from matching
+# ffn_gate_inp (the router) or ffn_up from matching ffn_up_shexp / ffn_up_exps.
+FFN_REGEX = r"\.ffn_(up|down|gate|gate_up)\."
+
+
+def ffn_pattern(layers: Iterable[int]) -> str:
+    r"""One regex for the dense FFN tensors (weights and biases) of `layers`: `blk\.(3|4|5)\.ffn_(up|down|gate|
+    gate_up)\.`, what a llama.cpp user types as `-ot PATTERN=CPU`."""
+    layers = list(layers)
+    group = str(layers[0]) if len(layers) == 1 else f"({'|'.join(map(str, layers))})"
+    return f"blk\\.{group}{FFN_REGEX}"
+
+
 def expert_layers(tensor_names: Iterable[str]) -> list[int]:
     """The layers that hold expert tensors (the names llama.cpp's expert regex matches), in order."""
     return sorted({int(m.group(1)) for n in tensor_names if (m := _EXPERT_TENSOR.match(n))})

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..gguf.info import ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
+from ..gguf.info import ModelInfo, block_of, is_expert, is_ffn, kv_cells, layer_kv_bytes
 from ..gguf.once import file_stamp
 from ..gguf.reader import TensorInfo, tensor_nbytes
 from ..gguf.shards import read_model
@@ -292,19 +292,21 @@ class LayerTable:
     offload_prefix: tuple[int, ...]  # [k]: offload copies with layers 0..k-1 on the CPU (k = 0..n_layer)
     offload_output: int  # offload_weight_copies of the output head left on the CPU
     offload_experts: tuple[int, ...] = ()  # expert_offload_copies of each layer's experts kept in CPU memory
+    offload_ffn: tuple[int, ...] = ()  # ffn_offload_copies of each layer's dense FFN kept in host memory
 
     def terms(self, layers, has_output: bool, first: bool, n_cpu_slots: int, reserve: int,
-              cpu_experts=frozenset()) -> CudaTerms:
+              cpu_experts=frozenset(), cpu_ffn=frozenset()) -> CudaTerms:
         """The terms of a CUDA device holding `layers` (+ the output) when the first n_cpu_slots layer
         slots (llama.cpp keeps those on the CPU; slot n_layer is the output head) sit on the CPU, and the
-        experts of `cpu_experts` in CPU memory."""
+        experts of `cpu_experts` and the dense FFN of `cpu_ffn` in host memory."""
         n = len(self.fa)
         n_cpu_layers, output_on_cpu = min(n_cpu_slots, n), n_cpu_slots > n
         offload = 0
         if first:
             offload = max(self.offload_prefix[n_cpu_layers], self.offload_output if output_on_cpu else 0,
-                          max((self.offload_experts[il] for il in cpu_experts), default=0))
-        on_device = list(layers) + (list(range(n_cpu_layers)) + list(cpu_experts) if offload else [])
+                          max((self.offload_experts[il] for il in cpu_experts), default=0),
+                          max((self.offload_ffn[il] for il in cpu_ffn), default=0) if self.offload_ffn else 0)
+        on_device = list(layers) + (list(range(n_cpu_layers)) + list(cpu_experts) + list(cpu_ffn) if offload else [])
         pool = max([self.pool[il] for il in on_device]
                    + [self.pool_output if has_output or (offload and output_on_cpu) else 0])
         return CudaTerms(fa_kv_copies=max((self.fa[il] for il in layers), default=0), offload_copies=offload,
@@ -327,7 +329,19 @@ def layer_table(info: ModelInfo, *, n_ctx: int, n_ubatch: int, type_k: str, type
                    for il in range(n)),
         pool_output=matmul_pool(info, [], True, *args, cc), offload_prefix=tuple(prefix),
         offload_output=offload_weight_copies(info, [], True, *args),
-        offload_experts=tuple(expert_offload_copies(info, [il], *args) for il in range(n)))
+        offload_experts=tuple(expert_offload_copies(info, [il], *args) for il in range(n)),
+        offload_ffn=tuple(ffn_offload_copies(info, [il], *args) for il in range(n)))
+
+
+def ffn_offload_copies(info: ModelInfo, cpu_ffn_layers, n_ctx: int, n_ubatch: int,
+                       min_batch: int = OP_OFFLOAD_MIN_BATCH) -> int:
+    """The first CUDA device's compute-buffer room for one host-resident dense FFN weight at a time: the rule of
+    expert_offload_copies for `ffn_up/gate/down` (a MUL_MAT whose weight sits in a host buffer runs on the first
+    CUDA device from a batch of min_batch tokens, the scheduler copying the weight there; one split per weight)."""
+    if min(n_ctx, n_ubatch) < min_batch:
+        return 0
+    by_layer, _ = _matmul_weights(info.path, file_stamp(info.path))
+    return max((cuda_nbytes(t) for il in cpu_ffn_layers for t in by_layer.get(il, ()) if is_ffn(t.name)), default=0)
 
 
 def expert_offload_copies(info: ModelInfo, cpu_expert_layers, n_ctx: int, n_ubatch: int,

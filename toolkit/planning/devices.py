@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -187,6 +187,23 @@ def simulated_devices(spec) -> list[Device]:
             for i, d in enumerate(parse_gpus(spec))]
 
 
+def named_card(d: Device) -> Device:
+    """A described GPU whose name names a known card (`--gpus 3x16=RTX 4060 Ti`): its bandwidth and FP16 throughput
+    from KNOWN_CARDS, and a PCIe 4.0 x16 link (NCCL's figure; no peer-to-peer unless the card has it), where a profile
+    would give link_gbs. Any other name: as given (sizes only, so no speed estimate)."""
+    if d.name.split(" ", 1)[0] == d.name:  # a size alone (GPU3)
+        return d
+    known = card_facts(d.name)
+    if known is None:
+        from ..errors import InvalidOption
+
+        raise InvalidOption(f"`gpus`: {d.name.split(' ', 1)[1]!r} is not a card ctxq knows; name one of "
+                            f"{', '.join(KNOWN_CARDS)}, or describe it in a "
+                            "--profile (bandwidth_gbs, tflops_f16, link_gbs)", option="gpus", value=d.name)
+    return replace(d, bandwidth=known.bandwidth, flops=known.flops, link_bandwidth=pcie_bandwidth(4, 16),
+                   link_latency=LINK_LATENCY_P2P if known.p2p else LINK_LATENCY_NO_P2P)
+
+
 def resolve_devices(opts: PlanOptions) -> tuple[list[Device], Device]:
     """(devices in llama.cpp's order, the host) for a plan, once: `simulate`, else `gpus`, else the
     `profile`'s devices, with `rpc` workers first (llama.cpp puts RPC devices first); none of these
@@ -196,7 +213,7 @@ def resolve_devices(opts: PlanOptions) -> tuple[list[Device], Device]:
     if opts.simulate is not None:
         devices = simulated_devices(opts.simulate)
     elif opts.gpus is not None:
-        devices = parse_gpus(opts.gpus)
+        devices = [named_card(d) for d in parse_gpus(opts.gpus)]
     elif opts.profile is not None:
         devices, cpu_cfg = load_profile(opts.profile)
         cpu_bw = float(cpu_cfg["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in cpu_cfg else None

@@ -25,6 +25,22 @@ def host_gathers(src: GGUFFile, n_ubatch: int) -> int:
     return sum(t.shape[0] * n_ubatch * 4 for t in src.tensors if t.name in _HOST_GATHERED)
 
 
+def host_ffn(src: GGUFFile, n_ubatch: int) -> int:
+    """The host's compute-buffer peak for the dense FFN of one layer whose FFN tensors sit in host memory (a plan that
+    spills weights, never the cache), the largest over the layers. The scheduler gives the host a split for the mul_mat
+    ops whose weights are in a CPU buffer and the weightless activation between them (ggml_backend_sched_split_graph);
+    build_ffn (llama-graph.cpp) shapes them, all f32: the split's input, the normed FFN input [n_embd, n_ubatch];
+    gate and up [n_ff, n_ubatch] and their GLU (a fused gate_up: [2 n_ff, n_ubatch], then the GLU); the down
+    projection's result [n_embd, n_ubatch]. Their sum bounds ggml-alloc's peak over the split; the split referee's
+    dry run gives the chosen plan llama.cpp's own figure."""
+    peak = 0
+    for t in src.tensors:
+        if t.name.startswith("blk.") and t.name.endswith(".ffn_down.weight") and len(t.shape) >= 2:
+            n_ff, n_embd = t.shape[:2]
+            peak = max(peak, (2 * n_embd + 3 * n_ff) * n_ubatch * 4)
+    return peak
+
+
 def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int, hole: int = 0) -> int:
     """The host's compute-buffer peak for the routed experts of one layer whose expert tensors sit in CPU memory,
     the largest over the model's layers. The scheduler gives the host a split of its own for them

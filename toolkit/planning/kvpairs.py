@@ -174,14 +174,14 @@ def search(cands: list[Candidate], find, kv_bytes, past_full: bool = False) -> l
             smallest_short = size if smallest_short is None else min(smallest_short, size)
             continue
         found.append((c, p))
-        if p.cpu_layers == 0 and not p.cpu_expert_layers and not past_full:
+        if p.cpu_layers == 0 and not p.cpu_expert_layers and not p.cpu_ffn_layers and not past_full:
             break
         smallest_short = size if smallest_short is None else min(smallest_short, size)
     return found, hosts
 
 
 def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, max_kl: float | None,
-           cands: list[Candidate], timed=None):
+           cands: list[Candidate], timed=None, prefer_given: bool = False):
     """(candidate, plan) the policy keeps and the reason. Every layer on the GPUs: the fewest experts in CPU memory,
     then the least loss. Otherwise prefer="quality" keeps the loss within q8_0/q8_0's (or max_kl) and moves layers
     to the CPU; "speed" the most layers on the GPUs, then the least loss. prefer="speed" with `timed(plan)` (the
@@ -194,10 +194,16 @@ def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, ma
     rank = {id(c): i for i, (c, _) in enumerate(found)}
     full = [(c, p) for c, p in found if p.cpu_layers == 0 or not devices]
     if full:
-        c, p = min(full, key=lambda cp: (len(cp[1].cpu_expert_layers), rank[id(cp[0])]))
+        # a pair that spills FFN weights never replaces a smaller cache that fits without (planning/spill.py),
+        # unless quality was asked for
+        spill = 0 if prefer == "quality" and prefer_given else 1
+        c, p = min(full, key=lambda cp: (len(cp[1].cpu_expert_layers), spill * bool(cp[1].cpu_ffn_layers),
+                                         rank[id(cp[0])]))
         why = "all layers on the GPUs" if devices else "no GPUs: everything on the CPU"
         if devices and p.cpu_expert_layers:
             why += f", the experts of {len(p.cpu_expert_layers)} in CPU memory"
+        if devices and p.cpu_ffn_layers:
+            why += f", the FFN weights of {len(p.cpu_ffn_layers)} in host memory"
         return c, p, why
     if prefer == "quality":
         floor = max_kl if max_kl is not None else next((x.loss for x in cands if x.pair == QUALITY_FLOOR), 0.0)

@@ -73,6 +73,10 @@ class Costs:
     altup: tuple[int, int, int] = (0, 0, 0)  # Gemma 3n's split inputs (inputs.altup_inputs)
     per_layer_slab: int = 0  # per layer, the slabs the derived models cut from layer 0's peak (inputs.per_layer_slabs)
     one_device: Callable[[], int] | None = None  # the whole graph's peak on one device (one_device_peak), asked lazily
+    layer_ffn: list[int] = field(default_factory=list)  # dense FFN bytes per layer (part of layer_weights unless spilled)
+    cpu_ffn: frozenset[int] = frozenset()  # layers whose dense FFN sits in host memory (tensor overrides), attention
+    # and KV on the layer's card
+    host_ffn: int = 0  # the host's peak for one layer's dense FFN in host memory (inputs.host_ffn)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks often)."""
@@ -98,10 +102,18 @@ class Costs:
     def with_cpu_experts(self, layers) -> Costs:
         """These costs with the experts of `layers` in CPU memory: those layers' device weights lose them.
         Any tensor override turns llama.cpp's pipeline parallelism off (`pipeline`)."""
-        cpu = frozenset(layers)
-        lw = [d + (0 if il in cpu else e) for il, (d, e) in
-              enumerate(zip(self.info_dense, self.layer_experts))]
-        return replace(self, layer_weights=lw, cpu_experts=cpu)
+        return self._placed(frozenset(layers), self.cpu_ffn)
+
+    def with_cpu_ffn(self, layers) -> Costs:
+        """These costs with the dense FFN of `layers` in host memory (`-ot blk\\.N\\.ffn_...=CPU`): those layers'
+        device weights lose it; their attention, norms and KV cache stay on the device."""
+        return self._placed(self.cpu_experts, frozenset(layers))
+
+    def _placed(self, experts: frozenset, ffn: frozenset) -> Costs:
+        ffn_of = self.layer_ffn or [0] * len(self.layer_experts)
+        lw = [d - (f if il in ffn else 0) + (0 if il in experts else e) for il, (d, e, f) in
+              enumerate(zip(self.info_dense, self.layer_experts, ffn_of))]
+        return replace(self, layer_weights=lw, cpu_experts=experts, cpu_ffn=ffn)
 
     @property
     def info_dense(self) -> list[int]:
@@ -110,7 +122,7 @@ class Costs:
     def pipeline(self, n_cpu_slots: int) -> bool:
         """llama_context: pipeline parallelism only when every layer is offloaded and no tensor is
         overridden (`!model.has_tensor_overrides()`)."""
-        return n_cpu_slots == 0 and not self.cpu_experts
+        return n_cpu_slots == 0 and not self.cpu_experts and not self.cpu_ffn
 
 
 def kv_by_layer(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
@@ -157,6 +169,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  if info.n_expert and not any(info.swa_layers) else None,
                  cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
                  altup=inputs_mod.altup_inputs(src, n_ubatch), per_layer_slab=inputs_mod.per_layer_slabs(src, n_ubatch),
+                 layer_ffn=[la.ffn_bytes for la in info.layers], host_ffn=inputs_mod.host_ffn(src, n_ubatch),
                  one_device=partial(one_device_peak, src, (n_ctx, n_ubatch, opts.n_batch, type_k, type_v, flash_attn),
                                     info.n_vocab * (n_ubatch - outputs) * 4, peaks.layer_steady))
 
@@ -239,6 +252,8 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp.kv, dp.state = kv, state
     dp.cpu_experts = [il for il in layers if il in c.cpu_experts] if c.cpu_experts else []
     dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
+    dp.cpu_ffn = [il for il in layers if il in c.cpu_ffn] if c.cpu_ffn else []
+    dp.cpu_ffn_bytes = sum(c.layer_ffn[il] for il in dp.cpu_ffn)
     run = [il for il in layers if il not in c.mtp_layers] if c.mtp_layers else layers  # layers in the graph
     peaks = _peaks(c, run)
     if c.cpu_experts and n_used > 1:  # its one-layer peak in that split graph first (inputs.moe_split_layer_full)
@@ -254,12 +269,14 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     if n_used > 1 or n_cpu_slots:
         copies = SCHED_COPIES if c.pipeline(n_cpu_slots) else 1
         dp.compute += recurrent_split(c, layers, copies) + shared_kv_reads(c, run, copies)
+    if dp.cpu_ffn:  # the FFN's result comes back from the host's split: one residual-sized input copy
+        dp.compute += c.resid
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
     dp.margin = reserve(c, dev)
     if dev.backend == "cuda" and c.cuda is not None:
-        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts)
+        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts, c.cpu_ffn)
         dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
 
@@ -292,8 +309,10 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) 
     moved = sorted(il for il in c.cpu_experts if il >= len(layers))  # experts of device layers kept here
     dp.cpu_experts = moved
     dp.cpu_expert_bytes = expert_host = sum(c.layer_experts[i] for i in moved)
+    ffn = sorted(il for il in c.cpu_ffn if il >= len(layers))  # dense FFN of device layers kept here
+    dp.cpu_ffn, dp.cpu_ffn_bytes = ffn, sum(c.layer_ffn[i] for i in ffn)
     dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.info.layer_bytes[i] for i in layers) \
-        + (c.info.output_bytes if has_out else 0) + expert_host
+        + (c.info.output_bytes if has_out else 0) + expert_host + dp.cpu_ffn_bytes
     dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
@@ -309,10 +328,13 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) 
         dp.compute = peaks.layer_full + ins + (recurrent_split(c, layers, 1) if n_used else 0)
         if c.per_layer_slab:  # it runs layer 0 and the graph start
             dp.compute = inputs_mod.host_first_layer(c, dp.compute, ins, mixed=peaks is c.peaks)
-    elif moved:  # every graph input, one copy alive until its last split (all masks), and the experts' matmuls
-        # (inputs.host_experts); the residual: the embeddings sent, whose hole ggml-alloc does not fill
-        freed = c.host_experts_freed is not None and mask_freed(c, counts, moved, n_used)
-        dp.compute = c.inputs + (c.host_experts_freed if freed else c.host_experts) + c.host_gathers
+        dp.compute += c.host_ffn if ffn else 0  # its layers' peak, then a spilled FFN's split (bounded above)
+    elif moved or ffn:  # every graph input, one copy alive until its last split (all masks), and the experts' or the
+        # dense FFN's matmuls (inputs.host_experts, inputs.host_ffn: one split at a time); the residual: the
+        # embeddings sent, whose hole ggml-alloc does not fill
+        freed = moved and c.host_experts_freed is not None and mask_freed(c, counts, moved, n_used)
+        exp = (c.host_experts_freed if freed else c.host_experts) if moved else 0
+        dp.compute = c.inputs + max(exp, c.host_ffn if ffn else 0) + c.host_gathers
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1

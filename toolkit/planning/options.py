@@ -23,6 +23,7 @@ MAX_PARALLEL = 256  # LLAMA_MAX_SEQ (src/llama-cparams.h): llama_context refuses
 DEFAULT_PREFER = "quality"
 DEFAULT_KV = "auto"
 PREFER = ("quality", "speed")
+OFFLOADS = ("auto", "weights", "layers")  # PlanOptions.offload
 SPLIT_MODES = ("layer", "tensor", "auto")  # llama.cpp's -sm layer / -sm tensor; auto: both planned, compared
 DEFAULT_SPLIT_MODE = "layer"
 
@@ -58,6 +59,10 @@ class PlanOptions:
     (default: the whole context, then 128 tokens).
     tensor_cards: tensor mode over exactly these cards (indices into the devices; the others are not given to
     llama.cpp), as `ctxq bench` measures each candidate (planning/tensor_candidates.py); None: searched.
+    offload: what goes to host memory when the cards cannot hold every layer at the context: "weights" (dense FFN
+    weights of chosen layers, `-ot ...=CPU`; attention, norms and the whole KV cache stay on the cards), "layers"
+    (whole layers with their KV cache, llama.cpp's -ngl), or "auto" (the default: the placement with the least
+    estimated time for the workload; weights where the devices say too little to estimate). planning/spill.py.
     """
 
     n_ctx: int | None = None
@@ -85,6 +90,8 @@ class PlanOptions:
     prompt_tokens: int | None = None
     gen_tokens: int | None = None
     tensor_cards: tuple | list | None = None
+    offload: str | None = None
+    prefer_given: bool | None = None  # set by resolved(): `prefer` was given, not the default (planning/spill.py)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -112,7 +119,12 @@ class PlanOptions:
                     flash_attn=True if self.flash_attn is None else self.flash_attn,
                     split=None if self.split in (None, "auto") else self.split,
                     reorder=True if self.reorder is None else self.reorder,
-                    split_mode=str(self.split_mode or DEFAULT_SPLIT_MODE).lower())
+                    split_mode=str(self.split_mode or DEFAULT_SPLIT_MODE).lower(),
+                    offload=str(self.offload or "auto").lower(),
+                    prefer_given=self.prefer is not None if self.prefer_given is None else self.prefer_given)
+        if r.offload not in OFFLOADS:
+            raise InvalidOption(f"`offload` {self.offload!r}: choose weights, layers or auto", option="offload",
+                                value=self.offload)
         if self.tensor_cards is not None:
             if r.split_mode != "tensor":
                 raise InvalidOption("`tensor_cards` names the cards of tensor mode: give it with split_mode=tensor",

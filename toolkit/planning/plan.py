@@ -13,7 +13,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-from ..llama.overrides import expert_layers, expert_pattern, experts_pattern
+from ..llama.overrides import expert_layers, expert_pattern, experts_pattern, ffn_pattern
 from .devices import Device
 from .options import PlanOptions
 
@@ -35,6 +35,8 @@ class DevicePlan:
     cpu_experts: list[int] = field(default_factory=list)  # its layers whose experts are in CPU memory
     cpu_expert_bytes: int = 0  # their expert bytes (in the host's weights, not in this device's)
     # (the host: the layers on devices whose experts it holds)
+    cpu_ffn: list[int] = field(default_factory=list)  # its layers whose dense FFN is in host memory (the host: all)
+    cpu_ffn_bytes: int = 0  # their FFN bytes (in the host's weights, not in this device's)
 
     @property
     def cuda_extra(self) -> int:
@@ -100,6 +102,9 @@ class Plan:
     # and the devices llama.cpp is given, as its -dev names them (device_order: their indices); None: every card
     left_out: list[dict] | None = None
     llama_devices: list[str] | None = None
+    # layers whose dense FFN weights sit in host memory, their attention, norms and KV cache on their card (a plan
+    # that spills weights, never the cache: planning/spill.py); passed as tensor_buft_overrides (`tensor_overrides`)
+    cpu_ffn_layers: list[int] = field(default_factory=list)
 
     @property
     def devices(self) -> list[DevicePlan]:
@@ -113,6 +118,11 @@ class Plan:
         """llama.cpp regexes matching the expert tensors of `cpu_expert_layers`, one per layer (as
         `--n-cpu-moe` builds them): the `tensor_buft_overrides` that keep those tensors in CPU memory."""
         return [expert_pattern(il) for il in self.cpu_expert_layers]
+
+    def tensor_overrides(self) -> list[str]:
+        """Every `tensor_buft_overrides` pattern of the plan, all to the CPU: the experts of `cpu_expert_layers`
+        (`expert_overrides`), then one pattern for the dense FFN of `cpu_ffn_layers`."""
+        return self.expert_overrides() + ([ffn_pattern(self.cpu_ffn_layers)] if self.cpu_ffn_layers else [])
 
     @property
     def parallel(self) -> bool:
@@ -151,7 +161,10 @@ class Plan:
             flags += " --swa-full"
         if self.parallel:  # llama-server's -np; -kvu: one pool of n_ctx cells (common/arg.cpp)
             flags += f" -np {self.n_seq_max}" + (" -kvu" if self.kv_unified else "")
-        return flags + self._expert_flags()
+        flags += self._expert_flags()
+        if self.cpu_ffn_layers:
+            flags += " -ot " + shlex.quote(f"{ffn_pattern(self.cpu_ffn_layers)}=CPU")
+        return flags
 
     def _expert_flags(self) -> str:
         """The expert placement as a llama.cpp user types it: --cpu-moe (all), --n-cpu-moe N (the expert
@@ -169,7 +182,7 @@ class Plan:
     def placement(self) -> list[dict]:
         """Per layer (and the output head, layer n_layer): the device holding it and where its experts are."""
         out = []
-        cpu = set(self.cpu_expert_layers)
+        cpu, ffn = set(self.cpu_expert_layers), set(self.cpu_ffn_layers)
         has = set(self.expert_layers)
         if self.split_mode == "tensor" and self.gpus:  # every card holds its cut of each offloaded layer
             cards = "+".join(g.device.name for g in self.gpus)
@@ -180,6 +193,8 @@ class Plan:
                 row = {"layer": il, "device": dp.device.name}
                 if il in has:
                     row["experts"] = self.host.device.name if il in cpu else dp.device.name
+                if il in ffn:
+                    row["ffn"] = self.host.device.name
                 out.append(row)
         return sorted(out, key=lambda r: r["layer"])
 
@@ -198,6 +213,7 @@ class Plan:
         d["llama_flags"] = self.llama_flags()
         d["cpu_layers"] = self.cpu_layers
         d["expert_overrides"] = self.expert_overrides()
+        d["tensor_overrides"] = self.tensor_overrides()
         return d
 
 

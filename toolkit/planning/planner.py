@@ -17,7 +17,7 @@ from .devices import Device, cpu_device, resolve_devices
 from .layer_search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
                            proportional as _proportional)
 from .memory import Costs, costs, estimate_tps, host_cost, kv_by_layer
-from . import fast_layers, kvpairs, tensor_candidates, ubatch
+from . import fast_layers, kvpairs, spill, tensor_candidates, ubatch
 from . import tensor as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
@@ -94,6 +94,9 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     if tensor:
         tensor_mod.check(info, src.arch, opts, devices, bool(experts.cpu_layers))
         auto_experts = False  # whole layers only (tensor.check)
+    # dense FFN weights to host memory where whole layers would go (planning/spill.py): layer mode, a dense model
+    dense_spill = not tensor and not experts.expert_layers and opts.split is None and opts.offload != "layers"
+    spill.check(opts, info, tensor, bool(experts.expert_layers), devices)
     pairs = [fixed] if fixed else [(k, v) for k, v in kvpairs.at_speed(cuda) if k in usable and v in usable]
     cands = kvpairs.ranked(pairs, kvpairs.measurements(path, opts.n_ctx))
     allowed = kvpairs.limited(cands, opts.max_kl, path, opts.n_ctx, fixed is not None)
@@ -104,7 +107,7 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
         p = (tensor_mod.evaluate(c, src, str(path), devices, cpu, opts, *c0.pair, tensor_mod.ratios(opts.split, devices))
              if tensor else _evaluate_split(c, str(path), devices, cpu, opts, *c0.pair))
         p.kv_quality = kvpairs.quality_line(c0, path, opts.n_ctx)
-        return _settle(experts.apply(p), opts)
+        return _read(_settle(experts.apply(p), opts), info, src, opts)
 
     def find(tk: str, tv: str):
         c = costs(info, src, opts, tk, tv, cuda).with_cpu_experts(experts.cpu_layers)
@@ -116,6 +119,12 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
             if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
                 p, host = q, q_host
+        if dense_spill and devices and (p is None or p.cpu_layers):  # weights to host memory, never the cache
+            q, q_host = spill.search_ffn(c, devices, cpu, opts, lambda cf, slots, order, counts, gplans, h: _make_plan(
+                cf, str(path), opts, tk, tv, slots, counts, gplans, h, order, len(devices)))
+            pick = spill.chosen(p, q, info, src, opts)
+            host = q_host if pick is q and q_host is not None else host
+            p = pick
         return p, host
 
     def kv_size(tk: str, tv: str) -> int:
@@ -130,13 +139,15 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                     opts.n_ctx)
         raise does_not_fit(cpu, hosts, opts.n_ctx)
     chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands,
-                                    (lambda q: ubatch.estimated_s(q, info, src, opts)) if for_speed else None)
+                                    (lambda q: ubatch.estimated_s(q, info, src, opts)) if for_speed else None,
+                                    prefer_given=bool(opts.prefer_given))
     traded = why.startswith("KV ") and " for speed" in why
     p.reason = (p.reason + "; " if tensor else "") + why + ("" if traded else _kv_why(
         chosen, found, fixed is None and len(pairs) > 1, kv_size, opts.n_ctx))
     if p.speed.get("layers_moved"):  # fast_layers: the note has the figures
         p.reason += "; " + p.speed["layers_moved"].split(";")[0]
     p.kv_quality = kvpairs.quality_line(chosen, path, opts.n_ctx)
+    spill.better_pair_note(p, chosen, found, info, src, opts)
     if opts.split_mode == "auto" and len(devices) > 1:
         layer = p
         p = tensor_mod.compare(layer, src, info, str(path), devices, cpu, opts, cuda, experts)
@@ -148,7 +159,15 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
 
         if not p.speed.get("tensor_refused"):  # every tensor candidate weighed by measurement
             p = tensor_candidates.measured_best(p, layer, over, devices, ubatch.workload(opts))
-    return _settle(experts.apply(p), opts)
+    if opts.offload == "weights":
+        spill.nothing_to_spill(p)
+    return _read(_settle(experts.apply(p), opts), info, src, opts)
+
+
+def _read(p: Plan, info: ModelInfo, src, opts: PlanOptions) -> Plan:
+    """The plan with its time to read the context (`speed["read"]`, planning/spill.reading)."""
+    p.speed = {**p.speed, "read": spill.reading(p, info, src, opts)}
+    return p
 
 
 def _kv_why(chosen, found, searched: bool, kv_size, n_ctx: int) -> str:
@@ -157,6 +176,10 @@ def _kv_why(chosen, found, searched: bool, kv_size, n_ctx: int) -> str:
         return ""
     f16 = next((p for c, p in found if c.pair == ("f16", "f16")), None)
     p = next(p for c, p in found if c is chosen)
+    if f16 is not None and f16.cpu_layers == 0 and f16.cpu_ffn_layers and not p.cpu_ffn_layers:
+        return (f"; f16 KV ({kv_size('f16', 'f16') / GiB:.1f} GiB) fits only with the FFN weights of "
+                f"{len(f16.cpu_ffn_layers)} layers in host memory, {chosen.name} ({kv_size(*chosen.pair) / GiB:.1f} "
+                "GiB) with every weight on the cards")
     if f16 is not None and f16.cpu_layers == 0:
         return (f"; f16 KV would keep the experts of {len(f16.cpu_expert_layers)} layers in CPU memory, "
                 f"{chosen.name} of {len(p.cpu_expert_layers)}")
@@ -206,7 +229,8 @@ def _make_plan(c: Costs, path: str, opts: PlanOptions, tk: str, tv: str, slots: 
     p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
              flash_attn=opts.flash_attn, n_gpu_layers=slots, tensor_split=counts, gpus=gplans, host=host,
              n_layer=c.info.n_layer, device_order=order if order != list(range(n_devices)) else None,
-             expert_layers=c.info.expert_layers, cpu_expert_layers=sorted(c.cpu_experts))
+             expert_layers=c.info.expert_layers, cpu_expert_layers=sorted(c.cpu_experts),
+             cpu_ffn_layers=sorted(c.cpu_ffn))
     p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes, c.info.expert_read_fraction)
     return p
 

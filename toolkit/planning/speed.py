@@ -35,21 +35,27 @@ ALLREDUCES = ("butterfly", "nccl")
 @dataclass(frozen=True)
 class Share:
     """What one device computes: `fraction` of each of `layers` (layer mode: 1; tensor mode: its proportion),
-    the routed experts of `expert_layers` (None: those of `layers`) and the output head if `output`."""
+    the routed experts of `expert_layers` and the dense FFN of `ffn_layers` (None: those of `layers`) and the
+    output head if `output`."""
 
     device: Device
     layers: tuple[int, ...] = ()
     fraction: float = 1.0
     expert_layers: tuple[int, ...] | None = None
     output: bool = False
+    ffn_layers: tuple[int, ...] | None = None
 
     @property
     def experts(self) -> tuple[int, ...]:
         return self.layers if self.expert_layers is None else self.expert_layers
 
     @property
+    def ffns(self) -> tuple[int, ...]:
+        return self.layers if self.ffn_layers is None else self.ffn_layers
+
+    @property
     def busy(self) -> bool:
-        return bool(self.layers or self.experts or self.output)
+        return bool(self.layers or self.experts or self.ffns or self.output)
 
 
 @dataclass(frozen=True)
@@ -176,20 +182,24 @@ class _Model:
         touched = 1 - (1 - self.s.used_fraction) ** T  # the experts some token of T routes to (uniform routing)
         return self.roof(dev, 2 * la.expert_params * self.s.used_fraction * T * f, la.expert_bytes * touched * f)
 
-    def streamed(self, il: int, T: int, experts_only: bool) -> float:
+    def streamed(self, il: int, T: int, experts_only: bool, ffn_only: bool = False) -> float:
         """Weights in CPU memory for a batch of 32+ tokens: copied to the first card over its link and
-        multiplied there (op offload copies whole tensors, every expert)."""
+        multiplied there (op offload copies whole tensors, every expert). `ffn_only`: the layer's dense FFN alone."""
         la, gpu = self.s.layers[il], self.cards[0].device
-        nbytes = la.expert_bytes + (0 if experts_only else la.mixer_bytes + la.ffn_bytes)
-        flops = 2 * T * (la.expert_params * self.s.used_fraction
-                         + (0 if experts_only else la.mixer_params + la.ffn_params))
+        if ffn_only:
+            nbytes, flops = la.ffn_bytes, 2 * T * la.ffn_params
+        else:
+            nbytes = la.expert_bytes + (0 if experts_only else la.mixer_bytes + la.ffn_bytes)
+            flops = 2 * T * (la.expert_params * self.s.used_fraction
+                             + (0 if experts_only else la.mixer_params + la.ffn_params))
         lk = self.link([gpu], need=True)
         return max(nbytes / lk[0], self.roof(gpu, flops, 0.0))
 
     def card_s(self, c: Share, il: int, T: int, d0: int) -> tuple[float, float]:
         """(mixer, ffn) seconds of card c's share of layer il: the two stretches between tensor mode's syncs."""
         d, f = c.device, c.fraction
-        ffn = self.weights(d, il, T, f, "ffn") + (self.experts(d, il, T, f) if il in c.experts else 0.0)
+        ffn = (self.weights(d, il, T, f, "ffn") if il in c.ffns else 0.0) \
+            + (self.experts(d, il, T, f) if il in c.experts else 0.0)
         return self.weights(d, il, T, f, "mixer") + self.attention(d, il, T, d0, f), ffn
 
     def host_s(self, T: int, d0: int) -> float:
@@ -205,6 +215,11 @@ class _Model:
         for il in self.host.experts:
             if il not in self.host.layers:
                 t += self.streamed(il, T, True) if offload else self.experts(h, il, T, 1.0)
+        for il in self.host.ffns:  # a card layer's dense FFN in host memory: streamed to the first card, or run here
+            if il not in self.host.layers:  # with the activation there and back
+                t += self.streamed(il, T, False, ffn_only=True) if offload else (
+                    self.weights(h, il, T, 1.0, "ffn")
+                    + 2 * self.copy_s(h, self.cards[0].device, T * self.s.n_embd * ACT_BYTES))
         if self.host.layers and self.cards:  # the activations cross to the first card
             t += self.copy_s(h, self.cards[0].device, T * self.s.n_embd * ACT_BYTES)
         return t
@@ -336,9 +351,10 @@ def placement_from_plan(plan) -> Placement:
     """The placement a `Plan` makes: in layer mode each device's layers; in tensor mode (`plan.split_mode`)
     each card's `tensor_split` proportion of every layer the host does not keep."""
     n, cpu_exp = plan.n_layer, set(plan.cpu_expert_layers)
+    cpu_ffn = set(getattr(plan, "cpu_ffn_layers", ()))
     host_layers = tuple(il for il in plan.host.layers if il < n)
     host = Share(plan.host.device, host_layers, expert_layers=tuple(sorted(set(host_layers) | cpu_exp)),
-                 output=n in plan.host.layers)
+                 output=n in plan.host.layers, ffn_layers=tuple(sorted(set(host_layers) | cpu_ffn)))
     if getattr(plan, "split_mode", "layer") == "tensor":
         on_cards = tuple(il for il in range(n) if il not in host_layers)
         total = sum(plan.tensor_split)
@@ -348,7 +364,8 @@ def placement_from_plan(plan) -> Placement:
         return Placement("tensor", cards, host)
     cards = tuple(Share(dp.device, tuple(il for il in dp.layers if il < n),
                         expert_layers=tuple(il for il in dp.layers if il < n and il not in cpu_exp),
-                        output=n in dp.layers) for dp in plan.gpus)
+                        output=n in dp.layers, ffn_layers=tuple(il for il in dp.layers if il < n and il not in cpu_ffn))
+                  for dp in plan.gpus)
     return Placement("layer", cards, host)
 
 

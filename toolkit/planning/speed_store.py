@@ -85,7 +85,9 @@ def key(plan) -> str | None:
     if facts is None:
         return None
     return _hash(facts + [plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.type_k, plan.type_v, plan.split_mode,
-                          list(plan.tensor_split), plan.n_gpu_layers, plan.n_seq_max])
+                          list(plan.tensor_split), plan.n_gpu_layers, plan.n_seq_max]
+                 # a placement with weights in host memory is another plan (planning/spill.py)
+                 + ([["ffn"] + list(plan.cpu_ffn_layers)] if getattr(plan, "cpu_ffn_layers", None) else []))
 
 
 def family(plan) -> str | None:

@@ -59,7 +59,7 @@ def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
         return _tensor_measured(p, info)
     kw = dict(n_ctx=p.n_ctx, n_gpu_layers=p.n_gpu_layers, tensor_split=[float(c) for c in p.tensor_split],
               type_k=p.type_k, type_v=p.type_v, flash_attn=p.flash_attn, n_ubatch=p.n_ubatch, n_batch=p.n_batch,
-              swa_full=p.swa_full, cpu_patterns=tuple(p.expert_overrides()), **p.context_settings())
+              swa_full=p.swa_full, cpu_patterns=tuple(p.tensor_overrides()), **p.context_settings())
     try:
         devices, host = split_compute(str(model_file(p, info)), len(p.gpus), resid=info.n_embd * p.n_ubatch * 4, **kw)
     except (CtxqError, OSError) as e:  # no RPC in this build, a worker that would not start: the rules' figures stand
@@ -84,7 +84,7 @@ def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     return [card + PRINT_ROUNDING + allreduce_bytes(info, len(p.gpus), p.n_ubatch)] * len(p.gpus), host
 
 
-def _take(p, got: tuple[list[int], int]) -> list[str]:
+def _take(p, got: tuple[list[int], int], resid: int = 0) -> list[str]:
     """Set the plan's compute figures to llama.cpp's; the devices where the rules were under, as note parts."""
     devices, host = got
     under = []
@@ -92,7 +92,22 @@ def _take(p, got: tuple[list[int], int]) -> list[str]:
         if c - dp.compute > _ROUNDING:
             under.append(f"{dp.device.name} +{(c - dp.compute) / MiB:.2f} MiB")
         dp.compute = c
+    if p.cpu_ffn_layers:  # FFN weights in host memory: see _spill_extra
+        for i, dp in enumerate(p.gpus):
+            dp.compute += resid if _spill_extra(p, i) else 0
     return under
+
+
+def _spill_extra(p, i: int) -> bool:
+    """Whether card i of a plan with FFN weights in host memory gets one residual (n_embd x n_ubatch x 4) more than the
+    dry run gives: a real load adds one to a card holding a spilled layer, or to the card before one whose first layer
+    is spilled, in some placements and not others (SmolLM2 at 16k over RPC workers: layers 23-29 with 23 spilled,
+    103.02 MiB real, 101.84 dry; on 3 cards 13-25 before 26 spilled 211.86 real, 210.74 dry; 15-29 with 15-24
+    spilled, equal). Counted wherever it may come: at most one residual over, never under, in the cells measured
+    (scripts/accuracy.py --spill)."""
+    ffn = set(p.cpu_ffn_layers)
+    nxt = p.gpus[i + 1].layers[:1] if i + 1 < len(p.gpus) else []
+    return bool(ffn.intersection(p.gpus[i].layers) or ffn.intersection(nxt))
 
 
 def _over(p) -> dict[str, int]:
@@ -104,7 +119,7 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
     room where a device no longer holds its part (a split the user gave is only marked, as before)."""
     if not applies(p, info) or (got := measured(p, info)) is None:
         return p
-    under = _take(p, got)
+    under = _take(p, got, info.n_embd * p.n_ubatch * 4)
     if under:
         p.notes.append("llama.cpp's dry run of this split needs more compute than ctxq's rules (" + ", ".join(under)
                        + "); the plan takes its figures")
@@ -117,7 +132,7 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
         q = replan(smaller)
         if not applies(q, info) or (got := measured(q, info)) is None:
             break
-        _take(q, got)
+        _take(q, got, info.n_embd * q.n_ubatch * 4)
         names = {d.name: d for d in devices}
         for dp in q.gpus:  # the user's devices, not the shrunk stand-ins
             dp.device = names.get(dp.device.name, dp.device)

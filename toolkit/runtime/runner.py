@@ -162,7 +162,7 @@ def load_plan(p: Plan, *, rpc=None, n_threads: int | None = None, seed: int | No
     with backend.capture_log() as lines:
         try:
             # a Hub model downloads here, once
-            llm = overrides.create_llama(str(resolve_model(p.model)), kw, p.expert_overrides())
+            llm = overrides.create_llama(str(resolve_model(p.model)), kw, p.tensor_overrides())
         except ValueError as e:  # llama-cpp-python's words for a failed model or context
             tail = _load_failure(lines)
             raise CtxqError(f"llama.cpp could not load {Path(p.model).name} as planned ({e}"
@@ -214,7 +214,7 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
             dev_names[i] if i < len(dev_names) else None)
         out.append(DeviceMemory(dp.device.name, dp.buffers, alloc.total(name) if name else 0))
     # experts in host memory between layers on devices: the mapped range spans those layers' tensors
-    spans = bool(p.cpu_expert_layers) and any(dp.layers for dp in p.gpus)
+    spans = bool(p.cpu_expert_layers or p.cpu_ffn_layers) and any(dp.layers for dp in p.gpus)
     out.append(DeviceMemory(p.host.device.name, p.host.buffers, sum(alloc.total(n) for n in host_names),
                             mapped=alloc.model.get("CPU_Mapped", 0) if spans else 0,
                             tensors=p.host.weights if spans else 0))

@@ -99,7 +99,7 @@ def _measure_child(model: str, kwargs: dict, cpu_patterns: tuple[str, ...] = ())
 def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
                label: str = "", n_ubatch: int = 512, flash_attn: bool | None = None,
                search: bool = False, cpu_moe: bool | None = None, n_cpu_moe: int | None = None,
-               cpu_memory: int | None = None, parallel: int | None = None) -> CellResult:
+               cpu_memory: int | None = None, parallel: int | None = None, offload: str | None = None) -> CellResult:
     """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios
     (or, with `search`, RPC devices of those sizes that the planner fills, leaving the rest on the CPU).
     cpu_moe / n_cpu_moe: the user's expert placement (else, with `search`, the planner's); parallel: a context
@@ -107,7 +107,7 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
     in CPU memory is loaded without mmap: llama.cpp's CPU_Mapped buffer would report the file's span from the
     first host tensor to the last (address space, not RAM); without mmap the host buffers hold exactly the
     host's tensors, what the plan's RAM figure counts."""
-    moe = dict(cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_memory=cpu_memory, parallel=parallel)
+    moe = dict(cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_memory=cpu_memory, parallel=parallel, offload=offload)
     from ..rpc import run_supervised
 
     if sizes_gib:
@@ -117,7 +117,7 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
                        split=None if search else ":".join(f"{s:g}" for s in sizes_gib), **moe)
     else:
         p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn, **moe)
-    patterns = tuple(p.expert_overrides())
+    patterns = tuple(p.tensor_overrides())
     kw = dict(n_ctx=n_ctx, n_gpu_layers=p.n_gpu_layers, type_k=p.type_k, type_v=p.type_v,
               flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full,
               use_mmap=not patterns, **p.context_settings())  # parallel: the engine's context (Plan.parallel)

@@ -1,0 +1,251 @@
+"""Weights in host memory, never the cache: the placement for a model one size too big for the cards at the context.
+
+When the cards cannot hold every layer, llama.cpp's `-ngl` leaves whole layers on the CPU, their KV cache with them:
+attention over that cache then runs on the CPU (op offload copies a CPU layer's *weights* to the first card for
+batches of 32+ tokens; the cache is no weight), quadratic work in the context on the slowest device. Here the dense
+FFN weights of chosen layers go to host memory instead (`tensor_buft_overrides`, llama.cpp's `-ot
+blk\\.N\\.ffn_(up|down|gate|gate_up)\\.=CPU`) and every layer's attention, norms and KV cache stay on its card.
+
+`search_ffn` finds that placement as `planner._search_experts` finds a mixture-of-experts model's: first every FFN in
+host memory and the rest of each layer split over the cards (whole layers only if even that does not fit: then
+this placement is refused), then each card takes back the FFN of as many of its layers as it holds, its first layers
+keeping theirs on the host. `chosen` takes it or the whole-layer plan by `PlanOptions.offload`; "auto" by the
+workload's estimated seconds (planning/speed.py), the weights when the devices say too little to estimate.
+`reading` is the line every plan prints: the estimated time to read the whole context.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from .devices import Device
+from .layer_search import best_split, counts_fit, layout, proportional
+from .memory import Costs, host_cost
+from .options import PlanOptions
+
+
+def spillable(c: Costs) -> list[int]:
+    """The layers with dense FFN weights a plan may keep in host memory."""
+    return [il for il, b in enumerate(c.layer_ffn) if b and il not in c.mtp_layers]
+
+
+def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, make_plan):
+    """(plan or None, host) with every layer's attention and KV cache on the cards and the dense FFN of as few layers
+    as the cards need in host memory. None where even every FFN on the host leaves a whole layer for the CPU, or the
+    host cannot hold its part. `make_plan(costs, slots, order, counts, gplans, host)` builds the Plan."""
+    n = c.info.n_layer
+    layers = spillable(c)
+    if not layers or not devices:
+        return None, None
+    bare = c.with_cpu_ffn(layers)
+    found = best_split(bare, devices, opts.reorder)
+    if found is None or found[0] < n + 1:  # a whole layer would still go to the CPU with its cache
+        return None, None
+    slots, order, counts = found
+    ds = [devices[i] for i in order]
+    best = None
+    for cand in (counts, proportional(ds, slots)):
+        if counts_fit(bare, ds, cand):
+            got = _restore_ffn(bare, ds, cand)
+            if best is None or len(got.cpu_ffn) < len(best[0].cpu_ffn):
+                best = got, cand
+    if best is None:
+        return None, None
+    cf, cand = best
+    host = host_cost(cf, 0, sum(1 for k in cand if k), cpu, cand)
+    if host.total > host.device.usable:
+        return None, host
+    return make_plan(cf, slots, order, cand, layout(cf, ds, cand), host), host
+
+
+def _restore_ffn(bare: Costs, devs: list[Device], counts: list[int]) -> Costs:
+    """Costs with the dense FFN of as many layers as each device holds back on it (`counts`: layer slots per device,
+    every slot on a device and all of them fitting with every FFN in host memory). Within a device its last layers
+    take theirs back first, so the host keeps a prefix of each device's layers."""
+    n = bare.info.n_layer
+    cpu = set(bare.cpu_ffn)
+    start = 0
+    for k in counts:
+        mine = [il for il in range(start, min(start + k, n)) if il in cpu]
+        start += k
+        lo, hi = 0, len(mine)  # the most of its layers, from its last back, whose FFN fits on it with the rest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if counts_fit(bare.with_cpu_ffn(cpu - set(mine[len(mine) - mid:])), devs, counts):
+                lo = mid
+            else:
+                hi = mid - 1
+        cpu -= set(mine[len(mine) - lo:])
+    return bare.with_cpu_ffn(cpu)
+
+
+@dataclass
+class Timed:
+    """A placement's estimated seconds for the workload and to read the context (None: cannot be estimated)."""
+
+    total_s: float | None
+    prefill_s: float | None
+    decode_tps: float | None
+    missing: list[str]
+
+
+def timed(p, info, g, opts: PlanOptions, shape=None) -> Timed:
+    """Plan `p`'s estimate for the options' workload (`ubatch.workload`: the context, then 128 tokens)."""
+    from . import speed
+    from .ubatch import workload
+
+    shape = shape or speed.model_shape(info, p.type_k, p.type_v, g)
+    e = speed.estimate(shape, speed.placement_from_plan(p),
+                       speed.Workload(*workload(opts), n_ubatch=p.n_ubatch, n_batch=p.n_batch))
+    return Timed(e.total_s, e.prefill_s, e.decode_tps, e.missing)
+
+
+def chosen(layers_plan, weights_plan, info, g, opts: PlanOptions):
+    """The whole-layer plan or the one with FFN weights in host memory, by `opts.offload`; the other's estimate is kept
+    in the chosen plan's `speed["offload"]`, which `reading` prints beside its own."""
+    if layers_plan is not None and layers_plan.cpu_layers == 0:
+        return layers_plan  # every layer on the cards: nothing to spill
+    if opts.offload == "weights" or layers_plan is None:
+        pick, other = weights_plan, layers_plan
+    elif opts.offload == "layers" or weights_plan is None:
+        pick, other = layers_plan, weights_plan
+    else:  # by `ctxq bench`'s measurements of both on these devices, else by estimate
+        mw, ml = _measured_s(weights_plan, opts), _measured_s(layers_plan, opts)
+        if mw is not None and ml is not None:
+            faster_layers = ml < mw
+        else:
+            tw, tl = timed(weights_plan, info, g, opts), timed(layers_plan, info, g, opts)
+            faster_layers = tw.total_s is not None and tl.total_s is not None and tl.total_s < tw.total_s
+        pick, other = (layers_plan, weights_plan) if faster_layers else (weights_plan, layers_plan)
+    if pick is None:
+        return None
+    if other is not None:
+        t = timed(other, info, g, opts)
+        pick.speed = {**pick.speed, "offload": {"other": "layers" if other is layers_plan else "weights",
+                                                "other_prefill_s": t.prefill_s, "other_total_s": t.total_s,
+                                                "other_cpu_layers": other.cpu_layers,
+                                                "other_cpu_ffn_layers": len(other.cpu_ffn_layers)}}
+    return pick
+
+
+def _measured_s(p, opts: PlanOptions) -> float | None:
+    """The workload's seconds at `ctxq bench`'s measured rates of this plan on these devices, or None."""
+    from . import speed_store
+    from .ubatch import workload
+
+    m = speed_store.lookup(p)
+    return m.total_s(*workload(opts)) if m is not None else None
+
+
+def describe(p) -> str | None:
+    """What the plan keeps in host memory, in one line, where it spills weights."""
+    if not p.cpu_ffn_layers:
+        return None
+    nbytes = p.host.cpu_ffn_bytes
+    return (f"weights in host memory: the FFN of {len(p.cpu_ffn_layers)} of {p.n_layer} layers "
+            f"({nbytes / 2**30:.2f} GiB); every layer's attention and KV cache stay on the cards")
+
+
+def check(opts: PlanOptions, info, tensor: bool, moe: bool, devices: list[Device]) -> None:
+    """`offload="weights"` where this planner cannot spill weights: one line each (InvalidOption)."""
+    from ..errors import InvalidOption
+
+    if opts.offload != "weights":
+        return
+    why = ("tensor mode (-sm tensor) cuts every layer across the cards; ctxq keeps weights in host memory in layer "
+           "mode only: use split_mode=layer" if tensor else
+           "a mixture-of-experts model keeps its experts in host memory (cpu_moe, n_cpu_moe, or the planner's choice), "
+           "not its dense FFN: drop offload=weights" if moe else
+           "a `split` you gave is evaluated as given: drop it or offload=weights" if opts.split is not None else
+           "there are no GPUs to keep anything on: give gpus, profile or rpc, or drop offload=weights"
+           if not devices else
+           "this model has no dense FFN weights to keep in host memory: drop offload=weights"
+           if not any(la.ffn_bytes for la in info.layers) else None)
+    if why:
+        raise InvalidOption(f"offload=weights: {why}", option="offload", value="weights")
+
+
+def nothing_to_spill(p) -> None:
+    """`offload="weights"` and every layer fits on the cards: one line (InvalidOption)."""
+    from ..errors import InvalidOption
+
+    if not p.cpu_ffn_layers and p.cpu_layers == 0:
+        raise InvalidOption(f"offload=weights: every layer fits on the cards at {p.n_ctx:,} tokens with KV "
+                            f"{p.type_k}/{p.type_v}; nothing to keep in host memory: drop offload=weights",
+                            option="offload", value="weights")
+
+
+def better_pair_note(p, chosen_cand, found, info, g, opts: PlanOptions) -> None:
+    """Where a pair losing less than the chosen one would fit only by keeping FFN weights in host memory, a note
+    with both times (the chosen plan keeps every weight on the cards)."""
+    if p.cpu_ffn_layers or p.cpu_layers:
+        return
+    rank = [c for c, _ in found]
+    better = [(c, q) for c, q in found if rank.index(c) < rank.index(chosen_cand) and q.cpu_ffn_layers
+              and q.cpu_layers == 0]
+    if not better:
+        return
+    c, q = better[0]
+    tq, tp = timed(q, info, g, opts), timed(p, info, g, opts)
+    times = (f" (reading {p.n_ctx:,} tokens: ~{_s(tq.prefill_s)} against ~{_s(tp.prefill_s)})"
+             if tq.prefill_s and tp.prefill_s else "")
+    p.notes.append(f"KV {c.name} would fit with the FFN weights of {len(q.cpu_ffn_layers)} layers in host memory"
+                   f"{times}; prefer=quality takes it")
+
+
+def _names(names: list[str]) -> str:
+    """GPU0-GPU4 for a run of GPUn names, else the names joined."""
+    if len(names) > 2 and all(re.fullmatch(r"GPU\d+", n) for n in names):
+        return f"{names[0]}-{names[-1]}"
+    return ", ".join(names)
+
+
+def _s(x: float) -> str:
+    return f"{x:,.0f} s" if x >= 10 else f"{x:.1f} s" if x >= 0.1 else f"{x:.2f} s"
+
+
+def reading(p, info, g, opts: PlanOptions) -> dict:
+    """The time to read the whole context (prefill of n_ctx tokens) and the decode rate after it: measured where
+    `ctxq bench` measured this plan on these devices (`speed_store`), else estimated (planning/speed.py); with the
+    other placement's estimate where the plan spills weights or layers (`chosen`). Kept as `plan.speed["read"]`."""
+    from . import speed_store
+
+    out = {"prompt_tokens": p.n_ctx}
+    m = speed_store.lookup(p) if p.gpus else None
+    if m is not None and m.pp > 0 and m.tg > 0:
+        out.update(prefill_s=p.n_ctx / m.pp, decode_tps=m.tg, measured=True,
+                   basis=f"measured by ctxq bench (-p {m.n_prompt} -n {m.n_gen} -d {m.depth}, -ub {m.n_ubatch})")
+    else:
+        t = timed(p, info, g, replace(opts, prompt_tokens=None))
+        out.update(prefill_s=t.prefill_s, decode_tps=t.decode_tps, measured=False,
+                   basis="estimated from each device's throughput and memory bandwidth", missing=t.missing)
+        if t.prefill_s is None:  # said once for every card that lacks the facts, not once per card
+            cards = [g.device.name for g in p.gpus if g.device.flops is None or g.device.link_bandwidth is None]
+            out["missing"] = [f"{_names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
+                              "(sizes only): name the cards (--gpus 3x16=RTX 4060 Ti,2x8=RTX 4060) or give --profile "
+                              "with tflops_f16 and link_gbs"] if cards else t.missing
+    other = p.speed.get("offload")
+    if other:
+        out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"]}
+    return out
+
+
+def reading_lines(r: dict) -> list[str]:
+    """`reading 65,536 tokens: ~N s (whole layers on the CPU: ~M s)` and the decode rate, marked measured or
+    estimated; where the devices lack the facts, one line saying which."""
+    if not r:
+        return []
+    how = "measured" if r.get("measured") else "estimated"
+    other = r.get("other")
+    alt = ""
+    if other and other.get("prefill_s"):
+        name = "whole layers on the CPU" if other["placement"] == "layers" else "FFN weights in host memory"
+        alt = f" ({name}: ~{_s(other['prefill_s'])})"
+    if r.get("prefill_s") is None:
+        missing = sorted({re.sub(r"^(prefill|decode): ", "", m) for m in r.get("missing", [])})
+        return [f"reading {r['prompt_tokens']:,} tokens: not estimated ({'; '.join(missing) or 'device facts missing'})"]
+    line = f"reading {r['prompt_tokens']:,} tokens: ~{_s(r['prefill_s'])}{alt}, {how}"
+    if r.get("decode_tps"):
+        line += f"; then ~{r['decode_tps']:.1f} tokens/s"
+    return [line]
