@@ -75,12 +75,13 @@ def tokenizer_problem(g: GGUFFile) -> str | None:
     tokens = meta.get("tokenizer.ggml.tokens")
     if tokens is None or types.get("tokenizer.ggml.tokens", (None, None)) != (_ARRAY, _STRING):
         return "has no vocabulary (no tokenizer.ggml.tokens array of strings)"
-    if len(tokens) == 0:
+    listed = isinstance(tokens, list)
+    n_tokens = len(tokens) if listed else int(tokens)
+    if n_tokens == 0:
         return "has an empty vocabulary (tokenizer.ggml.tokens holds no token)"
     kind = _TYPES.get(model)
     if kind is None:
         return None  # llama.cpp refuses it with "unknown tokenizer": an error, its own words
-    listed = isinstance(tokens, list)
     if listed:
         seen: dict[str, int] = {}
         for i, t in enumerate(tokens):
@@ -91,7 +92,7 @@ def tokenizer_problem(g: GGUFFile) -> str | None:
                 return (f"has a vocabulary with the token {t!r} twice (ids {seen[t]} and {i}), which llama.cpp "
                         "aborts on")
             seen[t] = i
-    special = _special_ids(meta, types, model, len(tokens))
+    special = _special_ids(meta, types, model, n_tokens)
     add_bos, add_eos = _DEFAULT_ADD[kind]
     pre = "gemma4" if model == "gemma4" else meta.get("tokenizer.ggml.pre")
     if kind == "bpe" and pre in _BPE_BOS_PRE:
@@ -117,7 +118,7 @@ def tokenizer_problem(g: GGUFFile) -> str | None:
                     f"{len(missing) - 1} more): llama.cpp aborts on text it cannot spell")
     if kind == "wpm":
         types_ = meta.get("tokenizer.ggml.token_type")
-        if isinstance(types_, list) and _BYTE in types_[:len(tokens)]:
+        if isinstance(types_, list) and _BYTE in types_[:n_tokens]:
             return "has a WordPiece vocabulary with a byte token, which llama.cpp aborts on at load"
     return None
 

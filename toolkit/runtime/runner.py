@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption, ReorderNeeded
 from ..gguf.once import one_parse
+from ..gguf.reader import read_gguf
 from ..gguf.vocab import check_tokenizer
 from ..llama import backend, overrides
 from ..planning.options import PlanOptions
@@ -48,7 +49,9 @@ def reorder_env(value: str) -> dict[str, str]:
 def check_vocabulary(model) -> None:
     """Refuse, from its header, a model llama.cpp cannot tokenize text with (`ctxq.gguf.vocab`: it would abort
     ctxq's process): `NoTokenizer`. `ctxq.load()`, a run's input and `ctxq serve` ask before llama.cpp does."""
-    check_tokenizer(model_header(model))
+    local = resolve_model(model) if model is None or Path(model).expanduser().is_file() else None
+    # a local file's vocabulary is read whole (its first shard holds it); a Hub model's header as the plan read it
+    check_tokenizer(read_gguf(local) if local is not None else model_header(model))
 
 
 def make_plan(model=None, n_ctx: int | None = None, *, options: PlanOptions | None = None, **settings) -> Plan:
