@@ -38,6 +38,15 @@ class GGUFError(CtxqError):
     """A file is not a readable GGUF (wrong magic, truncated, corrupted)."""
 
 
+class NoTokenizer(CtxqError):
+    """A model has no tokenizer llama.cpp can run text through (`tokenizer.ggml.model = "none"`, no vocabulary, or
+    one llama.cpp aborts on): refused before llama.cpp is asked to tokenize. `path` is the model file."""
+
+    def __init__(self, message: str, *, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
 class ModelNotFound(CtxqError):
     """A model path or name does not resolve to a file ctxq can use."""
 

@@ -212,6 +212,10 @@ def measure(model: str | os.PathLike, m: Measurement, pairs: list[tuple[str, str
     ref_model = str(resolve_model(against)) if against else model
     if against:
         _same_model(model, ref_model)
+    from ..runtime.runner import check_vocabulary
+
+    for path in {model, ref_model}:  # the text is tokenized with each: refused here, not by a worker's abort
+        check_vocabulary(path)
     data = m.text_bytes(opened, None if opened is None else _text_limit(model, ref_model, m.n_ctx))
     sha = hashlib.sha256(data).hexdigest()
     if mode == "kv":

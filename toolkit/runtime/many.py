@@ -72,6 +72,9 @@ def question_tokens(model, document: str, questions: list[str], *, chat: bool = 
         raise CtxqError("give at least one question", option="prompt")
     if any(not q.strip() for q in questions):
         raise InvalidOption("a question is empty", option="prompt", value="")
+    from .runner import check_vocabulary
+
+    check_vocabulary(model)  # before llama.cpp tokenizes (it aborts on a model without a tokenizer)
     pairs = [input_tokens(model, q, document=document, chat=chat, system=system) for q in questions]
     tokens = [t for t, _ in pairs]
     keep = min(k for _, k in pairs)

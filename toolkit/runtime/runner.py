@@ -21,11 +21,13 @@ from typing import Callable, Iterator
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption, ReorderNeeded
 from ..gguf.once import one_parse
+from ..gguf.reader import read_gguf
+from ..gguf.vocab import check_tokenizer
 from ..llama import backend, overrides
 from ..planning.options import PlanOptions
 from ..planning.plan import Plan
 from ..units import default_threads
-from ..models import resolve_model
+from ..models import model_header, resolve_model
 from .session import restore_session, save_for_run, session_path
 from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, check_n_predict,  # noqa: F401
                        document_text, generate, input_tokens, tokenize)
@@ -43,6 +45,14 @@ def reorder_env(value: str) -> dict[str, str]:
 
 
 # --- planning and loading ---------------------------------------------------------------------
+
+def check_vocabulary(model) -> None:
+    """Refuse, from its header, a model llama.cpp cannot tokenize text with (`ctxq.gguf.vocab`: it would abort
+    ctxq's process): `NoTokenizer`. `ctxq.load()`, a run's input and `ctxq serve` ask before llama.cpp does."""
+    local = resolve_model(model) if model is None or Path(model).expanduser().is_file() else None
+    # a local file's vocabulary is read whole (its first shard holds it); a Hub model's header as the plan read it
+    check_tokenizer(read_gguf(local) if local is not None else model_header(model))
+
 
 def make_plan(model=None, n_ctx: int | None = None, *, options: PlanOptions | None = None, **settings) -> Plan:
     """`planner.plan` for a run: in a process that a reordering restarted, the GPUs are already in
@@ -247,6 +257,7 @@ def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: P
     given = plan is not None
     if plan is None:
         plan = make_plan(model, options=opts)
+    check_vocabulary(plan.model)  # the Llama tokenizes whatever it is asked: refused before it loads
     try:
         llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
     except ReorderNeeded as e:
@@ -293,6 +304,8 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
     if plan is None:  # a Hub model is planned from its headers: one that does not fit is never downloaded
         plan = make_plan(model, options=opts)
     keep = None
+    if tokens is not None or prompt is not None or document is not None:
+        check_vocabulary(plan.model)  # before llama.cpp tokenizes the input (or detokenizes the answer)
     document = document_text(document, plan.model, plan.n_ctx)
     if tokens is None and (prompt is not None or document is not None):
         # the vocabulary needs the file: a Hub model is downloaded here, after its plan

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..errors import InvalidOption
 from ..planning.planner import Plan
-from ..runtime.runner import engine_memory, load_plan
+from ..runtime.runner import check_vocabulary, engine_memory, load_plan
 from ..runtime.session import restore_session
 from .gate import Gate, Service
 from .http_errors import reject, validation_error
@@ -142,6 +142,7 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
 
     from . import http_errors
 
+    check_vocabulary(p.model)  # every request is tokenized: a model llama.cpp cannot tokenize is refused before listening
     if parallel is not None:
         _check_parallel(parallel, chat_format, session)
     if chat_format is not None:
