@@ -22,7 +22,7 @@ demo: setup
 # outside the checkout, every command run from another folder (about 2 minutes; marked slow).
 test: setup-test
 	$(PY) scripts/lint_imports.py
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The sdist and the wheel, as tests/test_package.py builds them (setuptools' hook, then the wheel from the sdist).
 dist: setup

@@ -37,6 +37,7 @@ from ..units import MiB
 log = logging.getLogger(__name__)
 
 _ROUNDING = 2 * PRINT_ROUNDING  # the compute and output buffers are printed apart
+_REPLANS = 4  # searches again with less room until no device is over (each pass cuts what the last left over)
 
 
 def model_file(p, info: ModelInfo) -> Path | None:
@@ -124,11 +125,14 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
         p.notes.append("llama.cpp's dry run of this split needs more compute than ctxq's rules (" + ", ".join(under)
                        + "); the plan takes its figures")
     given = p.reason == "the split you gave"
-    for _ in range(2):
+    cut: dict[str, int] = {}  # what each device has given up so far: a second pass shrinks from the first's room
+    for _ in range(_REPLANS):
         over = _over(p)
         if not over or given:
             break
-        smaller = [replace(d, usable=d.usable - over[d.name]) if d.name in over else d for d in devices]
+        for name, n in over.items():
+            cut[name] = cut.get(name, 0) + n
+        smaller = [replace(d, usable=d.usable - cut[d.name]) if d.name in cut else d for d in devices]
         q = replan(smaller)
         if not applies(q, info) or (got := measured(q, info)) is None:
             break
@@ -138,6 +142,13 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
             dp.device = names.get(dp.device.name, dp.device)
         q.notes = [*q.notes, *(n for n in p.notes if n not in q.notes)]
         p = q
+    if not given and (over := _over(p)):  # never a plan past its card (issue 56)
+        from ..errors import DoesNotFit
+
+        name, n = max(over.items(), key=lambda kv: kv[1])
+        raise DoesNotFit(f"after llama.cpp's dry run of the split, {name} would need {n / MiB:.2f} MiB more than it "
+                         f"has at {p.n_ctx:,} tokens", "try a smaller KV type (--kv q4_0) or a shorter context",
+                         option="n_ctx", value=p.n_ctx)
     if given:
         p.notes = [n for n in p.notes if not n.startswith("does not fit: ")]
         if over := [g for g in p.gpus if g.total > g.device.usable]:
