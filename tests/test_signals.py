@@ -39,14 +39,37 @@ class Stopped:
         self.proc, self.paused, self.descendants = proc, paused, descendants
 
     def signal(self, sig: int) -> tuple[int, str]:
+        if sig != signal.SIGKILL:  # an ignored signal cannot stop it: say so now, not after the bound below
+            assert sig not in ignored_signals(self.proc.pid), f"signal {sig} is ignored in ctxq (started under nohup?)"
         self.proc.send_signal(sig)
         try:  # a command that does not end on a stop signal fails here instead of holding the suite
             _, err = self.proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:
+            where = waits(self.proc.pid)
             self.proc.kill()
             _, err = self.proc.communicate()
-            pytest.fail(f"ctxq did not end within 300 s of signal {sig}: {err[-2000:]}")
+            pytest.fail(f"ctxq did not end within 300 s of signal {sig}; {where}; {err[-2000:]}")
         return self.proc.returncode, err
+
+
+def ignored_signals(pid: int) -> set[int]:
+    """The signals process `pid` ignores (SigIgn in /proc/PID/status, a mask with bit n-1 for signal n)."""
+    mask = int(next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if ln.startswith("SigIgn:")), 16)
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+def waits(pid: int) -> str:
+    """Where each thread of `pid` and of its descendants sleeps in the kernel (wchan), for a hang's failure."""
+    out = []
+    for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            tasks = sorted(Path(f"/proc/{p.pid}/task").iterdir())
+            out.append(f"{p.pid} {' '.join(p.cmdline())[:120]}: " + ", ".join(
+                f"{t.name} {(t / 'comm').read_text().strip()} {(t / 'wchan').read_text()}" for t in tasks))
+        except (OSError, psutil.Error) as e:
+            out.append(f"{p.pid}: {e}")
+    return "; ".join(out)
 
 
 def at_stage(tmp_path: Path, stage: str, *args: str, env: dict | None = None, preexec_fn=None) -> Stopped:
