@@ -194,6 +194,21 @@ def test_stop_while_quantizing(smollm2, tmp_path, home, sig):
     none_running(held.descendants)
 
 
+def test_stops_at_random_moments_under_load(smollm2):
+    """Eight stops (SIGHUP and SIGTERM in turn) of `ctxq convert` at random moments beside a busy loop
+    (scripts/stop_storm.py, whose 50-stop run is the issue's bar): each ends within 10 s with 128 + the signal (or,
+    before ctxq's handler exists, by the signal itself with no child yet), with no temporary and no child left; and
+    the draws reached the quantizer's worker, which a stop must take down with the command."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from stop_storm import storm
+
+    rows = storm(stops=8, busy=1, seed=56, model=str(smollm2), report=lambda line: None)
+    assert [(s.signal, s.moment_s, s.end_s, s.exit, s.leftovers) for sig, s in rows if not s.ok(sig)] == []
+    assert any(s.had_children and s.exit == 128 + sig for sig, s in rows), [(s.moment_s, s.phase) for _, s in rows]
+
+
 def test_sigterm_in_the_reference_pass(smollm2, tmp_path, home):
     """`ctxq quality` stopped while the reference's worker evaluates: no reference and no result in the cache, no
     temporary anywhere under ctxq's home, every child (the worker, the dry runs) gone, 143."""
