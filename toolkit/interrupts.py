@@ -20,6 +20,7 @@ import os
 import select
 import signal
 import threading
+import time
 
 _wakeup: tuple[int, int] | None = None  # the signal wakeup pipe (read end, write end) while `wake_reads()` is on
 _previous_wakeup = -1
@@ -48,21 +49,40 @@ def unwake() -> None:
     _wakeup = None
 
 
-def read(fd: int, n: int = 1 << 16) -> bytes:
-    """`os.read(fd, n)` of a child's pipe (b"" at its end) in a wait that a signal's handler interrupts: the
-    exception it raises (KeyboardInterrupt, `Stopped`) comes out of here at once."""
-    if _wakeup is not None and threading.current_thread() is threading.main_thread():
-        wake = _wakeup[0]
-        poll = select.poll()
-        poll.register(fd, select.POLLIN)
+def readable(fd: int, timeout: float | None = None) -> bool:
+    """Wait until `fd` has data or its end (True) or `timeout` seconds pass (False), in a wait that a signal's handler
+    interrupts: the exception it raises (KeyboardInterrupt, `Stopped`) comes out of here at once."""
+    wake = _wakeup[0] if _wakeup is not None and threading.current_thread() is threading.main_thread() else None
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    if wake is not None:
         poll.register(wake, select.POLLIN)
-        while True:
-            ready = {f for f, _ in poll.poll()}  # a signal to this thread: EINTR runs the handler here (PEP 475)
-            if wake in ready:  # one taken by another thread: its handler runs at this thread's next bytecode
-                _drain(wake)
-            if fd in ready:
-                break
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+        ready = {f for f, _ in poll.poll(left)}  # a signal to this thread: EINTR runs the handler here (PEP 475)
+        if wake in ready:  # one taken by another thread: its handler runs at this thread's next bytecode
+            _drain(wake)
+        if fd in ready:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+
+
+def read(fd: int, n: int = 1 << 16) -> bytes:
+    """`os.read(fd, n)` of a child's pipe (b"" at its end) after `readable(fd)`."""
+    readable(fd)
     return os.read(fd, n)
+
+
+def lines(fd: int):
+    """The lines (bytes, with their newline) of a child's pipe until its end, each wait through `read()`."""
+    rest = b""
+    while chunk := read(fd):
+        *done, rest = (rest + chunk).split(b"\n")
+        yield from (ln + b"\n" for ln in done)
+    if rest:
+        yield rest
 
 
 def _drain(fd: int) -> None:
