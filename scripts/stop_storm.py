@@ -45,6 +45,7 @@ class Stop:
     exit: int | None = None
     leftovers: list[str] = field(default_factory=list)
     had_children: bool = False
+    err_tail: str = ""  # the end of its stderr, shown for a stop that missed the bar
 
     def ok(self, sig: int) -> bool:
         rc_ok = self.exit == 128 + sig or (self.exit == -sig and not self.had_children)
@@ -56,7 +57,7 @@ def _ctxq() -> str:
 
 
 def _phase(err: str) -> str:
-    """What the command had shown by the stop: the quantizer's last tensor count, else how far it got."""
+    """How far the command's output got: the quantizer's last tensor count, else whether it printed anything."""
     counts = re.findall(r"(\d+)/(\d+) \[", err)
     if counts:
         return f"quantize {counts[-1][0]}/{counts[-1][1]}"
@@ -116,7 +117,7 @@ def _run(model: str, type: str, work: Path, sig: int | None, moment: float, guar
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
-    stop.exit, stop.phase = proc.returncode, _phase(err)
+    stop.exit, stop.phase, stop.err_tail = proc.returncode, _phase(err), err[-800:]
     left = _marked(str(work))
     deadline = time.monotonic() + 2  # a child the lifeline kills goes within moments, not at ctxq's exit
     while left and time.monotonic() < deadline:
@@ -162,6 +163,8 @@ def storm(stops: int = 50, busy: int = 2, seed: int | None = None, model: str | 
                 end = f"{stop.end_s:6.2f}" if stop.end_s is not None else f">{guard_s:.0f}"
                 report(f"{len(rows):>3}  {stop.signal:<7}  {stop.moment_s:6.2f}  {stop.phase:<20}  {end:>6}  "
                        f"{stop.exit:>5}  {', '.join(stop.leftovers) or '-':<10}  {'ok' if stop.ok(sig) else 'FAIL'}")
+                if not stop.ok(sig):
+                    report("     stderr: " + stop.err_tail.replace("\r", "\n").strip().replace("\n", "\n     "))
             report(f"{late} draw(s) fell after the command's end and were drawn again")
     finally:
         for p in loops:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a GGUF (default: the default model, SmolLM2)")
     ap.add_argument("--type", default="q8_0")
     a = ap.parse_args(argv)
-    print("  #  signal   moment  shown by then         end s   exit  leftovers")
+    print("  #  signal   moment  output got to         end s   exit  leftovers")
     rows = storm(a.stops, a.busy, a.seed, a.model, a.type)
     bad = [s for sig, s in rows if not s.ok(sig)]
     ends = sorted(s.end_s for _, s in rows if s.end_s is not None)
