@@ -6,6 +6,7 @@ import json
 
 import click
 
+from .. import interrupts
 from ..units import GiB, MiB
 
 
@@ -79,6 +80,10 @@ class Bars:
         self.phase = None
 
     def __call__(self, done: int, total: int, what: str = "") -> None:
+        with interrupts.held():  # a tqdm stopped inside its __init__ prints a traceback from __del__ at exit
+            self._draw(done, total, what)
+
+    def _draw(self, done: int, total: int, what: str) -> None:
         from tqdm import tqdm
 
         phase, _, name = what.partition(":") if ":" in what else ("quantize", "", what)
@@ -94,6 +99,7 @@ class Bars:
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        with interrupts.held():
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from .. import interrupts
 from .common import echo_json, table
 from .group import cli
 
@@ -19,16 +20,18 @@ class _Bars:
     def __call__(self, label: str, done: int, total: int) -> None:
         from tqdm import tqdm
 
-        if label != self.label:
-            self.close()
-            self.label = label
-            self.bar = tqdm(total=total, desc=label, unit=" tok", leave=False, dynamic_ncols=True)
-        self.bar.update(done - self.bar.n)
+        with interrupts.held():  # a stop signal waits for the bar to be whole (cli/common.py, Bars)
+            if label != self.label:
+                self.close()
+                self.label = label
+                self.bar = tqdm(total=total, desc=label, unit=" tok", leave=False, dynamic_ncols=True)
+            self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        with interrupts.held():
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
 
 
 def render(results, mode: str, base: int) -> str:

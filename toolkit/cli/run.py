@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from .. import interrupts
 from .group import cli
 from .common import echo_json, memory_table, reexec
 from .options import echo_session_log, hf_file_option, load_options, plan_options, session_option
@@ -195,24 +196,26 @@ class _ProgressBar:
     def __call__(self, prog) -> None:
         if self.closed:
             return
-        if self.bar is None:
-            from tqdm import tqdm
+        with interrupts.held():  # a stop signal waits for the bar to be whole (cli/common.py, Bars)
+            if self.bar is None:
+                from tqdm import tqdm
 
-            # The rate shown is ctxq's (tokens done / seconds since prefill began), not tqdm's smoothed one.
-            self.bar = tqdm(total=prog.total, desc="prefill", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens "
-                                       "[{elapsed}<{remaining}{postfix}]")
-        self.bar.n = prog.done
-        self.bar.set_postfix_str(f"{prog.tokens_per_s:.0f} tok/s", refresh=False)
-        self.bar.refresh()
-        if prog.done >= prog.total:
-            self.close()
+                # The rate shown is ctxq's (tokens done / seconds since prefill began), not tqdm's smoothed one.
+                self.bar = tqdm(total=prog.total, desc="prefill", file=sys.stderr, dynamic_ncols=True,
+                                mininterval=0.5, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
+                                                            "tokens [{elapsed}<{remaining}{postfix}]")
+            self.bar.n = prog.done
+            self.bar.set_postfix_str(f"{prog.tokens_per_s:.0f} tok/s", refresh=False)
+            self.bar.refresh()
+            if prog.done >= prog.total:
+                self.close()
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            if self.bar is not None:
-                self.bar.close()
+        with interrupts.held():
+            if not self.closed:
+                self.closed = True
+                if self.bar is not None:
+                    self.bar.close()
 
 
 def _one_line_on_worker_loss() -> None:

@@ -7,13 +7,17 @@ Ctrl-C runs for it too (temporaries removed, children killed and waited for), an
 128 + the signal's number, as a shell reports a process that signal ended, after one line on stderr.
 
 A second SIGTERM or SIGHUP while that cleanup runs is let pass: cleanup cut short would leave what it was removing
-(SIGKILL still ends the process, and the next run sweeps its temporaries).
+(SIGKILL still ends the process, and the next run sweeps its temporaries). Waits on a child's pipe end on a stop signal
+whichever thread the kernel gave it to, and code marked `held()` finishes before `Stopped` is raised
+(`ctxq.interrupts`, issue 56).
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+
+from .. import interrupts
 
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 OWN_STOP = ("serve", "worker")  # graceful stops of their own (uvicorn's, the RPC worker's)
@@ -48,7 +52,8 @@ def _on_signal(signum, frame):
     if _stopping:
         return
     _stopping = True
-    raise Stopped(signum)
+    if not interrupts.defer(Stopped(signum)):
+        raise Stopped(signum)
 
 
 def install() -> None:
@@ -59,6 +64,7 @@ def install() -> None:
         return
     _stopping = False
     _previous = {s: signal.signal(s, _on_signal) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+    interrupts.wake_reads()
 
 
 _previous: dict = {}
@@ -69,3 +75,4 @@ def restore() -> None:
     for s, handler in _previous.items():
         signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     _previous = {}
+    interrupts.unwake()

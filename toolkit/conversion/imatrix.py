@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .. import children, tempfiles
+from .. import children, interrupts, tempfiles
 from ..digest import file_digest
 from ..errors import ConversionError, GGUFError
 from ..paths import ctxq_home
@@ -181,7 +181,7 @@ def _collect(model: Path, data: bytes, dataset: str, chunk: int, chunks: int | N
                 try:
                     proc.stdin.write(json.dumps(job).encode())
                     proc.stdin.close()
-                    for line in proc.stdout:
+                    for line in interrupts.lines(proc.stdout.fileno()):  # a stop signal ends the wait (issue 56)
                         f = line.split()
                         if len(f) == 3 and f[0] == b"progress" and progress:
                             progress(int(f[1]), int(f[2]), "imatrix:")

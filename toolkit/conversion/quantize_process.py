@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import children
+from .. import children, interrupts
 from ..errors import ConversionError
 from ..llama.backend import lib_dir, llama_log
 
@@ -59,15 +59,16 @@ class Worker:
         self.close()
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stderr):
-            try:
-                pipe.close()
-            except OSError:  # a pipe to a dead process
-                pass
-        self._tmp.cleanup()
+        with interrupts.held():  # a stop signal meanwhile waits until the worker is reaped and its folder gone
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            for pipe in (self.proc.stdin, self.proc.stderr):
+                try:
+                    pipe.close()
+                except OSError:  # a pipe to a dead process
+                    pass
+            self._tmp.cleanup()
 
     def run(self, job: dict, progress=None) -> dict:
         """Send the job, follow the `[ i/ N]` tensor lines, return the result; ConversionError on failure.
@@ -81,7 +82,8 @@ class Worker:
         tail: collections.deque = collections.deque(maxlen=40)
         lines: list[str] | None = [] if job.get("dry_run") else None
         line, last = b"", 0
-        while chunk := self.proc.stderr.read1(1 << 16):
+        # a stop signal ends this wait wherever the kernel delivered it: the worker may be held (a test stage) or stuck
+        while chunk := interrupts.read(self.proc.stderr.fileno()):
             line += chunk
             *done, line = line.split(b"\n")
             for ln in done:

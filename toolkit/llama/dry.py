@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .. import children
+from .. import children, interrupts
 from ..errors import CtxqError, LlamaAborted
 
 log = logging.getLogger(__name__)
@@ -77,8 +76,7 @@ class _Child:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
+        if not interrupts.readable(self.proc.stdout.fileno(), timeout):  # a stop signal ends the wait (issue 56)
             self.timed_out = True
             self.proc.kill()
             return None

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import children, tempfiles
+from .. import children, interrupts, tempfiles
 from ..errors import CtxqError, InvalidOption
 from ..gguf.once import one_parse
 from ..units import default_threads, last_error_line
@@ -102,7 +102,7 @@ class _Child:
         try:
             self.proc.stdin.write(json.dumps(self.job).encode())
             self.proc.stdin.close()
-            for line in self.proc.stdout:
+            for line in interrupts.lines(self.proc.stdout.fileno()):  # a stop signal ends the wait (issue 56)
                 parts = line.split()
                 if len(parts) == 3 and parts[0] == b"progress" and self.progress:
                     self.progress(self.label, int(parts[1]), int(parts[2]))
