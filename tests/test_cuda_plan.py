@@ -43,7 +43,7 @@ def test_q8_0_compute_exceeds_f16_by_the_f16_copies_on_every_gpu(models):
 def test_cpu_layers_grow_the_first_gpu_by_the_offload_copies(models):
     # f16 KV at 64k does not fit 70B on 64 GiB: layers go to the CPU, and CUDA0 receives, one at a time,
     # their weights and KV for prompt processing (ggml-backend's op offload)
-    p = plan(models["llama3-70b"], 65536, gpus=BOX, kv="f16")
+    p = plan(models["llama3-70b"], 65536, gpus=BOX, kv="f16", offload="layers")  # whole layers (test_spill: weights)
     assert p.cpu_layers > 0
     info = model_info(models["llama3-70b"])
     table = cuda.layer_table(info, n_ctx=65536, n_ubatch=512, type_k="f16", type_v="f16", flash_attn=True)

@@ -17,7 +17,7 @@ import pytest
 
 from ctxq import rpc
 from ctxq.errors import InvalidOption
-from ctxq.gguf.info import is_ffn
+from ctxq.gguf.info import FFN_RE
 from ctxq.llama.overrides import ffn_pattern
 from ctxq.planning.planner import plan
 from ctxq.rpc import generate_greedy
@@ -45,7 +45,7 @@ def test_the_ffn_pattern_matches_dense_ffn_tensors_only():
     got = [n for n in names if re.search(pat, n)]
     assert got == [f"blk.{il}.{k}.{s}" for il in (1, 3) for k in ("ffn_up", "ffn_gate", "ffn_down", "ffn_gate_up")
                    for s in ("weight", "bias")]
-    assert [n for n in names if is_ffn(n)] == [n for n in names if re.search(ffn_pattern(range(40)), n)]
+    assert [n for n in names if FFN_RE.match(n)] == [n for n in names if re.search(ffn_pattern(range(40)), n)]
 
 
 @pytest.mark.parametrize("sizes, kv", [("0.35,0.3", "f16"), ("0.4,0.3", "f16"), ("0.2,0.2,0.15", "q8_0")],

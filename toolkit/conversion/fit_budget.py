@@ -57,7 +57,7 @@ class Budget:
 
 
 def _all_on_gpus(plan) -> bool:
-    return bool(plan.gpus) and plan.cpu_layers == 0
+    return bool(plan.gpus) and plan.on_cards
 
 
 def _plan_tensors(src: Path, tensors, folder: Path, name: str, devices, cpu, opts):

@@ -153,7 +153,7 @@ def fitted(model: str, src: Path, n_ctx: int, options, reference=None) -> Fitted
 def _hint(table: S.Table, reference, rows) -> tuple[int, int] | None:
     """(a mix size expected to fit, with this cache's bytes) from a fixed type's plan: its weights and free memory
     on the GPUs, plus the token embeddings (host memory) and the header."""
-    if reference is None or not reference.gpus or reference.cpu_layers:
+    if reference is None or not reference.gpus or not reference.on_cards:
         return None
     emb = max(table.bytes["token_embd"]) if "token_embd" in table.bytes else 0
     ref = next((r for r in rows if (r.type_k, r.type_v) == (reference.type_k, reference.type_v)), None)

@@ -169,7 +169,7 @@ def plan_hf(model: str | os.PathLike, n_ctx: int | None = None, *, types=None,
         result.candidates.append(c)
     # a type that needs an importance matrix may be recommended: `ctxq convert` makes one when none is given
     fitting = [c for c in result.candidates if c.fits]
-    on_gpu = [c for c in fitting if c.plan.cpu_layers == 0 and c.plan.gpus]
+    on_gpu = [c for c in fitting if c.plan.on_cards and c.plan.gpus]
     # the candidates come in quality order: the first that fits all on the GPUs, else the one
     # with the fewest layers on the CPU
     best = on_gpu[0] if on_gpu else (min(fitting, key=lambda c: c.plan.cpu_layers) if fitting else None)

@@ -65,20 +65,13 @@ KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # Routed-expert tensors (common/common.h LLM_FFN_EXPS_REGEX, searched in the name).
 EXPERT_RE = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
-# A layer's dense FFN weights and biases (not the routed or shared experts, the router or the norm): what a plan
-# may keep in host memory while the layer's attention and KV stay on its card (llama/overrides.py's FFN_REGEX).
-FFN_RE = re.compile(r"^blk\.\d+\.ffn_(up|down|gate|gate_up)\.")
+FFN_RE = re.compile(r"^blk\.\d+\.ffn_(up|down|gate|gate_up)\.")  # dense FFN a plan may spill (overrides.FFN_REGEX)
 
 
 def block_of(name: str) -> int | None:
     """The layer a tensor belongs to, or None for tensors outside the blocks."""
     m = BLOCK_RE.match(name)
     return int(m.group(1)) if m else None
-
-
-def is_ffn(name: str) -> bool:
-    """A dense FFN tensor (FFN_RE): what a plan that spills weights keeps in host memory."""
-    return FFN_RE.match(name) is not None
 
 
 def is_expert(name: str) -> bool:
@@ -267,8 +260,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
             if mtp[il]:
                 continue  # TENSOR_SKIP: not loaded
             (expert if is_expert(t.name) else dense)[il] += t.nbytes
-            if is_ffn(t.name):
-                ffn[il] += t.nbytes
+            ffn[il] += t.nbytes if FFN_RE.match(t.name) else 0
             if is_expert(t.name):
                 expert_names[il].add(t.name.split(".")[2])
             routers[il] |= t.name.split(".")[2] == "ffn_gate_inp"

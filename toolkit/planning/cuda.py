@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..gguf.info import ModelInfo, block_of, is_expert, is_ffn, kv_cells, layer_kv_bytes
+from ..gguf.info import FFN_RE, ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
 from ..gguf.once import file_stamp
 from ..gguf.reader import TensorInfo, tensor_nbytes
 from ..gguf.shards import read_model
@@ -341,7 +341,7 @@ def ffn_offload_copies(info: ModelInfo, cpu_ffn_layers, n_ctx: int, n_ubatch: in
     if min(n_ctx, n_ubatch) < min_batch:
         return 0
     by_layer, _ = _matmul_weights(info.path, file_stamp(info.path))
-    return max((cuda_nbytes(t) for il in cpu_ffn_layers for t in by_layer.get(il, ()) if is_ffn(t.name)), default=0)
+    return max((cuda_nbytes(t) for il in cpu_ffn_layers for t in by_layer.get(il, ()) if FFN_RE.match(t.name)), default=0)
 
 
 def expert_offload_copies(info: ModelInfo, cpu_expert_layers, n_ctx: int, n_ubatch: int,

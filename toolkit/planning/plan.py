@@ -114,6 +114,11 @@ class Plan:
     def cpu_layers(self) -> int:
         return self.n_layer + 1 - self.n_gpu_layers
 
+    @property
+    def on_cards(self) -> bool:
+        """Every layer and every dense weight on the devices: no whole layer, no FFN weights in host memory."""
+        return self.cpu_layers == 0 and not self.cpu_ffn_layers
+
     def expert_overrides(self) -> list[str]:
         """llama.cpp regexes matching the expert tensors of `cpu_expert_layers`, one per layer (as
         `--n-cpu-moe` builds them): the `tensor_buft_overrides` that keep those tensors in CPU memory."""

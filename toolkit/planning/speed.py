@@ -45,13 +45,8 @@ class Share:
     output: bool = False
     ffn_layers: tuple[int, ...] | None = None
 
-    @property
-    def experts(self) -> tuple[int, ...]:
-        return self.layers if self.expert_layers is None else self.expert_layers
-
-    @property
-    def ffns(self) -> tuple[int, ...]:
-        return self.layers if self.ffn_layers is None else self.ffn_layers
+    experts = property(lambda self: self.layers if self.expert_layers is None else self.expert_layers)
+    ffns = property(lambda self: self.layers if self.ffn_layers is None else self.ffn_layers)
 
     @property
     def busy(self) -> bool:
@@ -186,12 +181,9 @@ class _Model:
         """Weights in CPU memory for a batch of 32+ tokens: copied to the first card over its link and
         multiplied there (op offload copies whole tensors, every expert). `ffn_only`: the layer's dense FFN alone."""
         la, gpu = self.s.layers[il], self.cards[0].device
-        if ffn_only:
-            nbytes, flops = la.ffn_bytes, 2 * T * la.ffn_params
-        else:
-            nbytes = la.expert_bytes + (0 if experts_only else la.mixer_bytes + la.ffn_bytes)
-            flops = 2 * T * (la.expert_params * self.s.used_fraction
-                             + (0 if experts_only else la.mixer_params + la.ffn_params))
+        nbytes = la.ffn_bytes if ffn_only else la.expert_bytes + (0 if experts_only else la.mixer_bytes + la.ffn_bytes)
+        flops = 2 * T * (la.ffn_params if ffn_only else la.expert_params * self.s.used_fraction
+                         + (0 if experts_only else la.mixer_params + la.ffn_params))
         lk = self.link([gpu], need=True)
         return max(nbytes / lk[0], self.roof(gpu, flops, 0.0))
 
@@ -215,11 +207,9 @@ class _Model:
         for il in self.host.experts:
             if il not in self.host.layers:
                 t += self.streamed(il, T, True) if offload else self.experts(h, il, T, 1.0)
-        for il in self.host.ffns:  # a card layer's dense FFN in host memory: streamed to the first card, or run here
-            if il not in self.host.layers:  # with the activation there and back
-                t += self.streamed(il, T, False, ffn_only=True) if offload else (
-                    self.weights(h, il, T, 1.0, "ffn")
-                    + 2 * self.copy_s(h, self.cards[0].device, T * self.s.n_embd * ACT_BYTES))
+        for il in (i for i in self.host.ffns if i not in self.host.layers):  # a card layer's FFN in host memory:
+            t += self.streamed(il, T, False, ffn_only=True) if offload else self.weights(h, il, T, 1.0, "ffn") \
+                + 2 * self.copy_s(h, self.cards[0].device, T * self.s.n_embd * ACT_BYTES)  # streamed, or run here
         if self.host.layers and self.cards:  # the activations cross to the first card
             t += self.copy_s(h, self.cards[0].device, T * self.s.n_embd * ACT_BYTES)
         return t
@@ -350,8 +340,7 @@ def estimate(shape: ModelShape, placement: Placement, workload: Workload,
 def placement_from_plan(plan) -> Placement:
     """The placement a `Plan` makes: in layer mode each device's layers; in tensor mode (`plan.split_mode`)
     each card's `tensor_split` proportion of every layer the host does not keep."""
-    n, cpu_exp = plan.n_layer, set(plan.cpu_expert_layers)
-    cpu_ffn = set(getattr(plan, "cpu_ffn_layers", ()))
+    n, cpu_exp, cpu_ffn = plan.n_layer, set(plan.cpu_expert_layers), set(getattr(plan, "cpu_ffn_layers", ()))
     host_layers = tuple(il for il in plan.host.layers if il < n)
     host = Share(plan.host.device, host_layers, expert_layers=tuple(sorted(set(host_layers) | cpu_exp)),
                  output=n in plan.host.layers, ffn_layers=tuple(sorted(set(host_layers) | cpu_ffn)))

@@ -304,8 +304,10 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
     if plan is None:  # a Hub model is planned from its headers: one that does not fit is never downloaded
         plan = make_plan(model, options=opts)
     keep = None
-    if tokens is not None or prompt is not None or document is not None:
-        check_vocabulary(plan.model)  # before llama.cpp tokenizes the input (or detokenizes the answer)
+    if prompt is not None or document is not None or (tokens is not None and n_predict > 0):
+        # before llama.cpp tokenizes the input or detokenizes the answer; token ids evaluated without generating
+        # (a model without text: scripts/gpu_runs.py's workers stage) need neither
+        check_vocabulary(plan.model)
     document = document_text(document, plan.model, plan.n_ctx)
     if tokens is None and (prompt is not None or document is not None):
         # the vocabulary needs the file: a Hub model is downloaded here, after its plan
