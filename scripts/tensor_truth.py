@@ -7,7 +7,8 @@ the buffers a worker still holds after a short eval are that card's allocations.
 the order llama.cpp makes them, checked in each log:
 
 - weights: the buffers allocated before the first KV buffer (the model loads first);
-- KV: the buffers llama.cpp clears (`[buffer_clear]`: the cache is zeroed when the context is made);
+- KV: the buffers llama.cpp clears (`[buffer_clear]`: the cache is zeroed when the context is made), the recurrent
+  state of a hybrid included (its own buffer, cleared too; the plan's `kv` + `state`);
 - compute: the buffers allocated after the last KV buffer, while the context is made (the scheduler's reserve);
 - all-reduce: the buffers allocated after the context is made, at the first batch (ceil(log2(cards)) scratch
   buffers sized to the batch: the eval is one full micro-batch, `n_ubatch` tokens, so they reach the size the
@@ -119,7 +120,8 @@ class _Crashed(TruthError):
 
 def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout) -> list[Card]:
     args = dict(model=str(model), n_ctx=int(n_ctx), split=[float(x) for x in split], type_k=type_k,
-                type_v=type_v or type_k, n_ubatch=int(n_ubatch), n_eval=int(n_eval or n_ubatch))
+                type_v=type_v or type_k, n_ubatch=int(n_ubatch),
+                n_eval=int(n_ubatch if n_eval is None else n_eval))  # 0: load and make the context only
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -205,17 +207,26 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
                 time.sleep(0.5)
         import llama_cpp
 
-        llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_gpu_layers=999, split_mode=3, tensor_split=split,
-                              type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v], flash_attn=True,
-                              n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1)
+        from ctxq.llama.backend import capture_log
+
+        with capture_log() as lines:
+            try:
+                llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_gpu_layers=999, split_mode=3, tensor_split=split,
+                                      type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v], flash_attn=True,
+                                      n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1)
+            except ValueError as e:  # llama.cpp's reason is in its log (llama_model_load: error loading model: ...)
+                why = [l.strip() for l in lines if "error" in l.lower()]
+                raise ValueError(f"{e}: {why[-1] if why else 'no reason logged'}") from None
         # never freed: llama_free would talk to workers the `finally` below has killed, and ggml-rpc aborts the
         # child when a worker does not answer (seen: exit -6 in ~llama_context); the child ends with os._exit
         _KEEP.append(llm)
         time.sleep(0.5)  # the workers' last lines of the load reach their logs
         made = [f.stat().st_size for f in logs]  # what follows is the first batch
-        text = b"The quick brown fox jumps over the lazy dog. " * (n_eval // 4 + 8)
-        tokens = llm.tokenize(text)[:min(n_eval, n_ctx)]
-        llm.eval(tokens)
+        # token ids, not text: the memory does not depend on them, and a test model without a tokenizer
+        # ("none": llama.cpp's dummy tokens) aborts in llama_tokenize
+        tokens = [1 + i % (llm.n_vocab() - 1) for i in range(min(n_eval, n_ctx))]
+        if tokens:
+            llm.eval(tokens)
         time.sleep(0.5)
         cards = [_classify(f.read_bytes(), cut) for f, cut in zip(logs, made)]
         shutil.rmtree(logdir, ignore_errors=True)  # kept when the load fails
@@ -321,7 +332,7 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
     rows = []
     for j, (g, c) in enumerate(zip(p.gpus, cards)):
         rows.append(Row(label, j, p.tensor_split[j] / total,
-                        {"weights": g.weights, "kv": g.kv, "compute": g.compute + g.cuda_copies},
+                        {"weights": g.weights, "kv": g.kv + g.state, "compute": g.compute + g.cuda_copies},
                         {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings))
     return rows
 

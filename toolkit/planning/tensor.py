@@ -121,10 +121,11 @@ class _Cards:
         cb = self.ts.at(proportions)
         weights = cb.card_weights(layers, has_out)
         kv = cb.card_kv(layers, self.cells)
+        state = cb.card_state(layers, self.opts.parallel or 1)
         out = []
         for j, w1 in enumerate(whole or self.whole(slots)):
             dp = DevicePlan(w1.device, list(layers) + ([self.info.n_layer] if has_out else []))
-            dp.weights, dp.kv = weights[j], kv[j]
+            dp.weights, dp.kv, dp.state = weights[j], kv[j], state[j]
             dp.compute = w1.compute + (self.allreduce if slots else 0)
             dp.cuda_copies, dp.cuda_pool, dp.margin = w1.cuda_copies, w1.cuda_pool, w1.margin
             out.append(dp)
@@ -142,7 +143,7 @@ class _Cards:
         mirrored = self._mirrored(slots)
         fixed = [w.compute + (self.allreduce if slots else 0) + w.cuda_copies + w.cuda_pool + w.margin + mirrored
                  for w in whole]
-        cut = sum(dp.weights + dp.kv for dp in even) - n * mirrored  # the bytes shared out
+        cut = sum(dp.weights + dp.kv + dp.state for dp in even) - n * mirrored  # the bytes shared out
         room = [d.usable - f for d, f in zip(self.devices, fixed)]
         if any(r < 0 for r in room):
             return None
@@ -170,7 +171,8 @@ class _Cards:
 
     def _mirrored(self, slots: int) -> int:
         layers, has_out = self.slots_layers(slots)
-        return sum(self.ts.fixed_layer[il] for il in layers) + (self.ts.fixed_out if has_out else 0)
+        whole = [sum(x for x in row if isinstance(x, int)) for row in self.ts.state]  # a mirrored state (LFM2)
+        return (sum(self.ts.fixed_layer[il] + whole[il] for il in layers) + (self.ts.fixed_out if has_out else 0))
 
     def _granule(self, slots: int) -> int:
         """About one step of the cut (a KV head of every offloaded layer's cache): what a card gives up

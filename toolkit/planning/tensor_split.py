@@ -11,9 +11,10 @@ remainder does not always land on the last card. This module is that function as
 `planning.tensor` sums for a plan. It is checked against real loads over RPC workers (each worker's
 `GGML_RPC_DEBUG` log of the buffers it allocates: scripts/accuracy.py's tensor section), not against itself.
 
-Segments (`_segments`), granularity (`_granularity`) and the refusals (`UNSUPPORTED`, `not_planned`) follow
-the same source; where llama.cpp has special rules ctxq does not copy (recurrent layers, Qwen3-Next/3.5's
-gated Q, DeepSeek-V4), the plan refuses tensor mode in one line rather than guess.
+Segments (`_segments`), granularity (`_granularity`) follow the same source, the gated delta nets of
+Qwen3-Next / Qwen3.5 and the recurrent state included (`state_widths`, `CardBytes.card_state`); llama.cpp's own
+refusals are asked of the linked libllama (`not_planned`, llama/archs.py). Where llama.cpp has special rules ctxq
+does not copy (DeepSeek-V4, other recurrent families), the plan refuses tensor mode in one line rather than guess.
 """
 
 from __future__ import annotations
@@ -22,19 +23,14 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..gguf.info import ModelInfo
+from ..gguf.info import OUTPUT_NORM, ModelInfo
 from ..gguf.reader import GGML_BLOCKS, GGML_TYPES, GGUFFile
+from .tensor_hybrid import (MIRRORED_STATE, QWEN_GATED, RECURRENT_PLANNED, qwen_segments, recurrent_granularity,
+                            state_widths)
 
-# llm_arch_supports_sm_tensor (src/llama-arch.cpp): llama.cpp refuses tensor mode for these, with
-# "LLAMA_SPLIT_MODE_TENSOR not implemented for architecture 'X'".
-UNSUPPORTED = frozenset((
-    "grok", "mpt", "plamo2", "minicpm3", "gemma3n", "mamba", "mamba2", "jamba", "falcon-h1", "olmo2", "olmoe",
-    "deepseek2", "deepseek32", "hy_v4", "dots3note", "glm-dsa", "bitnet", "t5", "nemotron_h", "nemotron_h_moe",
-    "granitehybrid", "minimax-01", "minimax-m2", "minimax-m3", "mistral4", "kimi-linear", "bailingmoe3", "kimi-k3",
-    "glm5-next", "qwen3tts", "qwen4exp"))
 # Architectures llama.cpp splits by rules of their own (gated Q, linear attention segments, grouped output,
 # aliased caches) that this module does not copy: ctxq does not plan tensor mode for them.
-SPECIAL = frozenset(("qwen3next", "qwen35", "qwen35moe", "deepseek4", "dflash", "hrm_text"))
+SPECIAL = frozenset(("deepseek4", "dflash", "hrm_text"))
 
 ALIGN = 128  # the largest buffer alignment among the backends (CUDA's 128; CPU and RPC 32): an over-estimate
 
@@ -51,6 +47,11 @@ _RULES = [  # (pattern, axis, companion tensors whose type sets the granularity)
     (_B + r"attn_output\.weight", 0, ()),
     (_B + r"attn_output\.bias", MIRRORED, ()),
     (_B + r"attn_gate\.weight", 1, ("attn_output.weight", "ssm_out.weight")),
+    (_B + r"ssm_dt\.bias|" + _B + r"ssm_a", 0, ("ssm_out.weight",)),  # gated delta nets (Qwen3-Next, Qwen3.5)
+    (_B + r"ssm_(alpha|beta|ba)\.weight", 1, ("ssm_out.weight",)),
+    (r"cache_(r|s)_l\d+", "state", ("ssm_out.weight",)),  # the recurrent state: mirrored for LFM2 (below)
+    (_B + r"ssm_conv1d\.weight", 1, ("ssm_out.weight",)),
+    (_B + r"ssm_out\.weight", 0, ()),
     (_B + r"ffn_(up|gate)(_exps)?\.weight", 1, ("ffn_down.weight", "ffn_down_exps.weight")),
     (_B + r"ffn_(up|gate)(_exps)?\.bias", 0, ("ffn_down.weight", "ffn_down_exps.weight")),
     (_B + r"ffn_gate_up(_exps)?\.weight", 1, ("ffn_down.weight", "ffn_down_exps.weight")),
@@ -73,10 +74,13 @@ _GATE = re.compile(_B + r"attn_gate\.weight")
 
 
 def not_planned(arch: str, info: ModelInfo) -> str | None:
-    """Why ctxq cannot plan tensor mode for this model (one line), or None."""
-    if arch in UNSUPPORTED:
+    """Why ctxq cannot plan tensor mode for this model (one line), or None. Whether llama.cpp refuses the
+    architecture is asked of the linked libllama (llama/archs.py: llm_arch_supports_sm_tensor)."""
+    from ..llama.archs import refuses_tensor_mode
+
+    if refuses_tensor_mode(arch):
         return f"llama.cpp does not run tensor mode for architecture '{arch}' (LLAMA_SPLIT_MODE_TENSOR not implemented)"
-    if arch in SPECIAL or any(la.recurrent for la in info.layers):
+    if arch in SPECIAL or (arch not in RECURRENT_PLANNED and any(la.recurrent for la in info.layers)):
         return (f"ctxq does not plan tensor mode for '{arch}' yet (its recurrent or gated layers are split by rules "
                 "of their own): use split_mode=layer")
     return None
@@ -120,10 +124,16 @@ class CardBytes:
     v_cell: list[list[int]]
     out: list[int]
     mirrored: list[int]
+    state: list[list[int]] | None = None  # state[il][j]: card j's recurrent state of layer il (one sequence)
 
     def card_weights(self, layers, has_output: bool) -> list[int]:
         n = len(self.proportions)
         return [sum(self.weights[il][j] for il in layers) + (self.out[j] if has_output else 0) for j in range(n)]
+
+    def card_state(self, layers, n_seq: int = 1) -> list[int]:
+        """Recurrent-state bytes per card of `layers` (llama_memory_recurrent: max(1, n_seq_max) cells)."""
+        n = len(self.proportions)
+        return [sum(self.state[il][j] for il in layers) * max(1, n_seq) if self.state else 0 for j in range(n)]
 
     def card_kv(self, layers, cells) -> list[int]:
         """KV bytes per card of `layers`; cells(il): that layer's cache cells (times its streams)."""
@@ -149,7 +159,8 @@ class TensorSplit:
             il = int(m.group(1)) if m else None
             if il is not None and (il >= info.n_layer or info.layers[il].mtp):
                 continue  # NextN blocks llama.cpp does not load
-            if il is None and not (t.name.startswith("output") or (t.name == "token_embd.weight" and info.output_tied)):
+            if il is None and not (t.name.startswith("output") or t.name == OUTPUT_NORM.get(info.arch)
+                                   or (t.name == "token_embd.weight" and info.output_tied)):
                 continue  # token_embd (CPU memory) and rope factors etc. (planned with the host)
             spec = model.spec(t.name, t.shape, t.type, il) if t.name != "token_embd.weight" else None
             if spec is None:
@@ -170,6 +181,17 @@ class TensorSplit:
                 axis, shape, segs, rot = model.spec(f"cache_{kind}_l{il}", (width, 1), typ, il)
                 row.append((typ, segs, rot))
             self.cache.append(row)
+        self.state: list[list[tuple | int | None]] = []  # per layer: r and s specs (segments, rotation) or whole bytes
+        n_r, n_s = state_widths(g, info)
+        for il in range(info.n_layer):
+            row = []
+            for kind, width in (("r", n_r), ("s", n_s)):
+                if not info.layers[il].recurrent or info.layers[il].mtp or not width:
+                    row.append(None)
+                    continue
+                spec = model.spec(f"cache_{kind}_l{il}", (width, 1), GGML_TYPES["F32"], il)
+                row.append(_pad(width * 4) if spec is None else (spec[2], spec[3]))  # f32 (type_r, type_s)
+            self.state.append(row)
         self._np = model._np
         self.model = model
 
@@ -212,7 +234,16 @@ class TensorSplit:
                     kv.append([row_bytes(typ, c) for c in cut(segs, rot)])
             k_cell.append(kv[0])
             v_cell.append(kv[1])
-        return CardBytes(tuple(proportions), weights, k_cell, v_cell, out, list(self.fixed_layer))
+        state = []
+        for row in self.state:
+            per = [0] * n
+            for spec in row:
+                if isinstance(spec, int):  # mirrored: whole on every card
+                    per = [x + spec for x in per]
+                elif spec is not None:
+                    per = [x + _pad(c * 4) * bool(c) for x, c in zip(per, cut(*spec))]
+            state.append(per)
+        return CardBytes(tuple(proportions), weights, k_cell, v_cell, out, list(self.fixed_layer), state)
 
 
 def _pad(nbytes: int) -> int:
@@ -225,7 +256,15 @@ class _Model:
     def __init__(self, g: GGUFFile, info: ModelInfo, n: int):
         import numpy as np
 
-        self.g, self.info, self.n = g, info, n
+        self.g, self.info, self.n, self.arch = g, info, n, info.arch
+
+        def key(name: str) -> int:
+            v = g.arch_get(name, 0)
+            return int(v) if isinstance(v, int) else 0
+
+        # llama_hparams: ssm_d_state (head dim of the delta net), ssm_n_group (K heads), ssm_dt_rank (V heads)
+        self.d_state, self.n_group, self.dt_rank, self.d_conv = (
+            key("ssm.state_size"), key("ssm.group_count"), key("ssm.time_step_rank"), key("ssm.conv_kernel"))
         kinds = [(la.recurrent, la.sliding) for la in info.layers]
         seen: dict = {}
         self.il_eff = []
@@ -275,6 +314,10 @@ class _Model:
             if len(shape) < 2 or shape[1] == 1:
                 return None
             axis = 1
+        if axis == "state":  # get_tensor_config: LFM2's short-convolution state mirrored, else cut on axis 0
+            if self.arch in MIRRORED_STATE:
+                return None
+            axis = 0
         if axis in (MIRRORED, PARTIAL) or axis >= len(shape):
             return None
         blck = GGML_BLOCKS[self._companion(il, comp) if comp else type_][0]
@@ -285,6 +328,8 @@ class _Model:
 
     def _segments(self, name: str, ne: int, il: int | None) -> list[tuple[int, int]]:
         info = self.info
+        if il is not None and self.arch in QWEN_GATED:
+            return qwen_segments(self, name, ne, il)
         if il is not None and _QKV.fullmatch(name):
             la = info.layers[il]
             nq = la.n_head * info.head_dim_k
@@ -301,7 +346,11 @@ class _Model:
 
     def _granularity(self, name: str, blck: int, il: int | None, segs, shape) -> list[int]:
         info = self.info
-        if il is not None and info.layers[il].attention and info.layers[il].n_head_kv:
+        if il is not None and info.layers[il].recurrent:  # get_split_granularity's linear attention
+            g = recurrent_granularity(self, name, blck, len(segs))
+            if g is not None:
+                return g
+        elif il is not None and info.layers[il].attention and info.layers[il].n_head_kv:
             la = info.layers[il]
             head_k, head_v = info.head_dim_k, info.head_dim_v
             n_gqa = la.n_head // la.n_head_kv
@@ -313,8 +362,9 @@ class _Model:
             g_head = g_q // head_k
             if _SINKS.fullmatch(name):
                 return [g_head]
+            gated = self.arch in QWEN_GATED  # Q carries the output gate: n_embd_q doubled
             if _Q.fullmatch(name):
-                return [g_q]
+                return [math.lcm(2 * n_embd_q, perf) if gated else g_q]
             if _OUT.fullmatch(name):
                 return [g_head * head_v]
             if _GATE.fullmatch(name):
@@ -324,6 +374,8 @@ class _Model:
             if _KV.fullmatch(name):
                 return [g_v if ("attn_v" in name or "cache_v" in name) else g_kv]
             if _QKV.fullmatch(name):
+                if gated:
+                    return [math.lcm(2 * n_embd_q, perf), g_kv]
                 return [g_q, g_kv, g_v] if len(segs) == 3 else [g_q, g_kv]
         if _FFN.fullmatch(name):
             return [math.lcm(blck, 128)] * len(segs)
