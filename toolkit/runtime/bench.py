@@ -65,6 +65,40 @@ def measure_plan(plan, rpc, n_prompt: int, n_gen: int, depth: int, reps: int, n_
         llm.close()
 
 
+SPEC_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # batch sizes a draft's verification takes (speculative.MAX_DRAFT + 1 at most)
+
+
+def spec_cost(llm, depth: int, reps: int, sizes: tuple[int, ...] = SPEC_SIZES) -> dict[int, float]:
+    """The time of one llama_decode of n tokens with logits at each (a draft's verification) against one token, at
+    `depth` tokens of cache: the fastest of `reps` rounds (on a shared machine the minimum is the time the work
+    takes, the rest is waiting), each round timing every size once in turn."""
+    n_vocab = llm.n_vocab()
+    llm.reset()
+    if depth:
+        llm.eval(_tokens(depth, n_vocab, 1000))
+    base = llm.n_tokens
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(reps + 1):  # the first round warms up
+        for n in sizes:
+            llm._ctx.kv_cache_seq_rm(-1, base, -1)
+            llm._batch.set_batch(batch=_tokens(n, n_vocab, 3000 + r), n_past=base, logits_all=True)
+            t0 = time.perf_counter()
+            llm._ctx.decode(llm._batch)
+            if r:
+                times[n].append(time.perf_counter() - t0)
+    one = min(times[sizes[0]]) / sizes[0]
+    return {n: min(times[n]) / one for n in sizes}
+
+
+def measure_spec(plan, rpc, depth: int, reps: int, n_threads: int | None) -> dict:
+    """In a child process: `spec_cost` of the plan."""
+    llm, _, _ = load_plan(plan, rpc=rpc, n_threads=n_threads)
+    try:
+        return {str(n): c for n, c in spec_cost(llm, depth, reps).items()}
+    finally:
+        llm.close()
+
+
 def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
     """(mode, plan) for each mode, each tensor-mode candidate (every card and each subset the planner considers:
