@@ -33,7 +33,6 @@ PROMPTS = [  # (document, question), as one chat turn
     (FOX * 2, "Repeat the sentence above twice."),
     (RECORDS, "Copy the second record exactly."),
     (ALICE, "Who is Alice sitting with?"),
-    (RECORDS, "When was Ada Lovelace born? Answer in one sentence."),
 ]
 
 
@@ -53,9 +52,9 @@ def test_greedy_text_equals_decoding_without_drafts_or_a_recorded_tie(llm):
     for doc, question in PROMPTS:
         toks, _ = input_tokens(llm.model_path, question, document=doc, chat=True)
         S.attach(llm, "off")
-        plain = generate(llm, toks, n_predict=32, temp=0).tokens
+        plain = generate(llm, toks, n_predict=24, temp=0).tokens
         S.attach(llm, "ngram")
-        r = generate(llm, toks, n_predict=32, temp=0)
+        r = generate(llm, toks, n_predict=24, temp=0)
         drafted, accepted = drafted + r.spec["drafted"], accepted + r.spec["accepted"]
         S.attach(llm, "off")
         j = next((i for i, (a, b) in enumerate(zip(plain, r.tokens)) if a != b), None)
@@ -162,7 +161,7 @@ def _chi2_p(counts: dict[int, int], p: np.ndarray) -> float:
 def test_sampling_with_drafts_keeps_the_distribution(llm):
     """The token after a near-certain first one is drawn at a draft position; over seeds its frequencies must
     match the exact target (top-k, temperature) and so must the next token's after an accepted draft."""
-    top_k, temp, n = 12, 1.6, 300
+    top_k, temp, n = 12, 1.6, 200
     prompt = llm.tokenize((FOX * 3 + "The quick brown fox jumps over the lazy").encode())
     dog = llm.tokenize(b" dog", add_bos=False)[0]
     S.attach(llm, "off")
@@ -190,7 +189,7 @@ def test_sampling_with_drafts_keeps_the_distribution(llm):
             third[out[2]] = third.get(out[2], 0) + 1
     S.attach(llm, "off")
     assert drafted == sum(second.values())  # every second token counted was drawn at a draft position
-    assert sum(second.values()) > 0.8 * n and sum(third.values()) > 40
+    assert sum(second.values()) > 0.8 * n and sum(third.values()) > 30
     p_second, p_third = _chi2_p(second, p2), _chi2_p(third, p3)
     print(f"chi-square p-values: second token {p_second:.3f} (n={sum(second.values())}, "
           f"p(draft)={p2[draft]:.3f}), third after acceptance {p_third:.3f} (n={sum(third.values())})")

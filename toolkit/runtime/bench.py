@@ -99,6 +99,25 @@ def measure_spec(plan, rpc, depth: int, reps: int, n_threads: int | None) -> dic
         llm.close()
 
 
+def bench_spec(model, options: PlanOptions, *, depth: int = 0, reps: int = 3, n_threads: int | None = None,
+               timeout: float = 1800) -> tuple[object, dict[int, float]]:
+    """`ctxq bench --spec`: the plan's cost of a draft's batch against one token (`spec_cost`, in a child process),
+    kept (`speed_store.save_spec_cost`) for `--spec auto` on these devices: (plan, {n: cost})."""
+    from ..rpc.supervise import run_supervised
+
+    if reps < 1 or depth < 0:
+        raise InvalidOption("`reps` must be 1 or more and `depth` 0 or more", option="reps", value=reps)
+    with local_workers(options) as opts:
+        p = make_plan(model, options=opts)
+        if depth + max(SPEC_SIZES) > p.n_ctx:
+            raise InvalidOption(f"`depth` {depth} + {max(SPEC_SIZES)} tokens is beyond the context ({p.n_ctx})",
+                                option="n_ctx", value=p.n_ctx)
+        got = run_supervised(measure_spec, p, opts.rpc, depth, reps, n_threads, rpc=opts.rpc, timeout=timeout)
+    cost = {int(n): c for n, c in got.items()}
+    speed_store.save_spec_cost(p, cost, depth)
+    return p, cost
+
+
 def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
     """(mode, plan) for each mode, each tensor-mode candidate (every card and each subset the planner considers:
