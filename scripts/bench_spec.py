@@ -23,11 +23,20 @@ from ctxq.runtime import speculative
 from ctxq.runtime.bench import spec_cost
 from ctxq.runtime.generate import generate, input_tokens
 
+# The quote is a plain completion: asked in a chat turn, SmolLM2-135M paraphrases instead of quoting (1.4 tokens
+# per pass); led into the Preamble's first words it goes on with the document's text.
+QUOTE_LEAD = "\n\nThe Preamble, quoted from the text above:\n\n"
 WORKLOADS = {
-    "quote": "Quote the text above word for word, from its first line.",
+    "quote": None,
     "summary": "Summarize the text above in a few sentences.",
     "own words": "In your own words: why would someone choose this license? Answer in a short paragraph.",
 }
+
+
+def quote_prompt(llm, doc: str) -> list[int]:
+    at = doc.index("The GNU General Public License is a free")
+    lead = doc[at:at + 80].rsplit(" ", 1)[0]  # ends at a word
+    return llm.tokenize((doc + QUOTE_LEAD + lead).encode("utf-8"))
 
 
 def main() -> None:
@@ -40,7 +49,8 @@ def main() -> None:
     with gzip.open(str(files("ctxq.quality").joinpath("licences.txt.gz")), "rt") as f:
         doc = f.read()[:a.chars]
     llm = ctxq.load(n_ctx=8192, spec="off", n_threads=a.threads)
-    prompts = {w: input_tokens(llm.model_path, q, document=doc, chat=True)[0] for w, q in WORKLOADS.items()}
+    prompts = {w: input_tokens(llm.model_path, q, document=doc, chat=True)[0] if q else quote_prompt(llm, doc)
+               for w, q in WORKLOADS.items()}
     depth = max(len(t) for t in prompts.values())
     t0 = time.perf_counter()
     cost = spec_cost(llm, depth, 8)
@@ -74,7 +84,7 @@ def main() -> None:
           "ngram acceptance | auto tok/s | auto ratio | auto tokens/pass | same text |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for w, n, off, ng, au in rows:
-        same = "yes" if ng.tokens == off.tokens and au.tokens == off.tokens else "no (near-tie)"
+        same = "yes" if ng.tokens == off.tokens and au.tokens == off.tokens else "no"
         print(f"| {w} | {n:,} | {off.n_generated} | {off.decode_tps:.2f} | {ng.decode_tps:.2f} | "
               f"{ng.decode_tps / off.decode_tps:.2f}x | {ng.tokens_per_pass:.2f} | {100 * ng.spec['acceptance']:.0f} % | "
               f"{au.decode_tps:.2f} | {au.decode_tps / off.decode_tps:.2f}x | {au.tokens_per_pass:.2f} | {same} |")
