@@ -21,9 +21,12 @@ from .options import hf_file_option, load_options, plan_options
               help="Tokens already in the cache before each test (untimed).")
 @click.option("-r", "--repetitions", "reps", type=int, default=3, show_default=True,
               help="Timed repetitions after one warm-up.")
+@click.option("--spec", "spec", is_flag=True,
+              help="Measure instead what a draft's verification costs (a batch of n tokens against one, at -d), "
+                   "kept for `ctxq run --spec auto`.")
 @click.option("--json", "as_json", is_flag=True, help="Print the measurements as JSON.")
 @load_options
-def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps, as_json, n_threads, seed):
+def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps, spec, as_json, n_threads, seed):
     """Measure MODEL's plan in each split mode on these devices (-sm layer or tensor: that one; else both).
 
     Each mode's plan (as `ctxq plan -sm MODE` makes it; with -ub 256,512,… one plan per micro-batch) is loaded in a
@@ -35,6 +38,15 @@ def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps,
     from ..runtime import bench
 
     model = with_file(model, hf_file) if hf_file else model
+    if spec:
+        p, cost = bench.bench_spec(model, options, depth=depth, reps=reps, n_threads=n_threads)
+        if as_json:
+            echo_json({"plan": p.llama_flags(), "depth": depth, "cost": cost})
+            return
+        click.echo(table([[n, f"{c:.2f}", f"{n / c:.2f}"] for n, c in cost.items()],
+                         ["draft batch (tokens)", "cost (1 token = 1)", "tokens per cost if all accepted"]))
+        click.echo(f"(at depth {depth}; kept for `ctxq run --spec auto` with this plan on these devices)", err=True)
+        return
     mode = options.split_mode
     modes = bench.MODES if mode in (None, "auto") else (mode,)
     rows = bench.bench(model, options.updated(split_mode=None), modes=modes, n_prompt=n_prompt, n_gen=n_gen,

@@ -44,10 +44,13 @@ def _read_input(prompt, file):
 @click.option("-n", "--n-predict", "n_predict", type=int, default=256, show_default=True,
               help="Tokens to generate (-1: until the model stops or the context is full, as llama.cpp's -n).")
 @click.option("--temp", type=float, default=0.8, show_default=True, help="Sampling temperature; 0 is greedy.")
+@click.option("--spec", type=click.Choice(["ngram", "off", "auto"]), default=None,
+              help="Drafts taken from the context, verified in one batch: ngram always, auto (the default) where "
+                   "`ctxq bench --spec` measured that they pay on these devices, and while they are accepted.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (and the input's size) and stop.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result (text, timings, memory) as JSON.")
 def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, file, session, chat, system, n_predict,
-            temp, dry_run, as_json):
+            temp, spec, dry_run, as_json):
     """Run MODEL (a GGUF; default: the embedded SmolLM2) on a long input with --ctx tokens of context.
 
     The input (-p, -f or stdin) is tokenized and checked against the context first; then the plan
@@ -76,6 +79,9 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, f
 
         questions += read_questions(questions_file)
     if len(questions) > 1:
+        if spec not in (None, "off"):
+            click.echo("ctxq: --spec: the engine that answers several questions together decodes one token per "
+                       "pass for each (no drafts)", err=True)
         document, _ = _read_input(None, file)
         if document is None:
             raise click.UsageError("several questions are about a document: give it with -f FILE (or on stdin)")
@@ -102,7 +108,8 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, f
             click.echo(f"ctxq: {no_cuda}; running on the CPU", err=True)
         bar = None if as_json else _ProgressBar()
         try:
-            r = runner.execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_loaded=_loaded,
+            r = runner.execute(prepared, temp=temp, seed=seed, n_threads=n_threads, spec=spec,
+                               on_loaded=_loaded,
                                on_progress=bar, on_text=None if as_json else (lambda s: click.echo(s, nl=False)))
         except ReorderNeeded as e:
             reexec(e.value)
@@ -114,11 +121,23 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, f
         echo_json(r.to_dict())
         return
     click.echo("")
+    note = (r.spec or {}).get("note")
+    if note and (spec not in (None, "off") or "recurrent" in note):  # auto unmeasured, by default: nothing to say
+        click.echo(f"ctxq: spec {r.spec['mode']}: {note}", err=True)
     cached = f" ({r.n_cached:,} restored from the session)" if r.n_cached else ""
     click.echo(f"prompt {r.n_prompt:,} tokens{cached}: prefill {r.prefill_s:.2f} s ({r.prefill_tps:.1f} tok/s), "
                f"time to first token {r.ttft_s:.2f} s; generated {r.n_generated} tokens "
-               f"({r.decode_tps:.2f} tok/s, stop: {r.stop})", err=True)
+               f"({r.decode_tps:.2f} tok/s, stop: {r.stop}){_spec_line(r)}", err=True)
     click.echo(memory_table(r.memory), err=True)
+
+
+def _spec_line(r) -> str:
+    """Run's timing line: tokens per pass and acceptance, when drafts were verified."""
+    s = r.spec or {}
+    if not s.get("active"):
+        return ""
+    return (f"; spec {s['mode']}: {r.tokens_per_pass:.2f} tokens per pass, {s['accepted']:,} of {s['drafted']:,} "
+            f"drafted accepted ({100 * s['acceptance']:.0f} %)")
 
 
 def _run_many(model, document, questions, *, options, n_threads, seed, session, chat, system, n_predict, temp,

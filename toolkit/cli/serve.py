@@ -55,8 +55,11 @@ def _parallel(value: str | None) -> int | None:
               help="Answer P requests together on ctxq's engine: one KV cache of --ctx cells, a document the "
                    "requests share held once (auto: from the plan's free memory).  [default: one at a time]")
 @session_option(serve=True)
+@click.option("--spec", type=click.Choice(["ngram", "off", "auto"]), default=None,
+              help="Drafts taken from the context, verified in one batch (as `ctxq run --spec`); one request at a "
+                   "time only.")
 def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
-              shutdown_timeout, chat_format, session, serve_parallel):
+              shutdown_timeout, chat_format, session, serve_parallel, spec):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
 
     Endpoints: /v1/chat/completions, /v1/completions (streaming too), /v1/models, /health, /metrics.
@@ -92,8 +95,11 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             p = runner.make_plan(model, options=opts.updated(parallel=parallel))
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
                                       alias=alias, limits=limits, session=session,
-                                      chat_format=chat_format, parallel=parallel)
+                                      chat_format=chat_format, parallel=parallel, spec=spec)
         click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
+        if parallel is not None and spec not in (None, "off"):
+            click.echo("ctxq: --spec: the --parallel engine decodes one token per pass for each sequence (no drafts)",
+                       err=True)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
 

@@ -144,3 +144,34 @@ def ubatches(plan) -> list[int]:
         if isinstance(d, dict) and d.get("family") == fam and isinstance(d.get("n_ubatch"), int) and d["n_ubatch"] > 0:
             found.add(d["n_ubatch"])
     return sorted(found)
+
+
+def _spec_file(plan) -> Path | None:
+    k = key(plan)
+    return None if k is None else folder() / f"{k}-spec.json"
+
+
+def save_spec_cost(plan, cost: dict[int, float], depth: int) -> Path | None:
+    """`ctxq bench --spec`: the time of a batch of n tokens (logits at each) against one token, at `depth`."""
+    out = _spec_file(plan)
+    if out is None:
+        return None
+    tmp = tempfiles.create(out, "bench")
+    try:
+        tmp.write_text(json.dumps({"cost": {str(n): c for n, c in cost.items()}, "depth": depth,
+                                   "family": family(plan)}))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def spec_cost(plan) -> dict[int, float] | None:
+    """The cost curve `save_spec_cost` kept for this plan on these devices, or None."""
+    f = _spec_file(plan)
+    if f is None or not f.is_file():
+        return None
+    try:
+        return {int(n): float(c) for n, c in json.loads(f.read_text())["cost"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None

@@ -65,6 +65,60 @@ def measure_plan(plan, rpc, n_prompt: int, n_gen: int, depth: int, reps: int, n_
         llm.close()
 
 
+SPEC_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # batch sizes a draft's verification takes (speculative.MAX_DRAFT + 1 at most)
+
+
+def spec_cost(llm, depth: int, reps: int, sizes: tuple[int, ...] = SPEC_SIZES) -> dict[int, float]:
+    """The time of one llama_decode of n tokens with logits at each (a draft's verification) against one token, at
+    `depth` tokens of cache: the fastest of `reps` rounds (on a shared machine the minimum is the time the work
+    takes, the rest is waiting), each round timing every size once in turn."""
+    n_vocab = llm.n_vocab()
+    llm.reset()
+    if depth:
+        llm.eval(_tokens(depth, n_vocab, 1000))
+    base = llm.n_tokens
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(reps + 1):  # the first round warms up
+        for n in sizes:
+            llm._ctx.kv_cache_seq_rm(-1, base, -1)
+            llm._batch.set_batch(batch=_tokens(n, n_vocab, 3000 + r), n_past=base, logits_all=True)
+            t0 = time.perf_counter()
+            llm._ctx.decode(llm._batch)
+            if r:
+                times[n].append(time.perf_counter() - t0)
+    one = min(times[sizes[0]]) / sizes[0]
+    # a batch never costs less than one token: a ratio below 1 is a slow moment of the single-token rounds
+    return {n: max(min(times[n]) / one, 1.0) for n in sizes}
+
+
+def measure_spec(plan, rpc, depth: int, reps: int, n_threads: int | None) -> dict:
+    """In a child process: `spec_cost` of the plan."""
+    llm, _, _ = load_plan(plan, rpc=rpc, n_threads=n_threads)
+    try:
+        return {str(n): c for n, c in spec_cost(llm, depth, reps).items()}
+    finally:
+        llm.close()
+
+
+def bench_spec(model, options: PlanOptions, *, depth: int = 0, reps: int = 3, n_threads: int | None = None,
+               timeout: float = 1800) -> tuple[object, dict[int, float]]:
+    """`ctxq bench --spec`: the plan's cost of a draft's batch against one token (`spec_cost`, in a child process),
+    kept (`speed_store.save_spec_cost`) for `--spec auto` on these devices: (plan, {n: cost})."""
+    from ..rpc.supervise import run_supervised
+
+    if reps < 1 or depth < 0:
+        raise InvalidOption("`reps` must be 1 or more and `depth` 0 or more", option="reps", value=reps)
+    with local_workers(options) as opts:
+        p = make_plan(model, options=opts)
+        if depth + max(SPEC_SIZES) > p.n_ctx:
+            raise InvalidOption(f"`depth` {depth} + {max(SPEC_SIZES)} tokens is beyond the context ({p.n_ctx})",
+                                option="n_ctx", value=p.n_ctx)
+        got = run_supervised(measure_spec, p, opts.rpc, depth, reps, n_threads, rpc=opts.rpc, timeout=timeout)
+    cost = {int(n): c for n, c in got.items()}
+    speed_store.save_spec_cost(p, cost, depth)
+    return p, cost
+
+
 def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
     """(mode, plan) for each mode, each tensor-mode candidate (every card and each subset the planner considers:

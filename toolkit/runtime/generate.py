@@ -62,6 +62,7 @@ class RunResult:
     ttft_s: float  # prefill start to the first generated token
     stop: str  # "eos" (an end-of-generation token) or "length" (n_predict reached)
     n_cached: int = 0  # prompt tokens restored from a saved session, not evaluated
+    spec: dict | None = None  # speculative decoding: `speculative.Speculation.to_dict()` (mode, passes, acceptance)
     load_s: float = 0.0
     plan: Plan | None = None
     memory: list[DeviceMemory] = field(default_factory=list)
@@ -81,12 +82,18 @@ class RunResult:
         n_generated - 1 evaluations happen in decode_s (llama.cpp's n_eval counts the same way)."""
         return (self.n_generated - 1) / self.decode_s if self.n_generated > 1 and self.decode_s > 0 else 0.0
 
+    @property
+    def tokens_per_pass(self) -> float:
+        """Generated tokens per llama_decode after the prompt (1.0 without drafts), counted as decode_tps counts."""
+        passes = (self.spec or {}).get("passes")
+        return (self.n_generated - 1) / passes if passes else 1.0
+
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "n_prompt": self.n_prompt,
                 "n_generated": self.n_generated, "stop": self.stop,
                 "load_s": self.load_s, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                 "ttft_s": self.ttft_s, "n_cached": self.n_cached, "prefill_tps": self.prefill_tps,
-                "decode_tps": self.decode_tps,
+                "decode_tps": self.decode_tps, "spec": self.spec, "tokens_per_pass": self.tokens_per_pass,
                 "memory": [vars(m) for m in self.memory], "plan": self.plan.to_dict() if self.plan else None}
 
 
@@ -248,6 +255,9 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
     t_first = t_last = t1
     stop = "length"
     vocab = llm._model.vocab
+    spec = getattr(llm, "ctxq_spec", None)  # drafts verified in one batch (speculative.attach)
+    if spec is not None:
+        spec.start()
     if n_predict > 0:
         # The whole prompt is cached, so generate() samples from the prefill's logits at once.
         for tok in llm.generate(tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=1.0):
@@ -271,4 +281,4 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
         if on_text:
             on_text(tail)
     return RunResult(text="".join(parts), tokens=out, n_prompt=total, prefill_s=t1 - t0, decode_s=t_last - t_first,
-                     ttft_s=t_first - t0, stop=stop, n_cached=n_cached)
+                     ttft_s=t_first - t0, stop=stop, n_cached=n_cached, spec=spec.to_dict() if spec else None)

@@ -28,6 +28,7 @@ from ..planning.options import PlanOptions
 from ..planning.plan import Plan
 from ..units import default_threads
 from ..models import model_header, resolve_model
+from . import speculative
 from .session import restore_session, save_for_run, session_path
 from .generate import (DeviceMemory, Progress, RunResult, chat_prompt, check_context, check_n_predict,  # noqa: F401
                        document_text, generate, input_tokens, tokenize)
@@ -234,7 +235,7 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
 @one_parse  # the model's header parsed once in the call
 def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: Plan | None = None,
          options: PlanOptions | None = None, n_threads: int | None = None, seed: int | None = None,
-         session=None, **kwargs):
+         session=None, spec: str | None = None, **kwargs):
     """A ready `llama_cpp.Llama` for `model` (default: the embedded SmolLM2) holding `n_ctx` tokens,
     configured from the plan for the devices present (or `gpus`/`profile`/`rpc`).
 
@@ -245,6 +246,8 @@ def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: P
     started, load() falls back to the best plan for the present order (and says so in the log).
     `session`: a file `ctxq.runtime.session.save_session` wrote; its state is restored when it
     matches (`llm.ctxq_session` tokens), so a prompt that starts with its tokens evaluates only the rest.
+    `spec`: drafts from the context verified in one batch, "ngram", "off" or "auto" (None; `runtime.speculative`);
+    `llm.ctxq_spec` says what it does.
     """
     opts = PlanOptions.take(kwargs, options).updated(n_ctx=n_ctx, split=split, gpus=gpus)
     if opts.parallel is not None or (plan is not None and plan.parallel):  # Llama makes a one-sequence context
@@ -273,6 +276,7 @@ def load(model=None, n_ctx: int | None = None, split=None, gpus=None, *, plan: P
         llm, memory, _ = load_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, **kwargs)
     llm.ctxq_plan, llm.ctxq_memory = plan, memory
     llm.ctxq_session = restore_session(llm, session, plan) if session is not None else 0
+    speculative.for_plan(llm, plan, spec)
     return llm
 
 
@@ -324,16 +328,18 @@ def prepare(model=None, prompt: str | list[dict] | None = None, *, document: str
 
 
 def execute(prepared: Prepared, *, temp: float = 0.8, seed: int | None = None, n_threads: int | None = None,
-            on_loaded: Callable[[Plan, float], None] | None = None,
+            spec: str | None = None, on_loaded: Callable[[Plan, float], None] | None = None,
             on_progress: Callable[[Progress], None] | None = None,
             on_text: Callable[[str], None] | None = None) -> RunResult:
     """Load the prepared plan, prefill (reporting `on_progress`) and generate (streaming `on_text`).
-    `on_loaded(plan, seconds)` is called once the model has loaded."""
+    `on_loaded(plan, seconds)` is called once the model has loaded. `spec`: as `load`'s."""
+    speculative.check_mode(spec)
     if prepared.tokens is None:
         raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
     p, tokens, keep = prepared.plan, prepared.tokens, prepared.keep
     llm, memory, load_s = load_plan(p, rpc=prepared.rpc, n_threads=n_threads, seed=seed)
     try:
+        speculative.for_plan(llm, p, spec)
         if on_loaded:
             on_loaded(p, load_s)
         t0 = time.perf_counter()
@@ -354,7 +360,7 @@ def execute(prepared: Prepared, *, temp: float = 0.8, seed: int | None = None, n
 def run(model=None, prompt: str | list[dict] | None = None, *, document: str | None = None,
         tokens: list[int] | None = None, chat: bool = False, system: str | None = None, n_predict: int = 256,
         temp: float = 0.8, seed: int | None = None, n_threads: int | None = None, session=None,
-        plan: Plan | None = None, options: PlanOptions | None = None,
+        spec: str | None = None, plan: Plan | None = None, options: PlanOptions | None = None,
         on_plan: Callable[[Plan, int], None] | None = None, on_progress: Callable[[Progress], None] | None = None,
         on_text: Callable[[str], None] | None = None, **settings) -> RunResult:
     """Tokenize and check the input, plan, load, prefill and generate; the result holds the text,
@@ -362,7 +368,7 @@ def run(model=None, prompt: str | list[dict] | None = None, *, document: str | N
     `simulate` runs on local RPC workers for the call. `on_plan(plan, n_prompt)` is called before
     the model loads. `document` comes first, `prompt` after it; `session` (a file or "auto") saves the
     state up to the document's end, and a later run with the same document restores it instead of
-    evaluating it again."""
+    evaluating it again. `spec`: as `load`'s."""
     if tokens is None and prompt is None and document is None:
         raise CtxqError("give the text to read (prompt=TEXT)", option="prompt")
     with local_workers((options or PlanOptions()).updated(**settings)) as opts:
@@ -370,5 +376,5 @@ def run(model=None, prompt: str | list[dict] | None = None, *, document: str | N
                            n_predict=n_predict, session=session, plan=plan, options=opts)
         if on_plan:
             on_plan(prepared.plan, len(prepared.tokens))
-        return execute(prepared, temp=temp, seed=seed, n_threads=n_threads, on_progress=on_progress,
+        return execute(prepared, temp=temp, seed=seed, n_threads=n_threads, spec=spec, on_progress=on_progress,
                        on_text=on_text)

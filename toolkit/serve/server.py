@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import InvalidOption
 from ..planning.planner import Plan
+from ..runtime import speculative
 from ..runtime.runner import check_vocabulary, engine_memory, load_plan
 from ..runtime.session import restore_session
 from .gate import Gate, Service
@@ -124,7 +125,7 @@ def _routes(app, service: Service, plan_flags: str) -> None:
 
 def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int | None = None,
                seed: int | None = None, alias: str | None = None, limits: ServeLimits | None = None,
-               session=None, chat_format: str | None = None, parallel: int | None = None):
+               session=None, chat_format: str | None = None, parallel: int | None = None, spec: str | None = None):
     """(app, load): the app answers at once (`/health` "loading", the API 503 with Retry-After) and
     serves the plan's model once `load()` has run; `load()` loads it as `ctxq run` does and returns
     the memory report. One app per process: llama-cpp-python keeps the model in a module global.
@@ -132,7 +133,8 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     `chat_format`: llama-cpp-python's chat format to answer chat with instead of the model's template
     (e.g. "chatml-function-calling", for tool_choice "auto"); `parallel`: serve completions on ctxq's
     engine, that many sequences decoded together (0: the default from the plan, `parallel.py`);
-    `load()` then returns (memory, the number of sequences, why)."""
+    `load()` then returns (memory, the number of sequences, why). `spec`: drafts from the context for the
+    one-at-a-time path (`runtime.speculative`; the engine decodes without them)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
     from llama_cpp.server import app as server_app
@@ -177,6 +179,7 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
         if backend is not None:
             return _load_engine(p, parallel, backend, alias, rpc=rpc, n_threads=n_threads)
         llm, memory, _ = load_plan(p, rpc=rpc, n_threads=n_threads, seed=seed)
+        speculative.for_plan(llm, p, spec)
         if session is not None:  # before the first request is let in
             restore_session(llm, session, p)
         if chat_format is not None:

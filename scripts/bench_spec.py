@@ -1,0 +1,94 @@
+"""Decode speed with and without drafts from the context (issue 55), in one run, on a long document.
+
+    .venv/bin/python scripts/bench_spec.py [--chars 16000] [-n 128] [--reps 2]
+
+Three workloads over the same document (the built-in licences text, the first --chars characters, a few thousand
+tokens): a verbatim quote, a summary, an answer in the model's own words. Each is generated greedily with --spec off,
+ngram and auto, `--reps` times interleaved (a shared machine's slow moments fall on all three alike), and the best
+decode tok/s of each is kept. auto uses the cost of a draft's batch measured first at the document's depth
+(`runtime.bench.spec_cost`, what `ctxq bench --spec` keeps). Prints decode tok/s, tokens per pass, acceptance and
+the ratios to off, and whether the text equals off's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import time
+from importlib.resources import files
+
+import ctxq
+from ctxq.runtime import speculative
+from ctxq.runtime.bench import spec_cost
+from ctxq.runtime.generate import generate, input_tokens
+
+# The quote is a plain completion: asked in a chat turn, SmolLM2-135M paraphrases instead of quoting (1.4 tokens
+# per pass); led into the Preamble's first words it goes on with the document's text.
+QUOTE_LEAD = "\n\nThe Preamble, quoted from the text above:\n\n"
+WORKLOADS = {
+    "quote": None,
+    "summary": "Summarize the text above in a few sentences.",
+    "own words": "In your own words: why would someone choose this license? Answer in a short paragraph.",
+}
+
+
+def quote_prompt(llm, doc: str) -> list[int]:
+    at = doc.index("The GNU General Public License is a free")
+    lead = doc[at:at + 80].rsplit(" ", 1)[0]  # ends at a word
+    return llm.tokenize((doc + QUOTE_LEAD + lead).encode("utf-8"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chars", type=int, default=16000, help="characters of the built-in text (licences)")
+    ap.add_argument("-n", "--n-predict", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    with gzip.open(str(files("ctxq.quality").joinpath("licences.txt.gz")), "rt") as f:
+        doc = f.read()[:a.chars]
+    llm = ctxq.load(n_ctx=8192, spec="off", n_threads=a.threads)
+    prompts = {w: input_tokens(llm.model_path, q, document=doc, chat=True)[0] if q else quote_prompt(llm, doc)
+               for w, q in WORKLOADS.items()}
+    depth = max(len(t) for t in prompts.values())
+    t0 = time.perf_counter()
+    cost = spec_cost(llm, depth, 8)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}, SmolLM2-135M-Instruct Q4_1, {llm.ctxq_plan.llama_flags()}, "
+          f"{a.threads or 'default'} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"# a draft's batch of n tokens against one, at depth {depth} (measured in {time.perf_counter() - t0:.0f} s): "
+          + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items()))
+    rows = []
+    for w, toks in prompts.items():
+        llm.reset()
+        best: dict[str, object] = {}
+        first = True
+        for _ in range(a.reps):
+            for mode in ("off", "ngram", "auto"):
+                speculative.attach(llm, mode, cost if mode == "auto" else None, cost_source="measured")
+                if first:  # the document once; later runs re-evaluate only its last token
+                    r = generate(llm, toks, n_predict=a.n_predict, temp=0)
+                    first = False
+                else:
+                    llm.n_tokens = len(toks) - 1
+                    r = generate(llm, toks, n_predict=a.n_predict, temp=0, n_cached=len(toks) - 1)
+                if mode not in best or r.decode_tps > best[mode].decode_tps:
+                    best[mode] = r
+        off = best["off"]
+        rows.append((w, len(toks), off, best["ngram"], best["auto"]))
+        print(f"# {w}: {off.text[:100]!r}", flush=True)
+    speculative.detach(llm)
+    llm.close()
+    print()
+    print("| workload | prompt tokens | generated | off tok/s | ngram tok/s | ngram ratio | ngram tokens/pass | "
+          "ngram acceptance | auto tok/s | auto ratio | auto tokens/pass | same text |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for w, n, off, ng, au in rows:
+        same = "yes" if ng.tokens == off.tokens and au.tokens == off.tokens else "no"
+        print(f"| {w} | {n:,} | {off.n_generated} | {off.decode_tps:.2f} | {ng.decode_tps:.2f} | "
+              f"{ng.decode_tps / off.decode_tps:.2f}x | {ng.tokens_per_pass:.2f} | {100 * ng.spec['acceptance']:.0f} % | "
+              f"{au.decode_tps:.2f} | {au.decode_tps / off.decode_tps:.2f}x | {au.tokens_per_pass:.2f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()

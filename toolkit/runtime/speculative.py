@@ -1,0 +1,262 @@
+"""More than one token per pass: drafts taken from the context itself, verified in one batch (issue 55).
+
+A `Drafter` proposes the continuation that followed the context's last n-gram where it occurred before (the
+document, the question and what has been generated: `ngram.NgramIndex`). llama-cpp-python's `Llama.generate` then
+evaluates the sampled token and the draft in one `llama_decode` (`_verify_eval`: logits at every position), samples
+each position in turn with the request's own sampler chain (top-k/top-p/min-p, temperature, grammar) and keeps the
+draft while the sampled token equals it; at the first difference the sampled token replaces the draft's and the
+rest is removed from the KV cache (`llama_memory_seq_rm`, its `kv_cache_seq_rm`).
+
+Why that keeps the distribution exactly: the token t sampled at a draft position is drawn from the target p, so
+P(t = x) = p(x), the draft x's acceptance probability, and given t != x, t is distributed as p with x removed and
+renormalized: the speculative-sampling rule for a deterministic draft, in one draw. Every emitted token is one draw
+of the chain, so a run with drafts consumes the random state as one without them. At temperature 0 the chain is
+greedy: the longest prefix greedy decoding would give is kept.
+
+The draft length adapts to acceptance (`Policy`): with per-token acceptance a (recent passes, decayed) a draft of k
+tokens yields (1 - a^(k+1)) / (1 - a) tokens per pass at the cost of a batch of k + 1 tokens; `cost` is that cost
+against one token, measured by `ctxq bench --spec` (`planning.speed_store`) or `DEFAULT_COST`. `ngram` drafts the
+best k >= 1 wherever the index has a match; `auto` drafts only where the measured cost says a draft pays, and
+none (k = 0) while acceptance stays too low, probing again as old evidence decays.
+Recurrent and hybrid memory cannot drop the end of a sequence: no drafts there (`Speculation.note`).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import InvalidOption
+from .ngram import NgramIndex
+
+log = logging.getLogger(__name__)
+
+MODES = ("ngram", "off", "auto")
+N_GRAM = 3  # tokens matched before a draft: ngram-map's default key size (common/arg.cpp --spec-ngram-size-n)
+START_DRAFT = 4  # `ngram`'s first draft length
+MAX_DRAFT = 16  # tokens per draft at most (llama.cpp's --draft-max default)
+# A batch of n tokens against one, measured with SmolLM2-135M Q4_1 on this project's 2-core CPU at 5k tokens of
+# depth (scripts/bench_spec.py); used by `ngram` where `ctxq bench --spec` has measured nothing.
+DEFAULT_COST = {1: 1.0, 2: 1.45, 4: 2.2, 8: 3.6, 16: 6.4}
+DECAY = 0.7  # weight of a pass's evidence after each later pass
+IDLE_DECAY = 0.98  # per token drafted nothing while a match existed: old evidence fades, so `auto` probes again
+PRIOR = (4.0, 1.0)  # pseudo-counts of accepted tokens and of rejections: 0.8 before any evidence (a match in the
+# context was accepted for 60-75 % of its tokens on quotes, scripts/bench_spec.py): a new request, or one whose
+# old evidence has faded, tries a draft
+
+
+def check_mode(spec: str | None) -> str:
+    mode = "auto" if spec is None else spec
+    if mode not in MODES:
+        raise InvalidOption(f"spec must be one of {', '.join(MODES)}; got {spec!r}", option="spec", value=spec)
+    return mode
+
+
+def cost_at(cost: dict[int, float], n: int) -> float:
+    """The cost of a batch of n tokens against one, interpolated linearly between measured sizes."""
+    sizes = sorted(cost)
+    if n <= sizes[0]:
+        return cost[sizes[0]] * n / sizes[0]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if n <= hi:
+            return cost[lo] + (cost[hi] - cost[lo]) * (n - lo) / (hi - lo)
+    lo, hi = sizes[-2:] if len(sizes) > 1 else (sizes[0], sizes[0])
+    slope = (cost[hi] - cost[lo]) / (hi - lo) if hi > lo else cost[hi] / hi
+    return cost[hi] + slope * (n - hi)
+
+
+@dataclass
+class Stats:
+    """One request's decoding after its prompt: passes (llama_decode calls), draft tokens proposed and accepted."""
+
+    passes: int = 0
+    drafts: int = 0  # passes that carried a draft
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict:
+        return {"passes": self.passes, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.acceptance}
+
+
+class Policy:
+    """The draft length from recent acceptance and the cost of a batch (`auto`); `ngram` (floor 1) doubles the
+    length after a draft accepted whole and shrinks it to what was accepted plus one otherwise, as llama.cpp's
+    ngram drafts grow and shrink (common/speculative.cpp), never below what the cost model would draft."""
+
+    def __init__(self, cost: dict[int, float], *, floor: int, max_draft: int = MAX_DRAFT):
+        self.cost, self.floor, self.max_draft = cost, floor, max_draft
+        self.acc, self.rej = 0.0, 0.0
+        self.run = START_DRAFT if floor else 0
+
+    def alpha(self) -> float:
+        return (self.acc + PRIOR[0]) / (self.acc + self.rej + PRIOR[0] + PRIOR[1])
+
+    def length(self) -> int:
+        """The k (0..max_draft) with the most expected tokens per unit of cost; at least `floor`."""
+        a = min(self.alpha(), 0.999)
+        best, best_k = 1.0, 0  # no draft: one token per pass of cost 1
+        for k in range(1, self.max_draft + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / cost_at(self.cost, k + 1)
+            if rate > best:
+                best, best_k = rate, k
+        return max(best_k, self.floor, min(self.run, self.max_draft))
+
+    def observe(self, k: int, accepted: int) -> None:
+        if self.floor:
+            self.run = min(2 * k, self.max_draft) if accepted == k else max(2, accepted + 1)
+        self.acc = DECAY * self.acc + accepted
+        self.rej = DECAY * self.rej + (1 if accepted < k else 0)
+
+    def idle(self) -> None:
+        self.acc *= IDLE_DECAY
+        self.rej *= IDLE_DECAY
+
+
+class Drafter:
+    """llama-cpp-python's draft-model interface (`LlamaDraftModel.__call__`): the context so far -> draft tokens."""
+
+    def __init__(self, mode: str, cost: dict[int, float], n: int = N_GRAM, max_draft: int = MAX_DRAFT):
+        self.mode = mode
+        self.index = NgramIndex(n)
+        self.policy = Policy(cost, floor=1 if mode == "ngram" else 0, max_draft=max_draft)
+        self.stats = Stats()
+        self.pending = False  # a draft was handed out; the next eval verifies it
+        self._last: tuple[int, int, int] | None = None  # (context length, its last token, draft length)
+
+    def new_request(self) -> None:
+        self.index.reset()
+        self.policy = Policy(self.policy.cost, floor=self.policy.floor, max_draft=self.policy.max_draft)
+        self.stats = Stats()
+        self._last = None
+
+    def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
+        L = len(input_ids)
+        if self._last is not None:
+            L0, tail, k = self._last
+            accepted = L - L0 - 1
+            if 0 <= accepted <= k and int(input_ids[L0 - 1]) == tail:
+                if k:
+                    self.policy.observe(k, accepted)
+                    self.stats.accepted += accepted
+            else:  # not the continuation of the last call: another request on the same cache
+                self.new_request()
+        self.index.update(input_ids)
+        k = self.policy.length()
+        draft = self.index.draft(input_ids, max(k, 1))
+        if len(draft) and k == 0:
+            self.policy.idle()
+            draft = draft[:0]
+        self._last = (L, int(input_ids[L - 1]), len(draft))
+        if len(draft):
+            self.stats.drafts += 1
+            self.stats.drafted += len(draft)
+        self.pending = True
+        return draft
+
+
+@dataclass
+class Speculation:
+    """What a Llama was given: the mode asked for, whether it drafts, and why not (one line)."""
+
+    mode: str
+    drafter: Drafter | None = None
+    note: str | None = None
+    cost_source: str = ""
+    _orig: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def stats(self) -> Stats | None:
+        return self.drafter.stats if self.drafter else None
+
+    def start(self) -> None:
+        """A new request begins (its prompt evaluated by the caller): fresh index, acceptance and counts."""
+        if self.drafter:
+            self.drafter.new_request()
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "active": self.active, "note": self.note,
+                **(self.stats.to_dict() if self.stats else {})}
+
+
+def _verify_eval(llm, tokens) -> None:
+    """`Llama.eval` with logits at every position of a draft's batch (one llama_decode); a prompt evaluates as
+    llama-cpp-python evaluates it and starts a new request."""
+    spec: Speculation = llm.ctxq_spec
+    d = spec.drafter
+    if d is None or not d.pending or len(tokens) > llm.n_batch:
+        if d is not None and not d.pending:
+            d.new_request()
+        return type(llm).eval(llm, tokens)
+    d.pending = False
+    llm._ctx.kv_cache_seq_rm(-1, llm.n_tokens, -1)  # what a rejection left beyond the accepted tokens
+    n_past = llm.n_tokens
+    llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+    llm._ctx.decode(llm._batch)
+    llm.input_ids[n_past:n_past + len(tokens)] = tokens
+    llm.n_tokens += len(tokens)
+    llm._requires_eval = False
+    d.stats.passes += 1
+
+
+def partial_rollback(llm) -> bool:
+    """Whether the model's memory can drop the end of a sequence (attention-only KV: yes; recurrent or hybrid: no)."""
+    return not (getattr(llm, "_is_recurrent", False) or getattr(llm, "_is_hybrid", False))
+
+
+def attach(llm, spec: str | None, cost: dict[int, float] | None = None, *, cost_source: str = "") -> Speculation:
+    """Give `llm` (a llama_cpp.Llama with one sequence) drafts from its context, per `spec` (ngram, off, auto;
+    None = auto). `cost`: the measured cost of a batch of n tokens against one (`ctxq bench --spec`), which `auto`
+    needs. The result is also `llm.ctxq_spec`; its `note` says in one line why nothing is drafted."""
+    mode = check_mode(spec)
+    detach(llm)
+    s = Speculation(mode, cost_source=cost_source)
+    if mode == "off":
+        pass
+    elif not partial_rollback(llm):
+        s.note = ("no drafts: this model's recurrent state cannot drop rejected tokens (llama_memory_seq_rm "
+                  "removes only whole sequences there); decoding one token per pass")
+    elif mode == "auto" and not cost:
+        s.note = ("no drafts: `ctxq bench --spec` has not measured a draft's cost for this model on these devices; "
+                  "decoding one token per pass")
+    else:
+        if llm.n_batch < 2:
+            raise InvalidOption("speculative decoding verifies a draft in one batch: n_batch must be 2 or more",
+                                option="n_batch", value=llm.n_batch)
+        s.drafter = Drafter(mode, cost or DEFAULT_COST, max_draft=min(MAX_DRAFT, llm.n_batch - 1))
+        s._orig = {"draft_model": llm.draft_model}
+        llm.draft_model = s.drafter
+        llm.eval = types.MethodType(_verify_eval, llm)
+    if s.note:
+        log.info("%s", s.note)
+    llm.ctxq_spec = s
+    return s
+
+
+def detach(llm) -> None:
+    """Back to one token per pass."""
+    s = getattr(llm, "ctxq_spec", None)
+    if s is not None and s.drafter is not None:
+        llm.draft_model = s._orig.get("draft_model")
+        llm.__dict__.pop("eval", None)
+    llm.ctxq_spec = None
+
+
+def for_plan(llm, plan, spec: str | None) -> Speculation:
+    """`attach` with the cost `ctxq bench --spec` measured for `plan` on these devices (None: not measured)."""
+    from ..planning import speed_store
+
+    mode = check_mode(spec)
+    cost = speed_store.spec_cost(plan) if mode != "off" and plan is not None else None
+    return attach(llm, mode, cost, cost_source="measured" if cost else "default")
