@@ -65,3 +65,20 @@ def run_ctxq(*args: str, env: dict | None = None, input: str | None = None, time
         full_env.pop("CTXQ_DEBUG", None)
     return subprocess.run([ctxq_exe(), *args], capture_output=True, text=True, env=full_env,
                           input=input, timeout=timeout)
+
+
+# Cards with the speed facts a profile gives (profiles/ format): the known-card table's figures
+# (ctxq.planning.devices.KNOWN_CARDS), a PCIe 4.0 x16 link.
+CARD_FACTS = {"RTX 4090": dict(memory_gib=24, bandwidth_gbs=1008, tflops_f16=165.2, link_gbs=24),
+              "RTX 3060": dict(memory_gib=12, bandwidth_gbs=360, tflops_f16=25.5, link_gbs=24)}
+
+
+def card_profile(path: Path, *cards: tuple[str, int]) -> Path:
+    """A profile TOML at `path` with `count` of each named card (CARD_FACTS), in order."""
+    blocks = []
+    for name, count in cards:
+        lines = [f'name = "{name}"', *(f"{k} = {v}" for k, v in CARD_FACTS[name].items())]
+        blocks.append("[[device]]\n" + "\n".join(lines + ([f"count = {count}"] if count > 1 else [])))
+    path.write_text("\n\n".join(blocks) + "\n")
+    return path
+

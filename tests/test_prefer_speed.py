@@ -10,14 +10,8 @@ import ctxq
 from ctxq.planning import ubatch
 from ctxq.planning.options import PlanOptions
 
-_CARD = """
-[[device]]
-name = "RTX 4090"
-memory_gib = 24
-bandwidth_gbs = 1008
-tflops_f16 = 165.2
-link_gbs = 24
-"""
+from .conftest import card_profile
+
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +31,7 @@ def _secs(p, model, **opts):
 
 
 def test_speed_takes_the_faster_pair_and_quality_keeps_the_least_loss(llama8b, tmp_path):
-    prof = tmp_path / "one.toml"
-    prof.write_text(_CARD)
+    prof = card_profile(tmp_path / "one.toml", ("RTX 4090", 1))
     kw = dict(profile=str(prof), cpu_memory=64 << 30)
     quality = ctxq.plan(llama8b, 65536, **kw)
     assert (quality.type_k, quality.type_v) == ("f16", "f16") and quality.cpu_layers == 0

@@ -31,6 +31,13 @@ PROMPT = "The river city library stood by the quiet green market in the morning"
 CARDS = "3x12=RTX 4060 Ti,2x6=RTX 4060"  # the issue's box, named from the known cards
 
 
+@pytest.fixture(autouse=True)
+def own_home(tmp_path, monkeypatch):
+    """ctxq's home of its own: `ctxq bench`'s kept measurements decide a placement (planning/spill.chosen), so a
+    measurement the machine kept must not choose these tests' plans."""
+    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
+
+
 @pytest.fixture(scope="module")
 def llama70b(tmp_path_factory):
     """Llama-3-70B's geometry at Q4_K_M (42.5 GB, a sparse file: the header is real, the weights a hole)."""
@@ -158,3 +165,22 @@ def test_no_plan_exceeds_a_card_after_the_referee(maker, smollm2, tmp_path):
         for g in p.gpus:
             assert g.total <= g.device.usable, (sizes, g.device.name, g.total - g.device.usable)
     assert planned  # the sweep planned something, so the assertion above was asked
+
+
+@pytest.mark.slow
+def test_bench_measures_both_placements_and_the_plan_takes_the_measurement(smollm2, tmp_path):
+    """`ctxq bench` of a plan that spills measures the whole-layer placement too; the plan then states the measured
+    time to read the context and chooses by the measurements. About 20 s."""
+    env = {"CTXQ_HOME": str(tmp_path / "home")}
+    common = [str(smollm2), "-c", "16384", "-ctk", "f16", "-ctv", "f16", "--simulate", "0.4,0.3"]
+    r = run_ctxq("bench", *common, "-p", "64", "-n", "4", "-r", "1", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    layer_rows = [x for x in rows if x["mode"] == "layer" and x["plan"]]
+    assert len(layer_rows) == 2, rows
+    assert sum("-ot " in x["plan"] for x in layer_rows) == 1  # one with FFN weights on the host, one without
+    assert all(x["pp_mean"] > 0 and x["tg_mean"] > 0 for x in layer_rows), layer_rows
+    p = json.loads(run_ctxq("plan", *common, "--json", env=env).stdout)
+    read = p["speed"]["read"]
+    assert read["measured"] is True and read["basis"].startswith("measured by ctxq bench"), read
+    assert read["prefill_s"] > 0

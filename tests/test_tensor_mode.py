@@ -22,7 +22,7 @@ from ctxq.gguf.shards import read_model
 from ctxq.planning.tensor_split import TensorSplit, not_planned
 from ctxq.testing import upstream_models
 
-from .conftest import run_ctxq
+from .conftest import card_profile, run_ctxq
 
 MiB = 2**20
 
@@ -192,30 +192,14 @@ def test_auto_plans_both_modes_and_keeps_layer_mode_until_measured(smollm2):
 
 # --- tensor mode over some of the cards (planning/tensor_subset.py) -------------------------------------------
 
-_WEAK = """
-[[device]]
-name = "RTX 4090"
-memory_gib = 24
-bandwidth_gbs = 1008
-tflops_f16 = 165.2
-link_gbs = 24
-count = 2
-
-[[device]]
-name = "RTX 3060"
-memory_gib = 12
-bandwidth_gbs = 360
-tflops_f16 = 25.5
-link_gbs = 24
-"""
+_WEAK = (("RTX 4090", 2), ("RTX 3060", 1))  # two fast cards and a slow one (conftest.card_profile)
 
 
 def test_a_weak_card_is_left_out_where_the_estimate_says_so(smollm2, tmp_path):
     """Two fast cards and a slow one: tensor mode over the two fast ones is estimated faster (the slow card's
     share holds back every layer), so the plan gives llama.cpp only those (-dev), says which card is left out
     and why, and --json carries it; the left-out card holds nothing."""
-    prof = tmp_path / "weak.toml"
-    prof.write_text(_WEAK)
+    prof = card_profile(tmp_path / "weak.toml", *_WEAK)
     p = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="tensor", kv="q8_0")
     assert [g.device.name for g in p.gpus] == ["RTX 4090 #1", "RTX 4090 #2"] and len(p.tensor_split) == 2
     assert p.left_out == [{"device": "RTX 3060", "why": "the slowest by memory bandwidth: 360 against 1008 GB/s"}]
@@ -232,8 +216,7 @@ def test_a_weak_card_is_left_out_where_the_estimate_says_so(smollm2, tmp_path):
 
 
 def test_every_card_stays_where_none_is_weaker_or_speed_is_unknown(smollm2, tmp_path):
-    prof = tmp_path / "even.toml"
-    prof.write_text(_WEAK.replace("count = 2", "count = 3").split("\n[[device]]\nname = \"RTX 3060\"")[0])
+    prof = card_profile(tmp_path / "even.toml", ("RTX 4090", 3))
     p = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="tensor", kv="q8_0")
     assert len(p.gpus) == 3 and p.left_out is None and " -dev " not in p.llama_flags()
     p = ctxq.plan(smollm2, 8192, simulate="0.3,0.3,0.2", split_mode="tensor", kv="q8_0")  # no speed facts
@@ -248,8 +231,7 @@ def test_the_runner_shows_llama_cpp_only_the_gpus_kept(smollm2, tmp_path, monkey
     from ctxq.llama import backend
     from ctxq.runtime import runner
 
-    prof = tmp_path / "weak.toml"
-    prof.write_text(_WEAK)
+    prof = card_profile(tmp_path / "weak.toml", *_WEAK)
     p = ctxq.plan(smollm2, 8192, profile=str(prof), split_mode="tensor", kv="q8_0")
     gpus = [backend.GgmlDevice(f"CUDA{i}", "", "gpu", 2**34, 2**34) for i in range(3)]
     monkeypatch.setattr(backend, "ggml_devices", lambda: gpus)

@@ -134,11 +134,25 @@ def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                 opts = replace(options, split_mode=mode, n_ubatch=ub or options.n_ubatch or DEFAULT_N_UBATCH,
                                tensor_cards=tuple(keep) if keep is not None else None)
                 try:
-                    out.append((mode, make_plan(model, options=opts)))
+                    p = make_plan(model, options=opts)
+                    out.append((mode, p))
                 except CtxqError as e:
                     where = f"cards {','.join(map(str, keep))}: " if keep is not None else ""
                     out.append((mode, f"{where}-ub {ub}: {e}" if ub is not None else f"{where}{e}"))
+                    continue
+                if mode == "layer" and options.offload is None and (p.cpu_ffn_layers or p.cpu_layers):
+                    out += _other_placement(model, opts, p)
     return out
+
+
+def _other_placement(model, opts: PlanOptions, p) -> list[tuple[str, object]]:
+    """Where the plan keeps FFN weights or whole layers on the host, the other placement too (planning/spill.py), so
+    that `ctxq plan --offload auto` takes the measured faster; nothing where it cannot be planned."""
+    try:
+        q = make_plan(model, options=replace(opts, offload="layers" if p.cpu_ffn_layers else "weights"))
+    except CtxqError:
+        return []
+    return [("layer", q)] if q.cpu_ffn_layers != p.cpu_ffn_layers or q.cpu_layers != p.cpu_layers else []
 
 
 def _card_sets(options: PlanOptions) -> list:
