@@ -241,7 +241,7 @@ def model_info(source: str | os.PathLike | GGUFFile) -> ModelInfo:
     recurrent = [r and not m for r, m in zip(_recurrent_layers(g, arch, n_layer, n_head_kv), mtp)]
     attention = [not r and not m and kv > 0 for r, m, kv in zip(recurrent, mtp, n_head_kv)]
     n_swa, swa_layers = _sliding_layers(g, arch, n_layer, attention)
-    state = _state_bytes(g, n_embd)
+    state = sum(state_widths(g, n_embd)) * STATE_TYPE_BYTES  # one recurrent layer's state per sequence
 
     dense, expert, ffn = [0] * n_layer, [0] * n_layer, [0] * n_layer
     expert_names: list[set[str]] = [set() for _ in range(n_layer)]
@@ -382,9 +382,8 @@ def _sliding_layers(g: GGUFFile, arch: str, n_layer: int, attention: list[bool])
     return n_swa, [f and a for f, a in zip(flags, attention)]
 
 
-def _state_bytes(g: GGUFFile, n_embd: int) -> int:
-    """One recurrent layer's state per sequence: f32 rows of n_embd_r (the convolution's last d_conv - 1
-    inputs) and n_embd_s (the SSM / delta-net state), llama_hparams::n_embd_r / n_embd_s."""
+def state_widths(g: GGUFFile, n_embd: int) -> tuple[int, int]:
+    """(n_embd_r, n_embd_s), llama_hparams': the convolution's last d_conv - 1 inputs, the SSM / delta-net state."""
     def key(name: str) -> int:
         v = g.arch_get(name, 0)
         return int(v) if isinstance(v, int) else 0
@@ -392,9 +391,6 @@ def _state_bytes(g: GGUFFile, n_embd: int) -> int:
     l_cache = key("shortconv.l_cache")
     d_conv, d_inner, d_state, n_group = (key("ssm.conv_kernel"), key("ssm.inner_size"), key("ssm.state_size"),
                                          key("ssm.group_count"))
-    if l_cache:  # LFM2's short convolution
-        n_embd_r = n_embd * (l_cache - 1)
-    else:  # Mamba-2 and gated delta net convolutions over x, B and C
-        n_embd_r = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
-    n_embd_s = d_state * d_inner
-    return (n_embd_r + n_embd_s) * STATE_TYPE_BYTES
+    # LFM2's short convolution; else Mamba-2's and gated delta nets' convolutions over x, B and C
+    n_embd_r = n_embd * (l_cache - 1) if l_cache else max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    return n_embd_r, d_state * d_inner

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..gguf.info import ModelInfo
+from ..gguf.info import ModelInfo, state_widths as info_state_widths
 from ..gguf.reader import GGUFFile
 
 _B = r"blk\.\d+\."
@@ -32,18 +32,8 @@ RECURRENT_PLANNED = QWEN_GATED | MIRRORED_STATE
 
 
 def state_widths(g: GGUFFile, info: ModelInfo) -> tuple[int, int]:
-    """(n_embd_r, n_embd_s) of a recurrent layer: llama_hparams::n_embd_r / n_embd_s (as gguf/info.py's
-    _state_bytes)."""
-    def key(name: str) -> int:
-        v = g.arch_get(name, 0)
-        return int(v) if isinstance(v, int) else 0
-
-    l_cache = key("shortconv.l_cache")
-    d_conv, d_inner, d_state, n_group = (key("ssm.conv_kernel"), key("ssm.inner_size"), key("ssm.state_size"),
-                                         key("ssm.group_count"))
-    if l_cache:  # LFM2's short convolution
-        return info.n_embd * (l_cache - 1), 0
-    return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), d_state * d_inner
+    """(n_embd_r, n_embd_s) of a recurrent layer: llama_hparams::n_embd_r / n_embd_s (gguf.info.state_widths)."""
+    return info_state_widths(g, info.n_embd)
 
 
 def qwen_segments(m, name: str, ne: int, il: int) -> list[tuple[int, int]]:
