@@ -52,10 +52,12 @@ one is flagged UNDER (the never-under rule):
     .venv/bin/python scripts/accuracy.py --tensor --out docs/accuracy-table.md
 
 `--spill` (section spill, issue 53) takes plans that keep the dense FFN weights of some layers in host memory, every
-layer's attention and KV cache on the cards: SmolLM2 (tiny target) and the real geometries of Llama-3-8B, Qwen2.5-7B
-(biased QKV) and Phi-3-mini (a fused gate+up) at 16k, f16/q8_0/q4_0, on 2 and 3 RPC devices whose sizes are chosen so
-the planner spills (a share of what every layer and its cache need, lowered until the plan keeps FFN weights on the
-host); each device and the host against the real load with the plan's overrides:
+layer's attention and KV cache on the cards: SmolLM2 (tiny target), the real geometries of Llama-3-8B, Qwen2.5-7B
+(biased QKV) and Phi-3-mini (a fused gate+up), and two mixtures of experts at real widths from llama.cpp's converter
+(Llama-4-Scout cut to 4 layers, DeepSeek-V3 to 2: routed experts on the host, then shared experts or dense layers'
+FFN) at 16k, f16/q8_0/q4_0, on 2 and 3 RPC devices whose sizes are chosen so the planner spills (a share of what
+every layer and its cache need, lowered until the plan keeps FFN weights on the host); each device and the host
+against the real load with the plan's overrides:
 
     .venv/bin/python scripts/accuracy.py --spill --out docs/accuracy-table.md
 """
@@ -377,12 +379,23 @@ def _tensor(a) -> int:
 
 
 
-SPILL = dict(models="smollm2,llama3-8b,qwen2.5-7b,phi3-mini", devices="rpc2,rpc3", ctx="16384", kv="f16,q8_0,q4_0")
+SPILL = dict(models="smollm2,llama3-8b,qwen2.5-7b,phi3-mini,llama4-scout-4l,deepseek-v3-2l", devices="rpc2,rpc3",
+             ctx="16384", kv="f16,q8_0,q4_0")
+
+
+def _spill_model(a, name: str, tmp: Path) -> str | None:
+    """--spill's models: the real-width MoE cuts of llama.cpp's converter (upstream_widths), else as the matrix's."""
+    if name in upstream_widths.REALISTIC:
+        return str(upstream_widths.build_realistic(name))
+    if name in upstream_models.SPECS:
+        return str(upstream_models.build(name))
+    return _model(a, name, tmp)
 
 
 def _spill_sizes(model: str, n: int, ctx: int, kv: str) -> list[float] | None:
     """Equal RPC devices (GiB) on which the planner keeps FFN weights on the host and no whole layer: from what every
-    layer and its cache need, shares lowered by 4 % until the plan spills (None when none does)."""
+    layer and its cache need, shares lowered by 4 % until the plan spills (None when none does). A mixture of experts
+    keeps its routed experts on the host before its shared experts or dense layers' FFN."""
     from ctxq.planning.devices import Device
     from ctxq.planning.planner import plan
 
@@ -410,7 +423,7 @@ def _spill(a, ap) -> int:
     target.tiny = Target(TINY_REL, TINY_ABS)
     rows, t0 = [], time.time()
     for name in a.models.split(","):
-        model = _model(a, name, tmp)
+        model = _spill_model(a, name, tmp)
         for dev in a.devices.split(","):
             n = len(DEVICE_SETS[dev])
             for ctx in map(int, a.ctx.split(",")):

@@ -65,7 +65,8 @@ KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "iq4_nl", "q4_0")
 BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # Routed-expert tensors (common/common.h LLM_FFN_EXPS_REGEX, searched in the name).
 EXPERT_RE = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
-FFN_RE = re.compile(r"^blk\.\d+\.ffn_(up|down|gate|gate_up)\.")  # dense FFN a plan may spill (overrides.FFN_REGEX)
+# A layer's dense FFN, or a MoE's shared experts (`_shexp`), that a plan may spill (overrides.FFN_REGEX)
+FFN_RE = re.compile(r"^blk\.\d+\.ffn_(up|down|gate|gate_up)(_shexp|)\.")
 
 
 def block_of(name: str) -> int | None:
@@ -120,7 +121,7 @@ class LayerFacts:
     # K, V row widths of its own KV when llama.cpp's accounting gave them (planning.facts; MLA: no V); None: heads
     k_width: int | None = None
     v_width: int | None = None
-    ffn_bytes: int = 0  # of dense_bytes, the dense FFN's weights and biases (FFN_RE)
+    ffn_bytes: int = 0  # of dense_bytes, the dense FFN's or shared experts' weights and biases (FFN_RE)
 
     @property
     def kind(self) -> str:

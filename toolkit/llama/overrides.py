@@ -48,18 +48,21 @@ def experts_pattern(layers: Iterable[int]) -> str:
     return f"blk\\.({'|'.join(map(str, layers))}){FFN_EXPS_REGEX}"
 
 
-# A layer's dense FFN (gguf.info.FFN_RE): the weights a plan keeps in host memory when the cards cannot hold them all,
-# the layer's attention and KV cache staying on its card. The dot after the name keeps ffn_gate from matching
-# ffn_gate_inp (the router) or ffn_up from matching ffn_up_shexp / ffn_up_exps.
+# A layer's dense FFN or a MoE's shared experts (gguf.info.FFN_RE): the weights a plan keeps in host memory when the
+# cards cannot hold them all, the layer's attention and KV cache staying on its card. The dot after the name keeps
+# ffn_gate from matching ffn_gate_inp (the router) or ffn_gate_inp_shexp (the shared experts' gate), and ffn_up from
+# matching ffn_up_exps (the routed experts: expert_pattern's).
 FFN_REGEX = r"\.ffn_(up|down|gate|gate_up)\."
+SHARED_FFN_REGEX = r"\.ffn_(up|down|gate|gate_up)(_shexp|)\."
 
 
-def ffn_pattern(layers: Iterable[int]) -> str:
+def ffn_pattern(layers: Iterable[int], shared: bool = False) -> str:
     r"""One regex for the dense FFN tensors (weights and biases) of `layers`: `blk\.(3|4|5)\.ffn_(up|down|gate|
-    gate_up)\.`, what a llama.cpp user types as `-ot PATTERN=CPU`."""
+    gate_up)\.`, what a llama.cpp user types as `-ot PATTERN=CPU`; `shared`: a MoE's shared experts' too
+    (`ffn_up_shexp`, ...)."""
     layers = list(layers)
     group = str(layers[0]) if len(layers) == 1 else f"({'|'.join(map(str, layers))})"
-    return f"blk\\.{group}{FFN_REGEX}"
+    return f"blk\\.{group}{SHARED_FFN_REGEX if shared else FFN_REGEX}"
 
 
 def expert_layers(tensor_names: Iterable[str]) -> list[int]:

@@ -31,11 +31,12 @@ def host_ffn(src: GGUFFile, n_ubatch: int) -> int:
     ops whose weights are in a CPU buffer and the weightless activation between them (ggml_backend_sched_split_graph);
     build_ffn (llama-graph.cpp) shapes them, all f32: the split's input, the normed FFN input [n_embd, n_ubatch];
     gate and up [n_ff, n_ubatch] and their GLU (a fused gate_up: [2 n_ff, n_ubatch], then the GLU); the down
-    projection's result [n_embd, n_ubatch]. Their sum bounds ggml-alloc's peak over the split; the split referee's
-    dry run gives the chosen plan llama.cpp's own figure."""
+    projection's result [n_embd, n_ubatch]. A MoE's shared experts (`ffn_*_shexp`) are the same FFN. Their sum bounds
+    ggml-alloc's peak over the split; the split referee's dry run gives the chosen plan llama.cpp's own figure."""
     peak = 0
     for t in src.tensors:
-        if t.name.startswith("blk.") and t.name.endswith(".ffn_down.weight") and len(t.shape) >= 2:
+        if t.name.startswith("blk.") and t.name.endswith((".ffn_down.weight", ".ffn_down_shexp.weight")) \
+                and len(t.shape) >= 2:
             n_ff, n_embd = t.shape[:2]
             peak = max(peak, (2 * n_embd + 3 * n_ff) * n_ubatch * 4)
     return peak

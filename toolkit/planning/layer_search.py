@@ -138,3 +138,25 @@ def proportional(devs: list[Device], slots: int) -> list[int]:
 
 def counts_fit(c: Costs, devs: list[Device], counts: list[int]) -> bool:
     return all(dp.total <= dp.device.usable for dp in layout(c, devs, counts))
+
+
+def take_back(c: Costs, devs: list[Device], counts: list[int], held, place) -> Costs:
+    """Costs with the host-memory tensors of as many layers as each device can hold back on it: `held` the layers whose
+    tensors of one kind sit in host memory (`place(layers)`: the costs with exactly those there, e.g.
+    `Costs.with_cpu_experts`), `counts` the devices' layer slots, all fitting as `c` stands. Within a device its last
+    layers take theirs back first, so the host keeps a prefix of each device's layers (`--n-cpu-moe N` on one)."""
+    n = c.info.n_layer
+    held = set(held)
+    start = n + 1 - sum(counts)
+    for k in counts:
+        mine = [il for il in range(start, min(start + k, n)) if il in held]
+        start += k
+        lo, hi = 0, len(mine)  # the most of its layers, from its last one back, that fit on this device with the rest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if counts_fit(place(held - set(mine[len(mine) - mid:])), devs, counts):
+                lo = mid
+            else:
+                hi = mid - 1
+        held -= set(mine[len(mine) - lo:])
+    return place(held)

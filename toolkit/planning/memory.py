@@ -334,7 +334,8 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) 
         # embeddings sent, whose hole ggml-alloc does not fill
         freed = moved and c.host_experts_freed is not None and mask_freed(c, counts, moved, n_used)
         exp = (c.host_experts_freed if freed else c.host_experts) if moved else 0
-        dp.compute = c.inputs + max(exp, c.host_ffn if ffn else 0) + c.host_gathers
+        both = set(moved) & set(ffn)  # a layer's routed and shared experts both here: maybe one split, both alive
+        dp.compute = c.inputs + ((exp + c.host_ffn) if both else max(exp, c.host_ffn if ffn else 0)) + c.host_gathers
     else:  # the host builds the inputs of a split graph, and keeps the token ids (llm_graph_input_embd's
         # inp_tokens, I32 [n_ubatch]) that its own split reads
         copies = SCHED_COPIES if n_used > 1 and c.pipeline(0) else 1

@@ -127,7 +127,11 @@ class Plan:
     def tensor_overrides(self) -> list[str]:
         """Every `tensor_buft_overrides` pattern of the plan, all to the CPU: the experts of `cpu_expert_layers`
         (`expert_overrides`), then one pattern for the dense FFN of `cpu_ffn_layers`."""
-        return self.expert_overrides() + ([ffn_pattern(self.cpu_ffn_layers)] if self.cpu_ffn_layers else [])
+        return self.expert_overrides() + ([self.ffn_override()] if self.cpu_ffn_layers else [])
+
+    def ffn_override(self) -> str:
+        """The one pattern for the FFN of `cpu_ffn_layers`: a MoE's shared experts' with its dense layers'."""
+        return ffn_pattern(self.cpu_ffn_layers, shared=bool(self.expert_layers))
 
     @property
     def parallel(self) -> bool:
@@ -168,7 +172,7 @@ class Plan:
             flags += f" -np {self.n_seq_max}" + (" -kvu" if self.kv_unified else "")
         flags += self._expert_flags()
         if self.cpu_ffn_layers:
-            flags += " -ot " + shlex.quote(f"{ffn_pattern(self.cpu_ffn_layers)}=CPU")
+            flags += " -ot " + shlex.quote(f"{self.ffn_override()}=CPU")
         return flags
 
     def _expert_flags(self) -> str:

@@ -15,7 +15,7 @@ from dataclasses import replace
 from . import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
 from .layer_search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
-                           proportional as _proportional)
+                           proportional as _proportional, take_back)
 from .memory import Costs, costs, estimate_tps, host_cost, kv_by_layer
 from . import fast_layers, kvpairs, spill, tensor_candidates, ubatch
 from . import tensor as tensor_mod
@@ -94,8 +94,10 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     if tensor:
         tensor_mod.check(info, src.arch, opts, devices, bool(experts.cpu_layers))
         auto_experts = False  # whole layers only (tensor.check)
-    # dense FFN weights to host memory where whole layers would go (planning/spill.py): layer mode, a dense model
-    dense_spill = not tensor and not experts.expert_layers and opts.split is None and opts.offload != "layers"
+    # FFN weights to host memory where whole layers would go (planning/spill.py), in layer mode: a dense model's, or
+    # after its routed experts a MoE's shared experts and dense layers' FFN
+    ffn_spill = (not tensor and opts.split is None and opts.offload != "layers"
+                 and any(la.ffn_bytes for la in info.layers))
     spill.check(opts, info, tensor, bool(experts.expert_layers), devices)
     pairs = [fixed] if fixed else [(k, v) for k, v in kvpairs.at_speed(cuda) if k in usable and v in usable]
     cands = kvpairs.ranked(pairs, kvpairs.measurements(path, opts.n_ctx))
@@ -119,9 +121,12 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
             q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
             if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
                 p, host = q, q_host
-        if dense_spill and devices and (p is None or p.cpu_layers):  # weights to host memory, never the cache
-            q, q_host = spill.search_ffn(c, devices, cpu, opts, lambda cf, slots, order, counts, gplans, h: _make_plan(
-                cf, str(path), opts, tk, tv, slots, counts, gplans, h, order, len(devices)))
+        if ffn_spill and devices and (p is None or p.cpu_layers):  # weights to host memory, never the cache
+            base = c.with_cpu_experts(info.expert_layers) if auto_experts else c  # routed experts first
+            q, q_host = spill.search_ffn(
+                base, devices, cpu, opts, lambda cf, slots, order, counts, gplans, h: _make_plan(
+                    cf, str(path), opts, tk, tv, slots, counts, gplans, h, order, len(devices)),
+                experts_back=auto_experts)
             pick = spill.chosen(p, q, info, src, opts)
             host = q_host if pick is q and q_host is not None else host
             p = pick
@@ -256,9 +261,9 @@ def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opt
     best = None
     for cand in (counts, _proportional(ds, slots)):
         if _counts_fit(bare, ds, cand):
-            got = _restore_experts(bare, ds, cand)
-            if best is None or len(got[0].cpu_experts) < len(best[0].cpu_experts):
-                best = got
+            got = take_back(bare, ds, cand, bare.cpu_experts, bare.with_cpu_experts)
+            if best is None or len(got.cpu_experts) < len(best[0].cpu_experts):
+                best = got, cand
     if best is None:  # the split found does not hold once costed exactly: whole layers only
         return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
     ce, cand = best
@@ -267,28 +272,6 @@ def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opt
     if host.total > host.device.usable:
         return None, host
     return _make_plan(ce, path, opts, tk, tv, slots, cand, gplans, host, order, len(devices)), host
-
-
-def _restore_experts(bare: Costs, devs: list[Device], counts: list[int]) -> tuple[Costs, list[int]]:
-    """Costs with the experts of as many layers as each device holds back on it (`counts` layer slots per
-    device, all of them fitting with every expert on the CPU)."""
-    n = bare.info.n_layer
-    cpu = set(bare.cpu_experts)
-    start = n + 1 - sum(counts)
-    for d, k in enumerate(counts):
-        mine = [il for il in range(start, min(start + k, n)) if il in cpu]
-        start += k
-        # the most of its layers, from its last one back, whose experts fit on this device with the rest
-        lo, hi = 0, len(mine)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            trial = bare.with_cpu_experts(cpu - set(mine[len(mine) - mid:]))
-            if _counts_fit(trial, devs, counts):
-                lo = mid
-            else:
-                hi = mid - 1
-        cpu -= set(mine[len(mine) - lo:])
-    return bare.with_cpu_experts(cpu), counts
 
 
 def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions,

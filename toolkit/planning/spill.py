@@ -4,7 +4,9 @@ When the cards cannot hold every layer, llama.cpp's `-ngl` leaves whole layers o
 attention over that cache then runs on the CPU (op offload copies a CPU layer's *weights* to the first card for
 batches of 32+ tokens; the cache is no weight), quadratic work in the context on the slowest device. Here the dense
 FFN weights of chosen layers go to host memory instead (`tensor_buft_overrides`, llama.cpp's `-ot
-blk\\.N\\.ffn_(up|down|gate|gate_up)\\.=CPU`) and every layer's attention, norms and KV cache stay on its card.
+blk\\.N\\.ffn_(up|down|gate|gate_up)\\.=CPU`) and every layer's attention, norms and KV cache stay on its card. A
+mixture of experts keeps its routed experts there first (planner._search_experts' placement), then its shared experts
+and dense layers' FFN (`ffn_*_shexp`, gguf.info.FFN_RE).
 
 `search_ffn` finds that placement as `planner._search_experts` finds a mixture-of-experts model's: first every FFN in
 host memory and the rest of each layer split over the cards (whole layers only if even that does not fit: then
@@ -20,7 +22,7 @@ import re
 from dataclasses import dataclass, replace
 
 from .devices import Device
-from .layer_search import best_split, counts_fit, layout, proportional
+from .layer_search import best_split, counts_fit, layout, proportional, take_back
 from .memory import Costs, host_cost
 from .options import PlanOptions
 
@@ -30,10 +32,13 @@ def spillable(c: Costs) -> list[int]:
     return [il for il, b in enumerate(c.layer_ffn) if b and il not in c.mtp_layers]
 
 
-def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, make_plan):
+def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, make_plan, experts_back: bool = False):
     """(plan or None, host) with every layer's attention and KV cache on the cards and the dense FFN of as few layers
     as the cards need in host memory. None where even every FFN on the host leaves a whole layer for the CPU, or the
-    host cannot hold its part. `make_plan(costs, slots, order, counts, gplans, host)` builds the Plan."""
+    host cannot hold its part. `make_plan(costs, slots, order, counts, gplans, host)` builds the Plan.
+    A mixture of experts comes with its routed experts in host memory (`c.cpu_experts`: all, or the user's); its
+    shared experts and dense layers' FFN are this FFN (gguf.info.FFN_RE). The cards take back FFN first (every token
+    reads it, a routed expert only n_expert_used of n_expert), then with `experts_back` routed experts."""
     n = c.info.n_layer
     layers = spillable(c)
     if not layers or not devices:
@@ -47,8 +52,11 @@ def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, 
     best = None
     for cand in (counts, proportional(ds, slots)):
         if counts_fit(bare, ds, cand):
-            got = _restore_ffn(bare, ds, cand)
-            if best is None or len(got.cpu_ffn) < len(best[0].cpu_ffn):
+            got = take_back(bare, ds, cand, bare.cpu_ffn, bare.with_cpu_ffn)
+            if experts_back and got.cpu_experts:  # then routed experts, where a card has room left
+                got = take_back(got, ds, cand, got.cpu_experts, got.with_cpu_experts)
+            if best is None or (len(got.cpu_ffn), len(got.cpu_experts)) < (len(best[0].cpu_ffn),
+                                                                          len(best[0].cpu_experts)):
                 best = got, cand
     if best is None:
         return None, None
@@ -57,27 +65,6 @@ def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, 
     if host.total > host.device.usable:
         return None, host
     return make_plan(cf, slots, order, cand, layout(cf, ds, cand), host), host
-
-
-def _restore_ffn(bare: Costs, devs: list[Device], counts: list[int]) -> Costs:
-    """Costs with the dense FFN of as many layers as each device holds back on it (`counts`: layer slots per device,
-    every slot on a device and all of them fitting with every FFN in host memory). Within a device its last layers
-    take theirs back first, so the host keeps a prefix of each device's layers."""
-    n = bare.info.n_layer
-    cpu = set(bare.cpu_ffn)
-    start = 0
-    for k in counts:
-        mine = [il for il in range(start, min(start + k, n)) if il in cpu]
-        start += k
-        lo, hi = 0, len(mine)  # the most of its layers, from its last back, whose FFN fits on it with the rest
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if counts_fit(bare.with_cpu_ffn(cpu - set(mine[len(mine) - mid:])), devs, counts):
-                lo = mid
-            else:
-                hi = mid - 1
-        cpu -= set(mine[len(mine) - lo:])
-    return bare.with_cpu_ffn(cpu)
 
 
 @dataclass
@@ -143,7 +130,8 @@ def describe(p) -> str | None:
     if not p.cpu_ffn_layers:
         return None
     nbytes = p.host.cpu_ffn_bytes
-    return (f"weights in host memory: the FFN of {len(p.cpu_ffn_layers)} of {p.n_layer} layers "
+    what = "the shared-expert or dense FFN" if p.expert_layers else "the FFN"
+    return (f"weights in host memory: {what} of {len(p.cpu_ffn_layers)} of {p.n_layer} layers "
             f"({nbytes / 2**30:.2f} GiB); every layer's attention and KV cache stay on the cards")
 
 
@@ -155,12 +143,12 @@ def check(opts: PlanOptions, info, tensor: bool, moe: bool, devices: list[Device
         return
     why = ("tensor mode (-sm tensor) cuts every layer across the cards; ctxq keeps weights in host memory in layer "
            "mode only: use split_mode=layer" if tensor else
-           "a mixture-of-experts model keeps its experts in host memory (cpu_moe, n_cpu_moe, or the planner's choice), "
-           "not its dense FFN: drop offload=weights" if moe else
            "a `split` you gave is evaluated as given: drop it or offload=weights" if opts.split is not None else
            "there are no GPUs to keep anything on: give gpus, profile or rpc, or drop offload=weights"
            if not devices else
-           "this model has no dense FFN weights to keep in host memory: drop offload=weights"
+           ("this mixture of experts has no shared experts or dense layers: its routed experts go to host memory "
+            "by themselves (n_cpu_moe, or the planner's choice): drop offload=weights" if moe else
+            "this model has no dense FFN weights to keep in host memory: drop offload=weights")
            if not any(la.ffn_bytes for la in info.layers) else None)
     if why:
         raise InvalidOption(f"offload=weights: {why}", option="offload", value="weights")

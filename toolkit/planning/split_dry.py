@@ -148,13 +148,14 @@ def _main() -> int:
     return 0
 
 
-_answers: dict[tuple, tuple[list[int], int]] = {}  # this process's answers, by file identity and question
+_answers: dict[tuple, tuple[list[int], int, list[bool]]] = {}  # this process's answers, by file identity and question
 
 
-def split_compute(path: str, n_devices: int, *, resid: int, **kw) -> tuple[list[int], int]:
-    """The corrected compute buffers of `n_devices` split devices and of the host (bytes), from `split_dry_run` on
-    that many loopback workers started here; cached on disk per model file and settings, as the accounting's
-    answers are (`accounting.answer_key`), and in memory (a warm plan reads neither the file nor the disk)."""
+def split_compute(path: str, n_devices: int, *, resid: int, **kw) -> tuple[list[int], int, list[bool]]:
+    """The corrected compute buffers of `n_devices` split devices and of the host (bytes), and for each device whether
+    the dry run lost a pin that a real load computes there (`lost_pins`), from `split_dry_run` on that many loopback
+    workers started here; cached on disk per model file and settings, as the accounting's answers are
+    (`accounting.answer_key`), and in memory (a warm plan reads neither the file nor the disk)."""
     st = os.stat(path)
     question = json.dumps([_METHOD, n_devices, resid, {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}],
                           sort_keys=True)
@@ -167,13 +168,13 @@ def split_compute(path: str, n_devices: int, *, resid: int, **kw) -> tuple[list[
     f = ctxq_home() / "split" / f"{answer_key(path, 'split', question)}.json"
     try:
         d = json.loads(f.read_text())
-        got = [int(x) for x in d["devices"]], int(d["host"])
+        got = [int(x) for x in d["devices"]], int(d["host"]), [bool(x) for x in d["lost"][:n_devices]]
     except (OSError, ValueError, KeyError, TypeError):
         from ..rpc import start_workers  # only to ask: its import is a tenth of a cold plan
 
         with start_workers(n_devices) as w:
             dry = split_dry_run(path, w, resid=resid, **kw)
-        got = [d.corrected for d in dry[:-1]], dry[-1].corrected
+        got = [d.corrected for d in dry[:-1]], dry[-1].corrected, [bool(d.lost_pins) for d in dry[:-1]]
         f.parent.mkdir(parents=True, exist_ok=True)
         tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"devices": got[0], "host": got[1], "lost": [d.lost_pins for d in dry]}))

@@ -51,9 +51,11 @@ def applies(p, info: ModelInfo) -> bool:
             and model_file(p, info) is not None)
 
 
-def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
+def measured(p, info: ModelInfo) -> tuple[list[int], int, list[int]] | None:
     """llama.cpp's compute buffers for the plan's split: per GPU in the plan's order, and the host's (with the
-    output buffer, as the plan counts it); None where it cannot be asked here."""
+    output buffer, as the plan counts it), and what a real load may add to each GPU beyond its dry run: two layer inputs
+    where the dry run lost a pin in a plan with weights in host memory (experts or FFN: tensor overrides;
+    `_PINNED_EXTRA`). None where it cannot be asked here."""
     from .split_dry import split_compute
 
     if getattr(p, "split_mode", "layer") == "tensor":
@@ -61,12 +63,14 @@ def measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     kw = dict(n_ctx=p.n_ctx, n_gpu_layers=p.n_gpu_layers, tensor_split=[float(c) for c in p.tensor_split],
               type_k=p.type_k, type_v=p.type_v, flash_attn=p.flash_attn, n_ubatch=p.n_ubatch, n_batch=p.n_batch,
               swa_full=p.swa_full, cpu_patterns=tuple(p.tensor_overrides()), **p.context_settings())
+    resid = info.n_embd * p.n_ubatch * 4
     try:
-        devices, host = split_compute(str(model_file(p, info)), len(p.gpus), resid=info.n_embd * p.n_ubatch * 4, **kw)
+        devices, host, lost = split_compute(str(model_file(p, info)), len(p.gpus), resid=resid, **kw)
     except (CtxqError, OSError) as e:  # no RPC in this build, a worker that would not start: the rules' figures stand
         log.info("the split referee could not ask llama.cpp (%s); the rules' figures stand", e)
         return None
-    return devices, host + p.n_seq_max * info.n_vocab * 4  # memory.host_cost: the host's logits
+    extra = [_PINNED_EXTRA * resid if pin and kw["cpu_patterns"] else 0 for pin in lost]
+    return devices, host + p.n_seq_max * info.n_vocab * 4, extra  # memory.host_cost: the host's logits
 
 
 def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
@@ -80,35 +84,32 @@ def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     got = measured(one, info)
     if got is None:
         return None
-    (card,), host = got
+    (card,), host, _ = got
     # + the printed size's rounding: the real buffer is up to 0.005 MiB above it (97.12 printed, 97.125 held)
-    return [card + PRINT_ROUNDING + allreduce_bytes(info, len(p.gpus), p.n_ubatch)] * len(p.gpus), host
+    return [card + PRINT_ROUNDING + allreduce_bytes(info, len(p.gpus), p.n_ubatch)] * len(p.gpus), host, [0] * len(p.gpus)
 
 
-def _take(p, got: tuple[list[int], int], resid: int = 0) -> list[str]:
-    """Set the plan's compute figures to llama.cpp's; the devices where the rules were under, as note parts."""
-    devices, host = got
+def _take(p, got: tuple[list[int], int, list[int]]) -> list[str]:
+    """Set the plan's compute figures to llama.cpp's (and what a real load adds); the devices where the rules were under
+    the dry run, as note parts."""
+    devices, host, extra = got
     under = []
-    for dp, c in zip([*p.gpus, p.host], [*devices, host]):
+    for dp, c, more in zip([*p.gpus, p.host], [*devices, host], [*extra, 0]):
         if c - dp.compute > _ROUNDING:
             under.append(f"{dp.device.name} +{(c - dp.compute) / MiB:.2f} MiB")
-        dp.compute = c
-    if p.cpu_ffn_layers:  # FFN weights in host memory: see _spill_extra
-        for i, dp in enumerate(p.gpus):
-            dp.compute += resid if _spill_extra(p, i) else 0
+        dp.compute = c + more
     return under
 
 
-def _spill_extra(p, i: int) -> bool:
-    """Whether card i of a plan with FFN weights in host memory gets one residual (n_embd x n_ubatch x 4) more than the
-    dry run gives: a real load adds one to a card holding a spilled layer, or to the card before one whose first layer
-    is spilled, in some placements and not others (SmolLM2 at 16k over RPC workers: layers 23-29 with 23 spilled,
-    103.02 MiB real, 101.84 dry; on 3 cards 13-25 before 26 spilled 211.86 real, 210.74 dry; 15-29 with 15-24
-    spilled, equal). Counted wherever it may come: at most one residual over, never under, in the cells measured
-    (scripts/accuracy.py --spill)."""
-    ffn = set(p.cpu_ffn_layers)
-    nxt = p.gpus[i + 1].layers[:1] if i + 1 < len(p.gpus) else []
-    return bool(ffn.intersection(p.gpus[i].layers) or ffn.intersection(nxt))
+# In a plan with weights in host memory, a real load's compute buffer on a GPU where the dry run lost a pin
+# (split_dry.lost_pins: a layer's first norm, which a real load computes on the layer's GPU and the dry run on the GPU
+# before, sending it over as one more split input) differs from the dry run's by where ggml-alloc then places the
+# split's tensors, and equals it on every GPU without a lost pin. Measured (scripts/accuracy.py --spill, 16k, RPC
+# workers; one layer input n_embd x n_ubatch x 4 = r): SmolLM2 +1.125 MiB = r (layers 16-30, 16's FFN on the host),
+# +0 (15-29, 15-24's); Llama-3-8B's widths +8.00 = r (17-32, 17's); Phi-3-mini's -4.61; Llama-4-Scout's, every routed
+# expert on the host, +6.01 of r = 10 (layer 3, its shared expert on the card) and +16.00 (layers 2-3, 2's shared
+# expert on the host). The referee adds two layer inputs to each such GPU: never under in the cells measured.
+_PINNED_EXTRA = 2
 
 
 def _over(p) -> dict[str, int]:
@@ -120,7 +121,7 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
     room where a device no longer holds its part (a split the user gave is only marked, as before)."""
     if not applies(p, info) or (got := measured(p, info)) is None:
         return p
-    under = _take(p, got, info.n_embd * p.n_ubatch * 4)
+    under = _take(p, got)
     if under:
         p.notes.append("llama.cpp's dry run of this split needs more compute than ctxq's rules (" + ", ".join(under)
                        + "); the plan takes its figures")
@@ -136,7 +137,7 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
         q = replan(smaller)
         if not applies(q, info) or (got := measured(q, info)) is None:
             break
-        _take(q, got, info.n_embd * q.n_ubatch * 4)
+        _take(q, got)
         names = {d.name: d for d in devices}
         for dp in q.gpus:  # the user's devices, not the shrunk stand-ins
             dp.device = names.get(dp.device.name, dp.device)
