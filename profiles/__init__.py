@@ -47,7 +47,7 @@ class Device:
     endpoint: str | None = None  # host:port for RPC devices
     backend: str = ""  # "" means: "cuda" for a GPU, else the kind
     reserve: int | None = None  # bytes
-    # for the speed estimate (planning/speed.py); None: unknown, and the estimate says so
+    # for the speed estimate (planning/speed/model.py); None: unknown, and the estimate says so
     flops: float | None = None  # FLOP/s: dense FP16 tensor throughput with FP32 accumulate
     link_bandwidth: float | None = None  # bytes/s, one direction, to the other cards (PCIe, NVLink)
     link_latency: float | None = None  # seconds per exchange step between cards (see LINK_LATENCY_*)

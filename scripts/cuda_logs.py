@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ctxq.gguf.info import model_info
 from ctxq.gguf.reader import TensorInfo, tensor_nbytes
-from ctxq.planning import cuda
+from ctxq.planning.memory import cuda
 from ctxq.planning.planner import plan
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 from ctxq.units import MiB

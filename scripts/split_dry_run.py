@@ -61,7 +61,7 @@ def main() -> int:
 
     from ctxq.gguf.info import model_info
     from ctxq.planning.split_dry import split_dry_run
-    from ctxq.planning.compute import load_source
+    from ctxq.planning.memory.compute import load_source
     from ctxq.planning.devices import Device
     from ctxq.planning.planner import plan
     from ctxq.rpc import run_supervised, start_workers
@@ -101,7 +101,7 @@ TABLE_CELLS = [("rpc2", [1, 1], 16384, "f16"), ("rpc2", [1, 1], 65536, "q8_0"), 
 def table() -> int:
     from ctxq.gguf.info import model_info
     from ctxq.planning.split_dry import split_dry_run
-    from ctxq.planning.compute import load_source
+    from ctxq.planning.memory.compute import load_source
     from ctxq.planning.devices import Device
     from ctxq.planning.planner import plan
     from ctxq.rpc import start_workers

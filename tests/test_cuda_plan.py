@@ -10,7 +10,7 @@ import pytest
 
 from ctxq.errors import InvalidOption
 from ctxq.gguf.info import model_info
-from ctxq.planning import cuda
+from ctxq.planning.memory import cuda
 from ctxq.planning.devices import Device, load_profile, parse_gpus
 from ctxq.planning.planner import plan
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf

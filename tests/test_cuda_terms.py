@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ctxq.gguf.info import model_info
-from ctxq.planning import cuda
+from ctxq.planning.memory import cuda
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf
 from ctxq.units import GiB, MiB
 

@@ -10,7 +10,7 @@ from ctxq.gguf import info as info_mod
 from ctxq.gguf.info import model_info
 from ctxq.llama.accounting import accounting
 from ctxq.planning import facts
-from ctxq.planning.memory import kv_by_layer
+from ctxq.planning.memory.costs import kv_by_layer
 from ctxq.testing.accuracy import check_cell
 from ctxq.testing.hybrid import MAKERS
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf

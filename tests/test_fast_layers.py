@@ -1,4 +1,4 @@
-"""Layer mode for speed (planning/fast_layers.py): where the context fits with memory left over, whole layers move
+"""Layer mode for speed (planning/layers/fast.py): where the context fits with memory left over, whole layers move
 from slower cards (by memory bandwidth) to faster ones, the decode estimate rises, and every card still holds its
 part by the planner's own memory rows. Described cards (profiles), a header-only Llama-3-8B-shaped model."""
 

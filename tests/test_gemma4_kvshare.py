@@ -10,7 +10,7 @@ import pytest
 
 from ctxq.gguf.info import model_info
 from ctxq.llama.accounting import accounting
-from ctxq.planning import compute
+from ctxq.planning.memory import compute
 from ctxq.planning.derived import LayerFlags, kv_reuse_ok, with_reuse_targets, write_derived
 from ctxq.planning.facts import model_facts
 from ctxq.rpc import start_workers

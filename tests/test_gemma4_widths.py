@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ctxq.gguf.info import model_info
-from ctxq.planning import compute
+from ctxq.planning.memory import compute
 from ctxq.planning.facts import model_facts
 from ctxq.testing import upstream_widths
 

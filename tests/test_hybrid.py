@@ -9,7 +9,7 @@ import pytest
 from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers
 from ctxq.testing.accuracy import CellResult, check_cell
-from ctxq.planning.split import recurrent_tails
+from ctxq.planning.memory.split import recurrent_tails
 from ctxq.testing.hybrid import MAKERS, REALISTIC, HybridGeometry
 
 from .conftest import run_ctxq

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ctxq.planning import compute
+from ctxq.planning.memory import compute
 from ctxq.planning.facts import model_facts
 from ctxq.gguf.info import model_info
 from ctxq.rpc import start_workers

@@ -45,7 +45,7 @@ def _record(model, pairs: dict, n_ctx: int = N_CTX, text: str = "contract.txt"):
 
 def _fits(model, kv):
     """Every weight and every layer's cache on the devices: neither whole layers nor FFN weights on the host (a
-    pair that fits only by spilling FFN weights never replaces a smaller cache that fits: planning/spill.py)."""
+    pair that fits only by spilling FFN weights never replaces a smaller cache that fits: planning/spill/placement.py)."""
     p = plan(model, N_CTX, simulate=TIGHT, kv=kv)
     return p.cpu_layers == 0 and not p.cpu_ffn_layers
 
@@ -84,7 +84,7 @@ def test_max_kl_holds_moves_layers_or_refuses(smollm2, home):
     p = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.02)
     assert (p.type_k, p.type_v) == ("iq4_nl", "iq4_nl") and p.cpu_layers == 0
     held = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.005)  # only q8_0 or better: FFN weights go to the host,
-    # every layer's cache stays on the devices (planning/spill.py); offload=layers moves whole layers instead
+    # every layer's cache stays on the devices (planning/spill/placement.py); offload=layers moves whole layers instead
     assert (held.type_k, held.type_v) == ("q8_0", "q8_0") and held.cpu_layers == 0 and held.cpu_ffn_layers
     assert held.host.kv == 0
     layers = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.005, offload="layers")

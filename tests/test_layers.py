@@ -67,7 +67,7 @@ def test_a_folder_without_a_floor_is_refused(tmp_path):
 
 def test_a_circle_inside_a_folder_is_refused(tmp_path):
     root = _copy(tmp_path)
-    _append(root / "toolkit" / "planning" / "memory.py", "from . import checks")  # checks imports memory
+    _append(root / "toolkit" / "planning" / "memory" / "costs.py", "from .. import checks")  # checks imports memory
     r = lint(root)
     assert r.returncode != 0
     assert "No cycles are allowed in ctxq.planning" in r.stdout, r.stdout

@@ -28,7 +28,8 @@ def parses(monkeypatch):
 
     monkeypatch.setattr(reader, "parse_gguf", counting)
     # what earlier tests left in this process's per-file caches would read nothing: start without them
-    from ctxq.planning import cuda, split
+    from ctxq.planning.memory import cuda
+    from ctxq.planning.memory import split
 
     cuda._matmul_weights.cache_clear()
     split.shared_expert_layers.cache_clear()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from ctxq.gguf.info import model_info
-from ctxq.planning.memory import estimate_tps
+from ctxq.planning.memory.costs import estimate_tps
 from ctxq.planning.planner import plan
 from ctxq.testing.moe import tiny_moe_gguf
 from ctxq.testing.synthetic import GEOMETRIES, write_synthetic_gguf

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 
-from ctxq.planning import layer_search, planner
+from ctxq.planning.layers import search as layer_search
+from ctxq.planning import planner
 from ctxq.planning.devices import resolve_devices
-from ctxq.planning import memory
-from ctxq.planning.memory import costs, device_cost
+from ctxq.planning.memory import costs as memory
+from ctxq.planning.memory.costs import costs, device_cost
 from ctxq.planning.options import PlanOptions
 from ctxq.gguf.info import model_info
 from ctxq.gguf.shards import read_model

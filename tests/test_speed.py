@@ -1,4 +1,4 @@
-"""The speed estimate (planning/speed.py) and the device facts it reads (planning/devices.py).
+"""The speed estimate (planning/speed/model.py) and the device facts it reads (planning/devices.py).
 
 The published rows: llama.cpp PR 19378 (4x RTX 4090, PCIe 4.0 x16, no NVLink), tensor against layer mode on the
 same cards, measured with the meta backend's generic all-reduce (the PR: NCCL "not yet implemented").
@@ -15,11 +15,12 @@ from ctxq.errors import InvalidOption
 from ctxq.gguf.info import model_info
 from ctxq.gguf.writer import write_sparse_gguf
 from ctxq.llama import doctor
-from ctxq.planning import devices, speed
+from ctxq.planning.speed import model as speed
+from ctxq.planning import devices
 from ctxq.planning.devices import KNOWN_CARDS, Device, card_facts, gpu_speed_facts, load_profile, parse_gpus
-from ctxq.planning.memory import estimate_tps
+from ctxq.planning.memory.costs import estimate_tps
 from ctxq.planning.planner import plan
-from ctxq.planning.speed import LayerShape, ModelShape, Placement, Share, Workload, estimate
+from ctxq.planning.speed.model import LayerShape, ModelShape, Placement, Share, Workload, estimate
 from ctxq.testing.hybrid import HybridGeometry
 from ctxq.testing.synthetic import GEOMETRIES, Geometry, model_keys, write_synthetic_gguf
 

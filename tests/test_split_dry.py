@@ -7,7 +7,7 @@ import pytest
 
 from ctxq.gguf.info import model_info
 from ctxq.planning.split_dry import split_dry_run
-from ctxq.planning.compute import load_source
+from ctxq.planning.memory.compute import load_source
 from ctxq.rpc import run_supervised, start_workers
 from ctxq.testing.accuracy import _measure_child
 from ctxq.units import MiB

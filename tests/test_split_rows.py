@@ -1,4 +1,4 @@
-"""Rows of docs/accuracy-table.md's arch section that a split graph's terms (planning/split.py) or the output peak's
+"""Rows of docs/accuracy-table.md's arch section that a split graph's terms (planning/memory/split.py) or the output peak's
 derived model got wrong, each a real load of a checkpoint converted by llama.cpp's own converter, over the CPU and
 loopback RPC workers. Planned per device against llama.cpp's allocations: never under beyond the rounding of its
 printed sizes, and within 3 % / 2 MiB.

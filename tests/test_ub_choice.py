@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import ctxq
-from ctxq.planning import speed_store
+from ctxq.planning.speed import store as speed_store
 
 from .conftest import run_ctxq
 

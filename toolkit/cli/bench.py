@@ -65,7 +65,7 @@ def bench_cmd(model, options, hf_file, n_ubatches, n_prompt, n_gen, depth, reps,
         ts = ",".join(map(str, p.tensor_split)) if p.gpus else "-"
         if p.llama_devices:  # tensor mode over some of the cards
             ts += " -dev " + ",".join(p.llama_devices)
-        if p.cpu_ffn_layers or p.cpu_layers:  # which placement (planning/spill.py): both are measured
+        if p.cpu_ffn_layers or p.cpu_layers:  # which placement (planning/spill/placement.py): both are measured
             ts += f" (FFN of {len(p.cpu_ffn_layers)} on host)" if p.cpu_ffn_layers else f" ({p.cpu_layers} on CPU)"
         if n_prompt:
             out.append([m, ts, p.n_ubatch, f"pp{n_prompt} @ d{depth}", bench.mean_sd(r.pp_tps)])

@@ -61,7 +61,8 @@ def render_plan(p, *, title: str | None = None) -> str:
         if whole:
             lines.append(f"quality: {whole}")
     lines += _expert_lines(p)
-    from ..planning.spill import describe, reading_lines
+    from ..planning.spill.placement import describe
+    from ..planning.speed.reading import reading_lines
 
     if (spilled := describe(p)) is not None:
         lines.append(spilled)

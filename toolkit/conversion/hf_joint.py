@@ -120,7 +120,7 @@ def fitted(model: str, src: Path, n_ctx: int, options, reference=None) -> Fitted
     with every layer on a GPU."""
     from ..gguf.info import model_info
     from ..planning.devices import resolve_devices
-    from ..planning.memory import kv_by_layer
+    from ..planning.memory.costs import kv_by_layer
     from ..planning.options import PlanOptions
     from .fit import table_for
     from .fit_budget import host_embeddings

@@ -188,7 +188,7 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
     to these pairs (a benchmark's measured pairs)."""
     from ..gguf.info import model_info
     from ..planning.devices import resolve_devices
-    from ..planning.memory import kv_by_layer
+    from ..planning.memory.costs import kv_by_layer
     from ..planning.options import PlanOptions
     from .fit_budget import host_embeddings, largest_mix, reference_plan
     from .joint_measure import MAX_MEASURE_CTX

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .devices import Device
-from .memory import kv_by_layer
+from .memory.costs import kv_by_layer
 from .options import PlanOptions
 from .plan import DevicePlan
 from ..errors import DoesNotFit, InvalidOption

@@ -194,7 +194,7 @@ def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, ma
     rank = {id(c): i for i, (c, _) in enumerate(found)}
     full = [(c, p) for c, p in found if p.cpu_layers == 0 or not devices]
     if full:
-        # a pair that spills FFN weights never replaces a smaller cache that fits without (planning/spill.py),
+        # a pair that spills FFN weights never replaces a smaller cache that fits without (planning/spill/placement.py),
         # unless quality was asked for
         spill = 0 if prefer == "quality" and prefer_given else 1
         c, p = min(full, key=lambda cp: (len(cp[1].cpu_expert_layers), spill * bool(cp[1].cpu_ffn_layers),

@@ -44,7 +44,7 @@ class PlanOptions:
     devices of these GiB sizes, no GPU margin); none given: the devices llama.cpp sees.
     cpu_memory: bytes of host RAM to plan with (default: the profile's, else available now).
     reserve: bytes kept free on every GPU outside llama.cpp's buffers (default: the backend's, 768 MiB
-    for CUDA, see planning/cuda.py; a profile may set it per card).
+    for CUDA, see planning/memory/cuda.py; a profile may set it per card).
     cpu_moe / n_cpu_moe: keep the expert tensors of a mixture-of-experts model in CPU memory, of every
     layer or of the layers below N, as llama.cpp's --cpu-moe / --n-cpu-moe (router and shared experts
     stay with their layer). Neither given: the plan keeps the experts of as few layers as needed in CPU
@@ -62,7 +62,7 @@ class PlanOptions:
     offload: what goes to host memory when the cards cannot hold every layer at the context: "weights" (dense FFN
     weights of chosen layers, `-ot ...=CPU`; attention, norms and the whole KV cache stay on the cards), "layers"
     (whole layers with their KV cache, llama.cpp's -ngl), or "auto" (the default: the placement with the least
-    estimated time for the workload; weights where the devices say too little to estimate). planning/spill.py.
+    estimated time for the workload; weights where the devices say too little to estimate). planning/spill/placement.py.
     """
 
     n_ctx: int | None = None
@@ -91,7 +91,7 @@ class PlanOptions:
     gen_tokens: int | None = None
     tensor_cards: tuple | list | None = None
     offload: str | None = None
-    prefer_given: bool | None = None  # set by resolved(): `prefer` was given, not the default (planning/spill.py)
+    prefer_given: bool | None = None  # set by resolved(): `prefer` was given, not the default (planning/spill/placement.py)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

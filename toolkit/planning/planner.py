@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from . import compute as compute_mod
+from .memory import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
-from .layer_search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
-                           proportional as _proportional, take_back)
-from .memory import Costs, costs, estimate_tps, host_cost, kv_by_layer
-from . import fast_layers, kvpairs, spill, tensor_candidates, ubatch
+from .layers.search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
+                            proportional as _proportional, take_back)
+from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
+from .layers import fast as fast_layers
+from .spill import placement as spill
+from .speed.reading import reading, workload
+from . import kvpairs, tensor_candidates, ubatch
 from . import tensor as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
@@ -94,7 +97,7 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     if tensor:
         tensor_mod.check(info, src.arch, opts, devices, bool(experts.cpu_layers))
         auto_experts = False  # whole layers only (tensor.check)
-    # FFN weights to host memory where whole layers would go (planning/spill.py), in layer mode: a dense model's, or
+    # FFN weights to host memory where whole layers would go (planning/spill/placement.py), in layer mode: a dense model's, or
     # after its routed experts a MoE's shared experts and dense layers' FFN
     ffn_spill = (not tensor and opts.split is None and opts.offload != "layers"
                  and any(la.ffn_bytes for la in info.layers))
@@ -163,15 +166,15 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                             layer.type_k, layer.type_v)[0]
 
         if not p.speed.get("tensor_refused"):  # every tensor candidate weighed by measurement
-            p = tensor_candidates.measured_best(p, layer, over, devices, ubatch.workload(opts))
+            p = tensor_candidates.measured_best(p, layer, over, devices, workload(opts))
     if opts.offload == "weights":
         spill.nothing_to_spill(p)
     return _read(_settle(experts.apply(p), opts), info, src, opts)
 
 
 def _read(p: Plan, info: ModelInfo, src, opts: PlanOptions) -> Plan:
-    """The plan with its time to read the context (`speed["read"]`, planning/spill.reading)."""
-    p.speed = {**p.speed, "read": spill.reading(p, info, src, opts)}
+    """The plan with its time to read the context (`speed["read"]`, planning/speed/reading.py)."""
+    p.speed = {**p.speed, "read": reading(p, info, src, opts)}
     return p
 
 
@@ -208,8 +211,8 @@ def _search(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanO
 
     shape = []
 
-    def judge(k: list[int]) -> float | None:  # the workload's estimated seconds with split k (planning/speed.py)
-        from .shape import model_shape
+    def judge(k: list[int]) -> float | None:  # the workload's estimated seconds with split k (planning/speed/model.py)
+        from .speed.shape import model_shape
 
         p = _make_plan(c, path, opts, tk, tv, slots, k, _layout(c, ds, k), host_of(k), order, len(devices))
         shape[:] = shape or [model_shape(c.info, tk, tv, g)]

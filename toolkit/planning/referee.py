@@ -20,7 +20,7 @@ from ..errors import CtxqError
 from ..gguf.info import ModelInfo, block_of, kv_per_token
 from ..llama.accounting import PRINT_ROUNDING, Accounting
 from ..units import MiB
-from .memory import kv_by_layer
+from .memory.costs import kv_by_layer
 
 
 class RefereeError(CtxqError):
@@ -110,7 +110,7 @@ def larger(info: ModelInfo, acc: Accounting, *, n_ctx: int, n_ubatch: int, type_
 def refereed(p, src, info: ModelInfo, replan):
     """`p` checked against llama.cpp's accounting at its settings; `replan(info)` plans again with the
     larger figures when the plan's are below llama.cpp's. Strict mode raises on any difference."""
-    from .compute import notes_for
+    from .memory.compute import notes_for
 
     p = _refereed(p, src, info, replan)
     p.notes += [n for n in notes_for(src) if n not in p.notes]  # the compute's fallbacks (an abort in a dry run)

@@ -31,7 +31,7 @@ import math
 from ..errors import InvalidOption
 from ..gguf.info import kv_cells
 from .devices import Device
-from .memory import Costs, costs, device_cost, host_cost
+from .memory.costs import Costs, costs, device_cost, host_cost
 from .plan import DevicePlan, Plan
 from .tensor_split import TensorSplit, not_planned
 from .tensor_subset import llama_name, subsets
@@ -223,7 +223,7 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
     its all-reduce scratch, and joins every all-reduce: docs/planner.md). Among the candidates that keep the most
     layers on the cards, the least estimated time for the context wins where every one can be estimated; else
     every card (or, where they do not hold tensor mode, the largest subset that does)."""
-    from . import speed
+    from .speed import model as speed
 
     work = speed.Workload(opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
                           speed.DEFAULT_GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens,
@@ -304,7 +304,7 @@ def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, t
 
 
 def _make(c: Costs, g, path: str, opts, tk: str, tv: str, slots: int, props, plans, host) -> Plan:
-    from . import speed
+    from .speed import model as speed
 
     n = c.info.n_layer
     p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
@@ -326,10 +326,11 @@ def _num(x):
 
 def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, opts, cuda: bool, experts) -> Plan:
     """`--split-mode auto`: the tensor-mode plan for the chosen KV pair beside the layer plan, both speeds estimated
-    (planning/speed.py) and, where `ctxq bench` measured both plans on these devices (planning/speed_store.py),
+    (planning/speed/model.py) and, where `ctxq bench` measured both plans on these devices (planning/speed/store.py),
     measured. The faster by measurement is returned; without both measurements the layer plan: llama.cpp marks
     tensor mode experimental, and which mode is faster has to be measured on the devices (docs/planner.md)."""
-    from . import speed, speed_store
+    from .speed import model as speed
+    from .speed import store as speed_store
 
     why = None
     try:

@@ -10,7 +10,7 @@ A card left out is not given to llama.cpp (`-dev`; docs/planner.md, "Tensor mode
 from __future__ import annotations
 
 from ..errors import InvalidOption
-from . import speed_store
+from .speed import store as speed_store
 from . import tensor as tensor_mod
 from .devices import Device
 from .plan import Plan

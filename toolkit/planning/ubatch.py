@@ -15,22 +15,16 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import CtxqError
-from . import speed_store
+from .speed import store as speed_store
+from .speed.reading import workload
 from .options import DEFAULT_N_UBATCH, PlanOptions
 from .plan import Plan
 
-GEN_TOKENS = 128  # speed.DEFAULT_GEN_TOKENS (llama-bench's tg128), as `-sm auto` weighs the modes
-
-
-def workload(opts: PlanOptions) -> tuple[int, int]:
-    """(prompt tokens, generated tokens) the options time a plan for: the context, then 128, unless given."""
-    return (opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
-            GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens)
 
 
 def estimated_s(p: Plan, info, g, opts: PlanOptions, shape=None) -> float | None:
-    """The workload's estimated seconds on plan `p` (planning/speed.py; None where the devices say too little)."""
-    from . import speed
+    """The workload's estimated seconds on plan `p` (planning/speed/model.py; None where the devices say too little)."""
+    from .speed import model as speed
 
     shape = shape or speed.model_shape(info, p.type_k, p.type_v, g)
     work = speed.Workload(*workload(opts), n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)

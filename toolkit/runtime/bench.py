@@ -17,9 +17,9 @@ from dataclasses import replace
 from typing import Callable
 
 from ..errors import CtxqError, InvalidOption
-from ..planning import speed_store
+from ..planning.speed import store as speed_store
 from ..planning.options import DEFAULT_N_UBATCH, PlanOptions
-from ..planning.speed_store import Measured
+from ..planning.speed.store import Measured
 from .runner import load_plan, local_workers, make_plan
 
 MODES = ("layer", "tensor")
@@ -146,7 +146,7 @@ def candidates(model, options: PlanOptions, modes: tuple[str, ...],
 
 
 def _other_placement(model, opts: PlanOptions, p) -> list[tuple[str, object]]:
-    """Where the plan keeps FFN weights or whole layers on the host, the other placement too (planning/spill.py), so
+    """Where the plan keeps FFN weights or whole layers on the host, the other placement too (planning/spill/placement.py), so
     that `ctxq plan --offload auto` takes the measured faster; nothing where it cannot be planned."""
     try:
         q = make_plan(model, options=replace(opts, offload="layers" if p.cpu_ffn_layers else "weights"))

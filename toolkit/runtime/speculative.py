@@ -255,7 +255,7 @@ def detach(llm) -> None:
 
 def for_plan(llm, plan, spec: str | None) -> Speculation:
     """`attach` with the cost `ctxq bench --spec` measured for `plan` on these devices (None: not measured)."""
-    from ..planning import speed_store
+    from ..planning.speed import store as speed_store
 
     mode = check_mode(spec)
     cost = speed_store.spec_cost(plan) if mode != "off" and plan is not None else None

@@ -17,8 +17,8 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..paths import ctxq_home
-from .. import tempfiles
+from ...paths import ctxq_home
+from ... import tempfiles
 
 
 @dataclass
@@ -86,7 +86,7 @@ def key(plan) -> str | None:
         return None
     return _hash(facts + [plan.n_ctx, plan.n_batch, plan.n_ubatch, plan.type_k, plan.type_v, plan.split_mode,
                           list(plan.tensor_split), plan.n_gpu_layers, plan.n_seq_max]
-                 # a placement with weights in host memory is another plan (planning/spill.py)
+                 # a placement with weights in host memory is another plan (planning/spill/placement.py)
                  + ([["ffn"] + list(plan.cpu_ffn_layers)] if getattr(plan, "cpu_ffn_layers", None) else []))
 
 

@@ -28,15 +28,15 @@ from typing import Callable
 from . import compute as compute_mod
 from . import cuda as cuda_mod
 from . import inputs as inputs_mod
-from .devices import Device
-from .options import PlanOptions
-from .plan import DevicePlan
+from ..devices import Device
+from ..options import PlanOptions
+from ..plan import DevicePlan
 from .split import (SCHED_COPIES, device_compute, moe_split_peaks, recurrent_split, recurrent_tails, shared_kv_reads,
                     split_inputs)
-from ..errors import CtxqError
-from ..gguf.info import KV_PAD, ModelInfo, kv_cells
-from ..gguf.info import layer_kv_bytes
-from ..units import GiB, MiB, round_up
+from ...errors import CtxqError
+from ...gguf.info import KV_PAD, ModelInfo, kv_cells
+from ...gguf.info import layer_kv_bytes
+from ...units import GiB, MiB, round_up
 
 RPC_MARGIN = 32 * MiB  # rounding of llama.cpp's per-buffer alignment, measured on RPC workers
 HOST_MARGIN = 1 * GiB  # the Python process, llama.cpp's own heap and the OS page cache for mmap
@@ -182,7 +182,7 @@ def one_device_peak(src, args: tuple, fewer: int, floor: int) -> int | None:
     head 96.50 MiB, the two-layer one 96.75, the three-layer one 96.50, the whole model 96.75; tiny Falcon-H1 and
     Gemma 4 were one residual under, 0.25 MiB). One dry run more, for CPU-alone plans only (after llama.cpp's
     import: 15 ms for a Llama-3-8B-shaped header, 33 ms a 70B-shaped one; cached on disk)."""
-    from ..llama.accounting import dry_run_compute  # here: as compute._dry_run, no llama.cpp import when cached
+    from ...llama.accounting import dry_run_compute  # here: as compute._dry_run, no llama.cpp import when cached
 
     n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn = args
     try:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .compute import ComputePeaks
-from ..errors import CtxqError
-from ..gguf.info import ModelInfo, block_of
-from ..gguf.once import file_stamp
-from ..gguf.reader import read_gguf
+from ...errors import CtxqError
+from ...gguf.info import ModelInfo, block_of
+from ...gguf.once import file_stamp
+from ...gguf.reader import read_gguf
 
 # `c: Costs` below is memory.Costs (not imported: memory imports this module)
 SCHED_COPIES = 4  # copies of graph inputs with pipeline parallelism (GGML_SCHED_MAX_COPIES)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import itertools
 
-from .devices import Device
-from .memory import Costs, device_cost, slots_key
-from .plan import DevicePlan
+from ..devices import Device
+from ..memory.costs import Costs, device_cost, slots_key
+from ..plan import DevicePlan
 
 
 def fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float):

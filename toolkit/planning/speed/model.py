@@ -17,10 +17,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
-from ..errors import InvalidOption
-from .devices import Device
+from ...errors import InvalidOption
+from ..devices import Device
 from .shape import LayerShape, ModelShape, model_shape  # noqa: F401 (speed.model_shape is the entry point)
-from .options import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
+from ..options import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
 
 GGML_SCHED_MAX_COPIES = 4  # micro-batches in flight with pipeline parallelism (ggml/src/ggml-backend.cpp)
 OP_OFFLOAD_MIN_BATCH = 32  # weights in CPU memory go to the GPU for batches of 32+ tokens (ggml-cuda.cu)

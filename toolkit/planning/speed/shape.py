@@ -1,12 +1,12 @@
-"""A model's work per layer for the speed estimate (planning/speed.py): parameters (FLOPs) and bytes read by
+"""A model's work per layer for the speed estimate (planning/speed/model.py): parameters (FLOPs) and bytes read by
 part, attention FLOPs and KV bytes per cached token, windows; read from the GGUF header alone."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gguf.info import ModelInfo, block_of, is_expert, kv_bytes
-from ..gguf.reader import GGUFFile, read_gguf
+from ...gguf.info import ModelInfo, block_of, is_expert, kv_bytes
+from ...gguf.reader import GGUFFile, read_gguf
 
 
 @dataclass(frozen=True)

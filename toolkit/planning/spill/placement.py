@@ -5,26 +5,23 @@ attention over that cache then runs on the CPU (op offload copies a CPU layer's 
 batches of 32+ tokens; the cache is no weight), quadratic work in the context on the slowest device. Here the dense
 FFN weights of chosen layers go to host memory instead (`tensor_buft_overrides`, llama.cpp's `-ot
 blk\\.N\\.ffn_(up|down|gate|gate_up)\\.=CPU`) and every layer's attention, norms and KV cache stay on its card. A
-mixture of experts keeps its routed experts there first (planner._search_experts' placement), then its shared experts
+mixture of experts keeps its routed experts there first (planner._search_experts), then its shared experts
 and dense layers' FFN (`ffn_*_shexp`, gguf.info.FFN_RE).
 
 `search_ffn` finds that placement as `planner._search_experts` finds a mixture-of-experts model's: first every FFN in
 host memory and the rest of each layer split over the cards (whole layers only if even that does not fit: then
 this placement is refused), then each card takes back the FFN of as many of its layers as it holds, its first layers
 keeping theirs on the host. `chosen` takes it or the whole-layer plan by `PlanOptions.offload`; "auto" by the
-workload's estimated seconds (planning/speed.py), the weights when the devices say too little to estimate.
-`reading` is the line every plan prints: the estimated time to read the whole context.
+workload's estimated seconds (planning/speed/reading.timed), the weights when the devices say too little to estimate.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, replace
-
-from .devices import Device
-from .layer_search import best_split, counts_fit, layout, proportional, take_back
-from .memory import Costs, host_cost
-from .options import PlanOptions
+from ..devices import Device
+from ..layers.search import best_split, counts_fit, layout, proportional, take_back
+from ..memory.costs import Costs, host_cost
+from ..options import PlanOptions
+from ..speed.reading import seconds, timed, workload
 
 
 def spillable(c: Costs) -> list[int]:
@@ -67,27 +64,6 @@ def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, 
     return make_plan(cf, slots, order, cand, layout(cf, ds, cand), host), host
 
 
-@dataclass
-class Timed:
-    """A placement's estimated seconds for the workload and to read the context (None: cannot be estimated)."""
-
-    total_s: float | None
-    prefill_s: float | None
-    decode_tps: float | None
-    missing: list[str]
-
-
-def timed(p, info, g, opts: PlanOptions, shape=None) -> Timed:
-    """Plan `p`'s estimate for the options' workload (`ubatch.workload`: the context, then 128 tokens)."""
-    from . import speed
-    from .ubatch import workload
-
-    shape = shape or speed.model_shape(info, p.type_k, p.type_v, g)
-    e = speed.estimate(shape, speed.placement_from_plan(p),
-                       speed.Workload(*workload(opts), n_ubatch=p.n_ubatch, n_batch=p.n_batch))
-    return Timed(e.total_s, e.prefill_s, e.decode_tps, e.missing)
-
-
 def chosen(layers_plan, weights_plan, info, g, opts: PlanOptions):
     """The whole-layer plan or the one with FFN weights in host memory, by `opts.offload`; the other's estimate is kept
     in the chosen plan's `speed["offload"]`, which `reading` prints beside its own."""
@@ -118,8 +94,7 @@ def chosen(layers_plan, weights_plan, info, g, opts: PlanOptions):
 
 def _measured_s(p, opts: PlanOptions) -> float | None:
     """The workload's seconds at `ctxq bench`'s measured rates of this plan on these devices, or None."""
-    from . import speed_store
-    from .ubatch import workload
+    from ..speed import store as speed_store
 
     m = speed_store.lookup(p)
     return m.total_s(*workload(opts)) if m is not None else None
@@ -137,7 +112,7 @@ def describe(p) -> str | None:
 
 def check(opts: PlanOptions, info, tensor: bool, moe: bool, devices: list[Device]) -> None:
     """`offload="weights"` where this planner cannot spill weights: one line each (InvalidOption)."""
-    from ..errors import InvalidOption
+    from ...errors import InvalidOption
 
     if opts.offload != "weights":
         return
@@ -156,7 +131,7 @@ def check(opts: PlanOptions, info, tensor: bool, moe: bool, devices: list[Device
 
 def nothing_to_spill(p) -> None:
     """`offload="weights"` and every layer fits on the cards: one line (InvalidOption)."""
-    from ..errors import InvalidOption
+    from ...errors import InvalidOption
 
     if not p.cpu_ffn_layers and p.cpu_layers == 0:
         raise InvalidOption(f"offload=weights: every layer fits on the cards at {p.n_ctx:,} tokens with KV "
@@ -176,64 +151,7 @@ def better_pair_note(p, chosen_cand, found, info, g, opts: PlanOptions) -> None:
         return
     c, q = better[0]
     tq, tp = timed(q, info, g, opts), timed(p, info, g, opts)
-    times = (f" (reading {p.n_ctx:,} tokens: ~{_s(tq.prefill_s)} against ~{_s(tp.prefill_s)})"
+    times = (f" (reading {p.n_ctx:,} tokens: ~{seconds(tq.prefill_s)} against ~{seconds(tp.prefill_s)})"
              if tq.prefill_s and tp.prefill_s else "")
     p.notes.append(f"KV {c.name} would fit with the FFN weights of {len(q.cpu_ffn_layers)} layers in host memory"
                    f"{times}; prefer=quality takes it")
-
-
-def _names(names: list[str]) -> str:
-    """GPU0-GPU4 for a run of GPUn names, else the names joined."""
-    if len(names) > 2 and all(re.fullmatch(r"GPU\d+", n) for n in names):
-        return f"{names[0]}-{names[-1]}"
-    return ", ".join(names)
-
-
-def _s(x: float) -> str:
-    return f"{x:,.0f} s" if x >= 10 else f"{x:.1f} s" if x >= 0.1 else f"{x:.2f} s"
-
-
-def reading(p, info, g, opts: PlanOptions) -> dict:
-    """The time to read the whole context (prefill of n_ctx tokens) and the decode rate after it: measured where
-    `ctxq bench` measured this plan on these devices (`speed_store`), else estimated (planning/speed.py); with the
-    other placement's estimate where the plan spills weights or layers (`chosen`). Kept as `plan.speed["read"]`."""
-    from . import speed_store
-
-    out = {"prompt_tokens": p.n_ctx}
-    m = speed_store.lookup(p) if p.gpus else None
-    if m is not None and m.pp > 0 and m.tg > 0:
-        out.update(prefill_s=p.n_ctx / m.pp, decode_tps=m.tg, measured=True,
-                   basis=f"measured by ctxq bench (-p {m.n_prompt} -n {m.n_gen} -d {m.depth}, -ub {m.n_ubatch})")
-    else:
-        t = timed(p, info, g, replace(opts, prompt_tokens=None))
-        out.update(prefill_s=t.prefill_s, decode_tps=t.decode_tps, measured=False,
-                   basis="estimated from each device's throughput and memory bandwidth", missing=t.missing)
-        if t.prefill_s is None:  # said once for every card that lacks the facts, not once per card
-            cards = [g.device.name for g in p.gpus if g.device.flops is None or g.device.link_bandwidth is None]
-            out["missing"] = [f"{_names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
-                              "(sizes only): name the cards (--gpus 3x16=RTX 4060 Ti,2x8=RTX 4060) or give --profile "
-                              "with tflops_f16 and link_gbs"] if cards else t.missing
-    other = p.speed.get("offload")
-    if other:
-        out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"]}
-    return out
-
-
-def reading_lines(r: dict) -> list[str]:
-    """`reading 65,536 tokens: ~N s (whole layers on the CPU: ~M s)` and the decode rate, marked measured or
-    estimated; where the devices lack the facts, one line saying which."""
-    if not r:
-        return []
-    how = "measured" if r.get("measured") else "estimated"
-    other = r.get("other")
-    alt = ""
-    if other and other.get("prefill_s"):
-        name = "whole layers on the CPU" if other["placement"] == "layers" else "FFN weights in host memory"
-        alt = f" ({name}: ~{_s(other['prefill_s'])})"
-    if r.get("prefill_s") is None:
-        missing = sorted({re.sub(r"^(prefill|decode): ", "", m) for m in r.get("missing", [])})
-        return [f"reading {r['prompt_tokens']:,} tokens: not estimated ({'; '.join(missing) or 'device facts missing'})"]
-    line = f"reading {r['prompt_tokens']:,} tokens: ~{_s(r['prefill_s'])}{alt}, {how}"
-    if r.get("decode_tps"):
-        line += f"; then ~{r['decode_tps']:.1f} tokens/s"
-    return [line]

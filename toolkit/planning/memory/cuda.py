@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..gguf.info import FFN_RE, ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
-from ..gguf.once import file_stamp
-from ..gguf.reader import TensorInfo, tensor_nbytes
-from ..gguf.shards import read_model
-from ..units import MiB, round_up
-from .kvpairs import cuda_compiled_pairs
+from ...gguf.info import FFN_RE, ModelInfo, block_of, is_expert, kv_cells, layer_kv_bytes
+from ...gguf.once import file_stamp
+from ...gguf.reader import TensorInfo, tensor_nbytes
+from ...gguf.shards import read_model
+from ...units import MiB, round_up
+from ..kvpairs import cuda_compiled_pairs
 
 CUDA_ALIGN = 128  # ggml_backend_cuda_buffer_type_get_alignment; GGML_PAD(end, 128) in get_f16_extra_data
 OP_OFFLOAD_MIN_BATCH = 32  # ggml_cuda init: getenv("GGML_OP_OFFLOAD_MIN_BATCH") or 32

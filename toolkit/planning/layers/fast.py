@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .devices import Device
-from .layer_search import layout
-from .memory import Costs, estimate_tps
-from .plan import DevicePlan
+from ..devices import Device
+from .search import layout
+from ..memory.costs import Costs, estimate_tps
+from ..plan import DevicePlan
 
 
 MIN_GAIN = 0.01  # a move that raises the decode estimate by less than 1 % is within its error: the split stays

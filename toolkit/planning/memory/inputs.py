@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .compute import ComputePeaks, _alternating, layer_groups
-from ..gguf.info import ModelInfo
-from ..gguf.reader import GGUFFile
+from ...gguf.info import ModelInfo
+from ...gguf.reader import GGUFFile
 
 
 # Input-layer tables besides token_embd whose rows the host gathers per token for every layer (LLM_TENSOR_LAYER_INPUT,

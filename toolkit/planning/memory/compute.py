@@ -22,11 +22,11 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import CtxqError, LlamaAborted
-from ..gguf.info import RECURRENT_RULES, ModelInfo, kv_cells
-from ..gguf.reader import GGUFFile
-from .derived import (_PER_LAYER_DIM, MIN_LAYERS, SHARED_KV_KEY, LayerFlags, first_shared, load_error, model_path,
-                      with_reuse_targets, write_derived)
+from ...errors import CtxqError, LlamaAborted
+from ...gguf.info import RECURRENT_RULES, ModelInfo, kv_cells
+from ...gguf.reader import GGUFFile
+from ..derived import (_PER_LAYER_DIM, MIN_LAYERS, SHARED_KV_KEY, LayerFlags, first_shared, load_error, model_path,
+                       with_reuse_targets, write_derived)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ComputePeaks:
 @lru_cache(maxsize=256)
 def _dry_run(path: str, n_ctx: int, n_ubatch: int, n_batch: int, type_k: str, type_v: str, flash_attn: bool) -> int:
     """llama.cpp's compute buffers for the model at `path` in a CPU dry run (accounting.dry_run_compute)."""
-    from ..llama.accounting import dry_run_compute
+    from ...llama.accounting import dry_run_compute
 
     return dry_run_compute(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
                            flash_attn=flash_attn)
@@ -311,7 +311,7 @@ def _alternating(info: ModelInfo, two: tuple[int, ...]) -> tuple[int, ...]:
 def _keeps_window(path: Path, args: tuple) -> bool:
     """llama.cpp gives the derived model a SWA cache too (some architectures switch their window on by the
     layer count: exaone4.cpp only at n_layer == 64; without it the derived graph has one mask, not two)."""
-    from ..llama.accounting import accounting
+    from ...llama.accounting import accounting
 
     n_ctx, n_ubatch, n_batch, type_k, type_v, flash_attn = args
     acc = accounting(path, n_ctx=n_ctx, n_ubatch=n_ubatch, n_batch=n_batch, type_k=type_k, type_v=type_v,
@@ -330,6 +330,6 @@ def _flags(info: ModelInfo, layers: tuple[int, ...]) -> LayerFlags:
 def load_source(model) -> GGUFFile:
     """The header the planner works from: a local GGUF (a split one's shards merged) or a Hub
     model's, read remotely without its weights (`ctxq.models.model_header`)."""
-    from ..models import model_header
+    from ...models import model_header
 
     return model_header(model)

@@ -1,0 +1,96 @@
+"""The time to read the context: every plan prints it (`reading`, `reading_lines`), measured by `ctxq bench` where it
+was (`store`), else estimated (`model`); `timed` is a placement's estimate for the options' workload, by which
+`spill.placement` chooses between keeping weights and whole layers on the host."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from ..options import PlanOptions
+from .model import DEFAULT_GEN_TOKENS
+
+
+def workload(opts: PlanOptions) -> tuple[int, int]:
+    """(prompt tokens, generated tokens) the options time a plan for: the context, then 128 (llama-bench's tg128, as
+    `-sm auto` weighs the modes), unless given."""
+    return (opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
+            DEFAULT_GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens)
+
+
+@dataclass
+class Timed:
+    """A placement's estimated seconds for the workload and to read the context (None: cannot be estimated)."""
+
+    total_s: float | None
+    prefill_s: float | None
+    decode_tps: float | None
+    missing: list[str]
+
+
+def timed(p, info, g, opts: PlanOptions, shape=None) -> Timed:
+    """Plan `p`'s estimate for the options' workload (`workload`: the context, then 128 tokens)."""
+    from . import model as speed
+
+    shape = shape or speed.model_shape(info, p.type_k, p.type_v, g)
+    e = speed.estimate(shape, speed.placement_from_plan(p),
+                       speed.Workload(*workload(opts), n_ubatch=p.n_ubatch, n_batch=p.n_batch))
+    return Timed(e.total_s, e.prefill_s, e.decode_tps, e.missing)
+
+
+def _names(names: list[str]) -> str:
+    """GPU0-GPU4 for a run of GPUn names, else the names joined."""
+    if len(names) > 2 and all(re.fullmatch(r"GPU\d+", n) for n in names):
+        return f"{names[0]}-{names[-1]}"
+    return ", ".join(names)
+
+
+def seconds(x: float) -> str:
+    """Seconds as a plan prints them: 22,309 s, 36 s, 3.2 s, 0.05 s."""
+    return f"{x:,.0f} s" if x >= 10 else f"{x:.1f} s" if x >= 0.1 else f"{x:.2f} s"
+
+
+def reading(p, info, g, opts: PlanOptions) -> dict:
+    """The time to read the whole context (prefill of n_ctx tokens) and the decode rate after it: measured where
+    `ctxq bench` measured this plan on these devices (`speed_store`), else estimated (planning/speed/model.py); with the
+    other placement's estimate where the plan spills weights or layers (`chosen`). Kept as `plan.speed["read"]`."""
+    from . import store as speed_store
+
+    out = {"prompt_tokens": p.n_ctx}
+    m = speed_store.lookup(p) if p.gpus else None
+    if m is not None and m.pp > 0 and m.tg > 0:
+        out.update(prefill_s=p.n_ctx / m.pp, decode_tps=m.tg, measured=True,
+                   basis=f"measured by ctxq bench (-p {m.n_prompt} -n {m.n_gen} -d {m.depth}, -ub {m.n_ubatch})")
+    else:
+        t = timed(p, info, g, replace(opts, prompt_tokens=None))
+        out.update(prefill_s=t.prefill_s, decode_tps=t.decode_tps, measured=False,
+                   basis="estimated from each device's throughput and memory bandwidth", missing=t.missing)
+        if t.prefill_s is None:  # said once for every card that lacks the facts, not once per card
+            cards = [g.device.name for g in p.gpus if g.device.flops is None or g.device.link_bandwidth is None]
+            out["missing"] = [f"{_names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
+                              "(sizes only): name the cards (--gpus 3x16=RTX 4060 Ti,2x8=RTX 4060) or give --profile "
+                              "with tflops_f16 and link_gbs"] if cards else t.missing
+    other = p.speed.get("offload")
+    if other:
+        out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"]}
+    return out
+
+
+def reading_lines(r: dict) -> list[str]:
+    """`reading 65,536 tokens: ~N s (whole layers on the CPU: ~M s)` and the decode rate, marked measured or
+    estimated; where the devices lack the facts, one line saying which."""
+    if not r:
+        return []
+    how = "measured" if r.get("measured") else "estimated"
+    other = r.get("other")
+    alt = ""
+    if other and other.get("prefill_s"):
+        name = "whole layers on the CPU" if other["placement"] == "layers" else "FFN weights in host memory"
+        alt = f" ({name}: ~{seconds(other['prefill_s'])})"
+    if r.get("prefill_s") is None:
+        missing = sorted({re.sub(r"^(prefill|decode): ", "", m) for m in r.get("missing", [])})
+        return [f"reading {r['prompt_tokens']:,} tokens: not estimated ({'; '.join(missing) or 'device facts missing'})"]
+    line = f"reading {r['prompt_tokens']:,} tokens: ~{seconds(r['prefill_s'])}{alt}, {how}"
+    if r.get("decode_tps"):
+        line += f"; then ~{r['decode_tps']:.1f} tokens/s"
+    return [line]
