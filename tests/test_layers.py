@@ -31,7 +31,7 @@ def _append(path: Path, line: str) -> None:
 def test_this_tree_keeps_every_contract():
     r = lint(ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "Contracts: 2 kept, 0 broken." in r.stdout
+    assert "Contracts: 3 kept, 0 broken." in r.stdout
     # the package as installed: converters/ and profiles/ are in the graph
     assert int(r.stdout.split("Analyzed ")[1].split(" files")[0]) > len(list((ROOT / "toolkit").rglob("*.py")))
 
@@ -53,6 +53,26 @@ def test_one_import_the_wrong_way_breaks_the_floors(tmp_path, module, line, expe
     r = lint(root)
     assert r.returncode != 0
     assert "floors: each imports only the floors below it BROKEN" in r.stdout
+    assert expected in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("module, line, expected", [
+    # what a placement costs reaching up to a placement
+    ("toolkit/planning/memory/costs.py", "from ..spill import placement",
+     "ctxq.planning.memory is not allowed to import ctxq.planning.spill"),
+    # one placement reaching up to the one built on it
+    ("toolkit/planning/layers/search.py", "from ..spill import placement",
+     "ctxq.planning.layers is not allowed to import ctxq.planning.spill"),
+    # the memory terms and the speed model are independent
+    ("toolkit/planning/speed/model.py", "from ..memory import costs",
+     "ctxq.planning.speed is not allowed to import ctxq.planning.memory"),
+])
+def test_the_planning_folders_keep_their_order(tmp_path, module, line, expected):
+    root = _copy(tmp_path)
+    _append(root / module, line)
+    r = lint(root)
+    assert r.returncode != 0
+    assert "planning: the planner, each placement, then memory and speed BROKEN" in r.stdout, r.stdout
     assert expected in r.stdout, r.stdout
 
 
