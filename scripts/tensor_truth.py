@@ -213,7 +213,9 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
             try:
                 llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_gpu_layers=999, split_mode=3, tensor_split=split,
                                       type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v], flash_attn=True,
-                                      n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1)
+                                      n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1,
+                                      swa_full=False)  # as ctxq runs a plan (Plan.swa_full; the C API's default
+                                      # is a full-size cache for sliding-window layers)
             except ValueError as e:  # llama.cpp's reason is in its log (llama_model_load: error loading model: ...)
                 why = [l.strip() for l in lines if "error" in l.lower()]
                 raise ValueError(f"{e}: {why[-1] if why else 'no reason logged'}") from None

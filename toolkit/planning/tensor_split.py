@@ -272,6 +272,10 @@ class _Model:
             self.il_eff.append(seen.get(k, 0))
             seen[k] = seen.get(k, 0) + 1
         self.n_layer_main = sum(1 for la in info.layers if not la.mtp)  # hparams.n_layer(): NextN blocks not counted
+        # llama_hparams::n_embd_head_k(il) / n_embd_head_v(il): a sliding-window layer's own head size where the header
+        # gives one (Gemma 4: key_length_swa 256 beside 512), else the full layers' (load_arch_hparams)
+        swa = (key("attention.key_length_swa") or info.head_dim_k, key("attention.value_length_swa") or info.head_dim_v)
+        self.head_dims = [swa if la.sliding else (info.head_dim_k, info.head_dim_v) for la in info.layers]
         self._np = np
 
     def rotation(self, il: int | None) -> int:
@@ -332,7 +336,7 @@ class _Model:
             return qwen_segments(self, name, ne, il)
         if il is not None and _QKV.fullmatch(name):
             la = info.layers[il]
-            nq = la.n_head * info.head_dim_k
+            nq = la.n_head * self.head_dims[il][0]
             nk, nv = info.n_embd_k_gqa(il), info.n_embd_v_gqa(il)
             if nq + nk + nv != ne:
                 raise ValueError(f"{name}: {ne} rows, not {nq} + {nk} + {nv}")
@@ -352,7 +356,7 @@ class _Model:
                 return g
         elif il is not None and info.layers[il].attention and info.layers[il].n_head_kv:
             la = info.layers[il]
-            head_k, head_v = info.head_dim_k, info.head_dim_v
+            head_k, head_v = self.head_dims[il]
             n_gqa = la.n_head // la.n_head_kv
             n_embd_q = n_gqa * head_k
             perf = blck
