@@ -107,21 +107,23 @@ def measure(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = 
     for attempt in range(retries + 1):
         try:
             return _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout)
-        except _Crashed as e:
+        except Crashed as e:
             if attempt == retries:
-                raise TruthError(str(e)) from None
+                raise
             print(f"tensor_truth: {e}; loading again", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
 
 
-class _Crashed(TruthError):
-    """The child was killed by a signal before it answered."""
+class Crashed(TruthError):
+    """The child was killed by a signal (llama.cpp aborted) before it answered."""
+
 
 
 def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout) -> list[Card]:
     args = dict(model=str(model), n_ctx=int(n_ctx), split=[float(x) for x in split], type_k=type_k,
                 type_v=type_v or type_k, n_ubatch=int(n_ubatch),
-                n_eval=int(n_ubatch if n_eval is None else n_eval))  # 0: load and make the context only
+                n_eval=int(n_ubatch if n_eval is None else n_eval),  # 0: load and make the context only
+                logdir=tempfile.mkdtemp(prefix="ctxq-tensor-truth-"))  # the workers' logs (kept when the load fails)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -142,8 +144,13 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
     keep = Path(tempfile.mkstemp(prefix="ctxq-tensor-truth-", suffix=".log")[1])
     keep.write_text(text)
     lines = text.strip().splitlines()
-    why = [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT|error|failed|Aborted", ln, re.I)][:3] or lines[-3:]
-    error = _Crashed if proc.returncode < 0 else TruthError
+    # a worker's abort (its log) before the child's own lines: the child then only loses the connection
+    workers = [ln for f in sorted(Path(args["logdir"]).glob("w*.log"))
+               for ln in f.read_text(errors="replace").splitlines() if re.search(r"GGML_ASSERT|GGML_ABORT", ln)]
+    why = ([f"RPC worker: {ln.strip()}" for ln in workers[:1]]
+           + [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT|error|failed|Aborted", ln, re.I)][:3]
+           or lines[-3:])
+    error = Crashed if proc.returncode < 0 else TruthError
     raise error(f"the child ended (exit {proc.returncode}) without a result: {' | '.join(why)[-600:]} "
                 f"(its output: {keep})")
 
@@ -182,8 +189,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, n_ubatch: int, n_eval: int) -> list:
-    logdir = Path(tempfile.mkdtemp(prefix="ctxq-tensor-truth-"))
+def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, n_ubatch: int, n_eval: int,
+          logdir: str) -> list:
+    logdir = Path(logdir)
     env = dict(os.environ, GGML_RPC_DEBUG="1")
     ports, procs, logs = [], [], []
     for i in range(len(split)):
@@ -290,7 +298,9 @@ def _classify(log: bytes, made: int) -> Card:
 
 @dataclass
 class Row:
-    """One card: planned and measured bytes of weights, KV and compute (compute with the all-reduce)."""
+    """One card: planned and measured bytes of weights, KV and compute (compute with the all-reduce). `batch`: the
+    load ran its micro-batch; where llama.cpp aborts at it (`aborted`), the load's allocations only, and the planned
+    compute without the all-reduce scratch (allocated at the first batch)."""
 
     label: str
     card: int
@@ -299,6 +309,9 @@ class Row:
     measured: dict
     allreduce: int
     warnings: list[str]
+    batch: bool = True
+    aborted: str = ""
+    target: tuple[float, int] | None = None  # (rel, abs bytes) the card's total is held to, where one is set
 
     def diff(self, kind: str) -> int:
         return self.planned[kind] - self.measured[kind]
@@ -306,6 +319,15 @@ class Row:
     def under(self) -> list[str]:
         """The figures the plan puts below the measured ones (the never-under rule)."""
         return [k for k in ("weights", "kv", "compute") if self.diff(k) < 0]
+
+    @property
+    def error(self) -> int:
+        """The card's planned total less its measured total (bytes)."""
+        return sum(self.diff(k) for k in ("weights", "kv", "compute"))
+
+    def within(self, rel: float, abs_: int) -> bool:
+        """The card's total within rel of what it allocates or abs bytes, whichever is larger."""
+        return abs(self.error) <= max(rel * sum(self.measured.values()), abs_)
 
 
 def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512):
@@ -318,8 +340,15 @@ def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
 
 
 def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512,
-            label: str = "", timeout: float = 300) -> list[Row]:
-    """Plan, load for real with the plan's proportions, and pair the two card by card."""
+            label: str = "", timeout: float = 300, batch: bool | str = True) -> list[Row]:
+    """Plan, load for real with the plan's proportions, and pair the two card by card. `batch`: True, the load runs
+    one full micro-batch (retried once should llama.cpp abort); False, the load only; "auto", the batch where
+    llama.cpp runs it, else (an abort, as Qwen3.5's models over RPC: ggml-rpc.cpp:1414) the load only, the abort
+    named in the rows."""
+    from ctxq.gguf.info import model_info
+    from ctxq.gguf.shards import read_model
+    from ctxq.planning.tensor import allreduce_bytes
+
     p = planned(model, n_ctx, kv, split, simulate, n_ubatch)
     if p.split_mode != "tensor":
         raise TruthError(f"the plan is in {p.split_mode} mode, not tensor")
@@ -327,15 +356,28 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
         raise TruthError(f"the plan keeps {p.n_layer + 1 - p.n_gpu_layers} layer slots on the CPU; "
                          "the truth run offloads every layer")
     tk, _, tv = kv.partition("/")
-    cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, timeout=timeout)
+    cards, aborted = None, ""
+    if batch:
+        try:
+            cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, timeout=timeout,
+                            retries=0 if batch == "auto" else 1)
+        except Crashed as e:
+            if batch != "auto":
+                raise
+            aborted = str(e).split(" (its output:")[0]
+    if cards is None:
+        cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, n_eval=0, timeout=timeout)
+    # without a batch no scratch is allocated: the plan's is left out of the comparison
+    scratch = 0 if batch and not aborted else allreduce_bytes(model_info(read_model(model)), len(cards), n_ubatch)
     total = sum(p.tensor_split)
     if split is None:  # the planner's own proportions: name them
         label = f"{label} = {':'.join(map(str, p.tensor_split))}"
     rows = []
     for j, (g, c) in enumerate(zip(p.gpus, cards)):
         rows.append(Row(label, j, p.tensor_split[j] / total,
-                        {"weights": g.weights, "kv": g.kv + g.state, "compute": g.compute + g.cuda_copies},
-                        {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings))
+                        {"weights": g.weights, "kv": g.kv + g.state, "compute": g.compute + g.cuda_copies - scratch},
+                        {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings,
+                        batch=bool(batch) and not aborted, aborted=aborted))
     return rows
 
 
@@ -359,22 +401,66 @@ def _upstream(name: str) -> Path:
     return upstream_models.build(name)
 
 
+# The yardsticks: every architecture ctxq's test models cover where llama.cpp runs tensor mode, on 2 and 3 cards,
+# each KV type (scripts/accuracy.py --tensor)
+YARDSTICK_SPLITS = ("2:1", "5:3:2")
+YARDSTICK_KV = ("f16", "q8_0", "q4_0")
+# Qwen3.5-shaped models made in code with delta nets wide enough that every card gets whole heads (4 K heads and 8 V
+# heads of 128: llama.cpp's granule is lcm(128, ssm_d_state) wide)
+WIDE = dict(n_layer=4, n_embd=256, n_ff=512, ssm_d_state=128, ssm_n_group=4, ssm_dt_rank=8)
+
+
+def yardsticks(folder: Path) -> list[tuple[str, str, object]]:
+    """(name, architecture, a function making the model or the reason it is not made) for each of ctxq's yardstick
+    models whose architecture llama.cpp runs in tensor mode (asked of the linked libllama, llama/archs.py): the hybrids
+    and gpt-oss made in code (ctxq.testing.hybrid.MAKERS, into `folder`) and the checkpoints transformers builds and
+    llama.cpp's converter converts (ctxq.testing.upstream_models, cached)."""
+    from ctxq.llama.archs import refuses_tensor_mode
+    from ctxq.testing import upstream_models
+    from ctxq.testing.hybrid import MAKERS, HybridGeometry, write_qwen35
+
+    out = []
+    for name, make in MAKERS.items():
+        if refuses_tensor_mode(name):
+            continue
+        if name in ("qwen35", "qwen3next", "qwen35moe"):
+            made = (lambda n=name: write_qwen35(folder / f"{n}.gguf", HybridGeometry(**WIDE), arch=n))
+        else:
+            made = (lambda n=name, m=make: m(folder / f"{n}.gguf"))
+        out.append((f"{name} (made)", name, made))
+    for name in upstream_models.NAMES:
+        arch = upstream_models.SPECS[name].arch
+        if refuses_tensor_mode(arch):
+            continue
+        why = upstream_models.NOT_BUILDABLE.get(name)
+        out.append((name, arch, why or (lambda n=name: upstream_models.build(n))))
+    return out
+
+
 EXTRA = [  # main() only: the other load measured by hand when the planner was written
     ("SmolLM2 F16 4096 q4_0 3:1", F16, 4096, "q4_0", "3:1", None),
 ]
 
 
+def outside(r: Row) -> bool:
+    """The card's total is outside its target (where it has one)."""
+    return r.target is not None and not r.within(*r.target)
+
+
 def table(rows: list[Row]) -> str:
     head = ("| configuration | card | share | weights planned | measured | diff | KV planned | measured | diff "
-            "| compute planned | measured (all-reduce) | diff | never under |")
-    lines = [head, "|" + "---|" * 13]
+            "| compute planned | measured (all-reduce) | diff | total diff | never under, within target |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         cells = []
         for k in ("weights", "kv", "compute"):
-            extra = f" ({r.allreduce / MiB:.3f})" if k == "compute" else ""
+            extra = (f" ({r.allreduce / MiB:.3f})" if r.batch else " (no batch)") if k == "compute" else ""
             cells += [f"{r.planned[k] / MiB:.3f}", f"{r.measured[k] / MiB:.3f}{extra}", f"{r.diff(k) / MiB:+.3f}"]
+        cells.append(f"{r.error / MiB:+.3f}")
         under = r.under()
         status = "ok" if not under else "**UNDER: " + ", ".join(under) + "**"
+        if outside(r):
+            status += f" **OVER: outside {r.target[0]:.0%} / {r.target[1] / MiB:g} MiB**"
         if r.warnings:
             status += " (" + "; ".join(r.warnings) + ")"
         lines.append(f"| {r.label} | {r.card} | {r.proportion:.0%} | " + " | ".join(cells) + f" | {status} |")

@@ -34,6 +34,17 @@ SPECIAL = frozenset(("deepseek4", "dflash", "hrm_text"))
 
 ALIGN = 128  # the largest buffer alignment among the backends (CUDA's 128; CPU and RPC 32): an over-estimate
 
+# Tensors outside the blocks that llama.cpp makes with a layer (llm_tensor_info LAYER_REPEATING, created with that
+# layer's buffer type): Gemma 4's (and 3n's) per-layer input projection with layer 0; rope_freqs with the first layer
+# that uses it (gemma4.cpp: the first full-attention layer; TENSOR_DUPLICATED for the later ones, one copy in one
+# buffer). In tensor mode the meta device holds them whole on every card ("everything else": mirrored).
+LAYER_TENSORS = {
+    "per_layer_model_proj.weight": lambda info: 0,
+    "per_layer_proj_norm.weight": lambda info: 0,
+    "rope_freqs.weight": lambda info: next((il for il, la in enumerate(info.layers)
+                                            if la.attention and not la.sliding), 0) if info.arch == "gemma4" else 0,
+}
+
 MIRRORED, PARTIAL = -1, -2  # whole on every card; whole on every card, summed (ffn_down_exps.bias)
 
 _B = r"blk\.\d+\."
@@ -159,6 +170,9 @@ class TensorSplit:
             il = int(m.group(1)) if m else None
             if il is not None and (il >= info.n_layer or info.layers[il].mtp):
                 continue  # NextN blocks llama.cpp does not load
+            if il is None and t.name in LAYER_TENSORS:  # whole on every card with the layer that makes it
+                self.fixed_layer[LAYER_TENSORS[t.name](info)] += _pad(t.nbytes)
+                continue
             if il is None and not (t.name.startswith("output") or t.name == OUTPUT_NORM.get(info.arch)
                                    or (t.name == "token_embd.weight" and info.output_tied)):
                 continue  # token_embd (CPU memory) and rope factors etc. (planned with the host)
