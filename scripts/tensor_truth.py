@@ -170,6 +170,91 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def probe(models, n_ctx: int = 2048, timeout: float = 300) -> dict[str, str | None]:
+    """Whether llama.cpp loads each model in tensor mode over two RPC workers, split 1:1, without a batch: None where it
+    loads, else its reason (one line). The models are loaded one after another in one child process over the same two
+    workers, each freed before the next; where a load aborts the child, that model is named with the abort and the
+    rest are probed in a new child."""
+    left, out = [str(m) for m in models], {}
+    while left:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probe",
+                                 json.dumps(dict(models=left, n_ctx=n_ctx))],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            raise TruthError(f"the probe did not finish in {timeout:.0f} s") from None
+        finally:
+            _kill_group(proc)
+        lines = text.decode(errors="replace").splitlines()
+        for line in lines:
+            if line.startswith(RESULT):
+                got = json.loads(line[len(RESULT):])
+                out[got["model"]] = got["why"]
+        if left[0] not in out:  # the first model not answered aborted the child
+            why = [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT", ln)][:1] or lines[-1:]
+            out[left[0]] = f"the load aborted (exit {proc.returncode}): {' '.join(why)[-300:]}"
+        left = [m for m in left if m not in out]
+    return out
+
+
+def _probe_child(args: dict) -> None:
+    ports = [_free_port() for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(p)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        _connect(ports, procs)
+        import llama_cpp
+
+        from ctxq.llama.backend import capture_log
+
+        for model in args["models"]:
+            with capture_log() as lines:
+                try:
+                    llm = llama_cpp.Llama(model, n_ctx=args["n_ctx"], n_gpu_layers=999, split_mode=3,
+                                          tensor_split=[1, 1], flash_attn=True, verbose=False, n_threads=1,
+                                          swa_full=False)
+                    llm.close()  # frees its buffers on the workers, which the next model needs
+                    why = None
+                except ValueError as e:
+                    found = [l.strip() for l in lines if "error" in l.lower()]
+                    why = f"{e}: {found[-1] if found else 'no reason logged'}"
+            print(RESULT + json.dumps({"model": model, "why": why}), flush=True)
+    finally:
+        for p in procs:
+            p.kill()
+        os._exit(0)
+
+
+def _connect(ports: list[int], procs: list) -> None:
+    """Register the workers with ggml, once each listens."""
+    from ctxq.rpc.client import add_servers
+
+    t0 = time.time()
+    while True:  # the workers take a moment to listen
+        try:
+            add_servers([f"127.0.0.1:{p}" for p in ports])
+            return
+        except Exception:
+            if time.time() - t0 > 30 or any(p.poll() is not None for p in procs):
+                raise
+            time.sleep(0.1)
+
+
+def _settle(logs: list[Path], quiet: float = 0.15, most: float = 3.0) -> None:
+    """Wait until the workers' logs stop growing (their last lines of a step reach the files)."""
+    t0, last, since = time.time(), None, time.time()
+    while time.time() - t0 < most:
+        sizes = [f.stat().st_size for f in logs]
+        if sizes != last:
+            last, since = sizes, time.time()
+        elif time.time() - since >= quiet:
+            return
+        time.sleep(0.03)
+
+
 # ----------------------------------------------------------------------------------------------- the child
 
 
@@ -202,17 +287,7 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
             procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(port)], env=env, stdout=f,
                                           stderr=subprocess.STDOUT))
     try:
-        from ctxq.rpc.client import add_servers
-
-        t0 = time.time()
-        while True:  # the workers take a moment to listen
-            try:
-                add_servers([f"127.0.0.1:{p}" for p in ports])
-                break
-            except Exception:
-                if time.time() - t0 > 30 or any(p.poll() is not None for p in procs):
-                    raise
-                time.sleep(0.5)
+        _connect(ports, procs)
         import llama_cpp
 
         from ctxq.llama.backend import capture_log
@@ -230,14 +305,14 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
         # never freed: llama_free would talk to workers the `finally` below has killed, and ggml-rpc aborts the
         # child when a worker does not answer (seen: exit -6 in ~llama_context); the child ends with os._exit
         _KEEP.append(llm)
-        time.sleep(0.5)  # the workers' last lines of the load reach their logs
+        _settle(logs)  # the workers' last lines of the load reach their logs
         made = [f.stat().st_size for f in logs]  # what follows is the first batch
         # token ids, not text: the memory does not depend on them, and a test model without a tokenizer
         # ("none": llama.cpp's dummy tokens) aborts in llama_tokenize
         tokens = [1 + i % (llm.n_vocab() - 1) for i in range(min(n_eval, n_ctx))]
         if tokens:
             llm.eval(tokens)
-        time.sleep(0.5)
+        _settle(logs)
         cards = [_classify(f.read_bytes(), cut) for f, cut in zip(logs, made)]
         shutil.rmtree(logdir, ignore_errors=True)  # kept when the load fails
         return [{"buffers": [b.__dict__ for b in c.buffers], "warnings": c.warnings} for c in cards]
@@ -474,9 +549,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the first configuration")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per load")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         _child(json.loads(a.child))
+    if a.probe:
+        _probe_child(json.loads(a.probe))
     rows, bad = [], 0
     for label, model, n_ctx, kv, split, sim in CONFIGS[:1] if a.quick else CONFIGS + EXTRA:
         model = model() if callable(model) else model
