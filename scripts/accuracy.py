@@ -339,6 +339,7 @@ def _tensor(a) -> int:
 
     section = a.section or "tensor"
     rows, notes, bad, t0 = [], [], 0, time.time()
+    aborts: dict[tuple[str, str], list[str]] = {}  # (model, llama.cpp's failed assertion) -> the cells measured so
     tmp = Path(tempfile.mkdtemp(prefix="ctxq-accuracy-tensor-"))
     # --models, where given (not main()'s default), names the yardsticks to take (e.g. gemma4-moe,lfm2)
     only = None if a.models == "llama3-8b,qwen2.5-7b,gemma2-9b,mistral-nemo-12b,phi3-mini" else set(a.models.split(","))
@@ -360,7 +361,9 @@ def _tensor(a) -> int:
                    f"MiB ({over.label}, card {over.card})" if over else "")
                 + (f". {nobatch} loads without a batch (llama.cpp aborted at it; compute without the all-reduce "
                    "scratch)" if nobatch else "") + ".")
-        text_ = tt.table(rows) + "\n\n" + tail + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
+        lines = notes + [f"{m}: measured without a batch ({', '.join(cells)}): llama.cpp aborts at it: {why}"
+                         for (m, why), cells in aborts.items()]
+        text_ = tt.table(rows) + "\n\n" + tail + ("\n\n" + "\n".join(f"- {n}" for n in lines) if lines else "")
         _put_section(a.out, section, sys.argv[1:], text_)
 
     def target(model: Path) -> tuple[float, int]:
@@ -385,7 +388,7 @@ def _tensor(a) -> int:
             if r.warnings:
                 notes.append(f"{label} card {r.card}: " + "; ".join(r.warnings))
         if got and got[0].aborted:
-            notes.append(f"{label}: measured without a batch: {got[0].aborted}")
+            aborts.setdefault((label.split(" 4096 ")[0], got[0].aborted), []).append(label.split(" 4096 ")[-1])
         print(f"{label}: proportions {':'.join(f'{r.proportion:.0%}' for r in got)}, worst "
               f"{max(abs(r.error) for r in got) / MiB:.3f} MiB, {time.time() - t1:.0f} s", flush=True)
         write(False)
@@ -414,7 +417,7 @@ def _tensor(a) -> int:
             for kv in tt.YARDSTICK_KV:
                 run(f"{name} ({arch}) 4096 {kv} {split}", model, 4096, kv, split, None)
     print(tt.table(rows))
-    for n in notes:
+    for n in notes + [f"{m}: measured without a batch ({', '.join(c)}): {why}" for (m, why), c in aborts.items()]:
         print(n)
     print(f"\n{len(rows)} card rows, {bad} with a figure under the real one, outside the target, a warning or a "
           f"failed load; {time.time() - t0:.0f} s")

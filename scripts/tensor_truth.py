@@ -155,6 +155,13 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
                 f"(its output: {keep})")
 
 
+def abort_words(message: str) -> str:
+    """llama.cpp's failed assertion in a crash's message, as `file.cpp:line: GGML_ASSERT(...) failed` (its path and
+    the backtrace dropped), naming the RPC worker where the worker aborted; else the message's first 300 characters."""
+    m = re.search(r"(RPC worker: )?\S*/([\w.-]+\.cpp:\d+: GGML_(ASSERT\(.*?\) failed|ABORT[^|]*))", message)
+    return (m.group(1) or "") + m.group(2) if m else message.split(" (its output:")[0][:300]
+
+
 def held_buffers(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = None,
                  n_ubatch: int = 512, timeout: float = 300) -> list[list[int]]:
     """Bytes of each buffer each worker holds after the load and one micro-batch, in allocation order."""
@@ -439,7 +446,7 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
         except Crashed as e:
             if batch != "auto":
                 raise
-            aborted = str(e).split(" (its output:")[0]
+            aborted = abort_words(str(e))
     if cards is None:
         cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, n_eval=0, timeout=timeout)
     # without a batch no scratch is allocated: the plan's is left out of the comparison

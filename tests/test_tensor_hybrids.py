@@ -2,7 +2,9 @@
 runs, both checked against real loads over loopback RPC workers (scripts/tensor_truth.py: each worker's
 GGML_RPC_DEBUG log of the buffers it holds). Qwen3.5-shaped models are loaded without a batch: this llama.cpp
 aborts in its RPC worker at their first batch in tensor mode (ggml-rpc.cpp:1414, a tensor outside its buffer), for
-the converter's Qwen3.5-MoE as for ctxq's own, so their all-reduce scratch cannot be measured here."""
+the converter's Qwen3.5-MoE as for ctxq's own (Qwen3-Next at uneven proportions earlier, in the client:
+ggml-backend-meta.cpp:1086, `split_state.ne[j] % div == 0`), so their all-reduce scratch cannot be measured here.
+Which architectures load is probed for every yardstick in one child over the same two workers (tensor_truth.probe)."""
 
 from __future__ import annotations
 
