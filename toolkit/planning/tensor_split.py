@@ -34,10 +34,9 @@ SPECIAL = frozenset(("deepseek4", "dflash", "hrm_text"))
 
 ALIGN = 128  # the largest buffer alignment among the backends (CUDA's 128; CPU and RPC 32): an over-estimate
 
-# Tensors outside the blocks that llama.cpp makes with a layer (llm_tensor_info LAYER_REPEATING, created with that
-# layer's buffer type): Gemma 4's (and 3n's) per-layer input projection with layer 0; rope_freqs with the first layer
-# that uses it (gemma4.cpp: the first full-attention layer; TENSOR_DUPLICATED for the later ones, one copy in one
-# buffer). In tensor mode the meta device holds them whole on every card ("everything else": mirrored).
+# Tensors outside the blocks made with a layer's buffer type (llm_tensor_info LAYER_REPEATING), so whole on every card
+# with it: Gemma 4's per-layer input projection (layer 0); rope_freqs, with the first layer using it (gemma4.cpp: the
+# first full-attention one; later layers' TENSOR_DUPLICATED copies are the same tensor in the same buffer).
 LAYER_TENSORS = {
     "per_layer_model_proj.weight": lambda info: 0,
     "per_layer_proj_norm.weight": lambda info: 0,
