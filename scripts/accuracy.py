@@ -47,7 +47,8 @@ q8_0 split 2:1, 1:1 and at the proportions the planner searches for `simulate="0
 on 3 cards 5:3:2 (skipped, with the reason, where that file is absent); then every yardstick whose architecture
 llama.cpp runs in tensor mode (the hybrids and gpt-oss of `ctxq.testing.hybrid`, the converter's checkpoints of
 `ctxq.testing.upstream_models`: scripts/tensor_truth.py's `yardsticks`) at 4096 on 2 and 3 cards (2:1, 5:3:2) with
-f16, q8_0 and q4_0 caches (`--models gemma4-moe,lfm2` takes only those). Each load runs over local RPC workers with
+f16, q8_0 and q4_0 caches (`--models gemma4-moe,lfm2` takes only those), and Gemma 4 (6 and 8 layers) and
+Llama-4-Scout (4 layers, 2 cells) at real layer widths (`ctxq.testing.upstream_widths`: tensor_truth.REAL_WIDTHS). Each load runs over local RPC workers with
 GGML_RPC_DEBUG=1 in a child process (scripts/tensor_truth.py), and each card's held buffers (weights, KV, compute and
 the all-reduce scratch of one full micro-batch) are compared with the plan's; a planned figure below the measured
 one is flagged UNDER (the never-under rule), a card total outside the target (1 % / 32 MiB; models under 1 GiB
@@ -416,6 +417,13 @@ def _tensor(a) -> int:
         for split in tt.YARDSTICK_SPLITS:
             for kv in tt.YARDSTICK_KV:
                 run(f"{name} ({arch}) 4096 {kv} {split}", model, 4096, kv, split, None)
+    for name, arch, make, cells in tt.real_widths():
+        if only is not None and name not in only:
+            continue
+        model = make()
+        for kv, split in cells:  # cards of 16 GiB each for the plan (the proportions are given)
+            run(f"{name} ({arch}, real widths) 4096 {kv} {split}", model, 4096, kv, split,
+                ",".join(["16"] * len(split.split(":"))))
     print(tt.table(rows))
     for n in notes + [f"{m}: measured without a batch ({', '.join(c)}): {why}" for (m, why), c in aborts.items()]:
         print(n)

@@ -146,9 +146,9 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
     lines = text.strip().splitlines()
     # a worker's abort (its log) before the child's own lines: the child then only loses the connection
     workers = [ln for f in sorted(Path(args["logdir"]).glob("w*.log"))
-               for ln in f.read_text(errors="replace").splitlines() if re.search(r"GGML_ASSERT|GGML_ABORT", ln)]
-    why = ([f"RPC worker: {ln.strip()}" for ln in workers[:1]]
-           + [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT|error|failed|Aborted", ln, re.I)][:3]
+               for ln in f.read_text(errors="replace").splitlines() if re.search(r"GGML_ASSERT|\.cpp:\d+: ", ln)]
+    why = ([f"RPC worker: {ln.strip()}" for ln in workers[:1]]  # GGML_ABORT prints `file.cpp:line: message`
+           + [ln for ln in lines if re.search(r"GGML_ASSERT|\.cpp:\d+: |error|failed|Aborted", ln, re.I)][:3]
            or lines[-3:])
     error = Crashed if proc.returncode < 0 else TruthError
     raise error(f"the child ended (exit {proc.returncode}) without a result: {' | '.join(why)[-600:]} "
@@ -158,8 +158,11 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
 def abort_words(message: str) -> str:
     """llama.cpp's failed assertion in a crash's message, as `file.cpp:line: GGML_ASSERT(...) failed` (its path and
     the backtrace dropped), naming the RPC worker where the worker aborted; else the message's first 300 characters."""
-    m = re.search(r"(RPC worker: )?\S*/([\w.-]+\.cpp:\d+: GGML_(ASSERT\(.*?\) failed|ABORT[^|]*))", message)
-    return (m.group(1) or "") + m.group(2) if m else message.split(" (its output:")[0][:300]
+    message = message.split(" (its output:")[0]
+    m = re.search(r"(RPC worker: )?\S*/([\w.-]+\.cpp:\d+: (GGML_ASSERT\(.*?\) failed|[^|]*))", message)
+    if not m:
+        return message[:300]
+    return re.sub(r"Meta\([^)]*\)", "Meta(...)", re.sub(r"node_\d+", "node_N", (m.group(1) or "") + m.group(2))).strip()
 
 
 def held_buffers(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = None,
@@ -516,6 +519,26 @@ def yardsticks(folder: Path) -> list[tuple[str, str, object]]:
             continue
         why = upstream_models.NOT_BUILDABLE.get(name)
         out.append((name, arch, why or (lambda n=name: upstream_models.build(n))))
+    return out
+
+
+# At real layer widths (header-only conversions, ctxq.testing.upstream_widths), a few layers each: name -> the
+# (KV type, split) cells, None for every yardstick cell (llama4-scout-4l's 5.7 GB takes about a minute a load)
+REAL_WIDTHS = {"gemma4-6l": None, "gemma4-e2b-8l": None, "llama4-scout-4l": (("q8_0", "5:3:2"), ("f16", "2:1"))}
+
+
+def real_widths() -> list[tuple[str, str, object, list[tuple[str, str]]]]:
+    """(name, architecture, a function making the model, its (KV type, split) cells) of REAL_WIDTHS whose
+    architecture llama.cpp runs in tensor mode."""
+    from ctxq.llama.archs import refuses_tensor_mode
+    from ctxq.testing import upstream_models, upstream_widths
+
+    out = []
+    for name, cells in REAL_WIDTHS.items():
+        arch = upstream_models.SPECS[upstream_widths.REALISTIC[name].base].arch
+        if not refuses_tensor_mode(arch):
+            out.append((name, arch, lambda n=name: upstream_widths.build_realistic(n),
+                        list(cells or [(kv, sp) for sp in YARDSTICK_SPLITS for kv in YARDSTICK_KV])))
     return out
 
 
