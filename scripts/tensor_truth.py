@@ -107,21 +107,23 @@ def measure(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = 
     for attempt in range(retries + 1):
         try:
             return _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout)
-        except _Crashed as e:
+        except Crashed as e:
             if attempt == retries:
-                raise TruthError(str(e)) from None
+                raise
             print(f"tensor_truth: {e}; loading again", file=sys.stderr, flush=True)
     raise AssertionError("unreachable")
 
 
-class _Crashed(TruthError):
-    """The child was killed by a signal before it answered."""
+class Crashed(TruthError):
+    """The child was killed by a signal (llama.cpp aborted) before it answered."""
+
 
 
 def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout) -> list[Card]:
     args = dict(model=str(model), n_ctx=int(n_ctx), split=[float(x) for x in split], type_k=type_k,
                 type_v=type_v or type_k, n_ubatch=int(n_ubatch),
-                n_eval=int(n_ubatch if n_eval is None else n_eval))  # 0: load and make the context only
+                n_eval=int(n_ubatch if n_eval is None else n_eval),  # 0: load and make the context only
+                logdir=tempfile.mkdtemp(prefix="ctxq-tensor-truth-"))  # the workers' logs (kept when the load fails)
     proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -142,10 +144,25 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
     keep = Path(tempfile.mkstemp(prefix="ctxq-tensor-truth-", suffix=".log")[1])
     keep.write_text(text)
     lines = text.strip().splitlines()
-    why = [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT|error|failed|Aborted", ln, re.I)][:3] or lines[-3:]
-    error = _Crashed if proc.returncode < 0 else TruthError
+    # a worker's abort (its log) before the child's own lines: the child then only loses the connection
+    workers = [ln for f in sorted(Path(args["logdir"]).glob("w*.log"))
+               for ln in f.read_text(errors="replace").splitlines() if re.search(r"GGML_ASSERT|\.cpp:\d+: ", ln)]
+    why = ([f"RPC worker: {ln.strip()}" for ln in workers[:1]]  # GGML_ABORT prints `file.cpp:line: message`
+           + [ln for ln in lines if re.search(r"GGML_ASSERT|\.cpp:\d+: |error|failed|Aborted", ln, re.I)][:3]
+           or lines[-3:])
+    error = Crashed if proc.returncode < 0 else TruthError
     raise error(f"the child ended (exit {proc.returncode}) without a result: {' | '.join(why)[-600:]} "
                 f"(its output: {keep})")
+
+
+def abort_words(message: str) -> str:
+    """llama.cpp's failed assertion in a crash's message, as `file.cpp:line: GGML_ASSERT(...) failed` (its path and
+    the backtrace dropped), naming the RPC worker where the worker aborted; else the message's first 300 characters."""
+    message = message.split(" (its output:")[0]
+    m = re.search(r"(RPC worker: )?\S*/([\w.-]+\.cpp:\d+: (GGML_ASSERT\(.*?\) failed|[^|]*))", message)
+    if not m:
+        return message[:300]
+    return re.sub(r"Meta\([^)]*\)", "Meta(...)", re.sub(r"node_\d+", "node_N", (m.group(1) or "") + m.group(2))).strip()
 
 
 def held_buffers(model, n_ctx: int, split, type_k: str = "f16", type_v: str | None = None,
@@ -161,6 +178,91 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def probe(models, n_ctx: int = 2048, timeout: float = 300) -> dict[str, str | None]:
+    """Whether llama.cpp loads each model in tensor mode over two RPC workers, split 1:1, without a batch: None where it
+    loads, else its reason (one line). The models are loaded one after another in one child process over the same two
+    workers, each freed before the next; where a load aborts the child, that model is named with the abort and the
+    rest are probed in a new child."""
+    left, out = [str(m) for m in models], {}
+    while left:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probe",
+                                 json.dumps(dict(models=left, n_ctx=n_ctx))],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.communicate()
+            raise TruthError(f"the probe did not finish in {timeout:.0f} s") from None
+        finally:
+            _kill_group(proc)
+        lines = text.decode(errors="replace").splitlines()
+        for line in lines:
+            if line.startswith(RESULT):
+                got = json.loads(line[len(RESULT):])
+                out[got["model"]] = got["why"]
+        if left[0] not in out:  # the first model not answered aborted the child
+            why = [ln for ln in lines if re.search(r"GGML_ASSERT|GGML_ABORT", ln)][:1] or lines[-1:]
+            out[left[0]] = f"the load aborted (exit {proc.returncode}): {' '.join(why)[-300:]}"
+        left = [m for m in left if m not in out]
+    return out
+
+
+def _probe_child(args: dict) -> None:
+    ports = [_free_port() for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(p)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for p in ports]
+    try:
+        _connect(ports, procs)
+        import llama_cpp
+
+        from ctxq.llama.backend import capture_log
+
+        for model in args["models"]:
+            with capture_log() as lines:
+                try:
+                    llm = llama_cpp.Llama(model, n_ctx=args["n_ctx"], n_gpu_layers=999, split_mode=3,
+                                          tensor_split=[1, 1], flash_attn=True, verbose=False, n_threads=1,
+                                          swa_full=False)
+                    llm.close()  # frees its buffers on the workers, which the next model needs
+                    why = None
+                except ValueError as e:
+                    found = [l.strip() for l in lines if "error" in l.lower()]
+                    why = f"{e}: {found[-1] if found else 'no reason logged'}"
+            print(RESULT + json.dumps({"model": model, "why": why}), flush=True)
+    finally:
+        for p in procs:
+            p.kill()
+        os._exit(0)
+
+
+def _connect(ports: list[int], procs: list) -> None:
+    """Register the workers with ggml, once each listens."""
+    from ctxq.rpc.client import add_servers
+
+    t0 = time.time()
+    while True:  # the workers take a moment to listen
+        try:
+            add_servers([f"127.0.0.1:{p}" for p in ports])
+            return
+        except Exception:
+            if time.time() - t0 > 30 or any(p.poll() is not None for p in procs):
+                raise
+            time.sleep(0.1)
+
+
+def _settle(logs: list[Path], quiet: float = 0.15, most: float = 3.0) -> None:
+    """Wait until the workers' logs stop growing (their last lines of a step reach the files)."""
+    t0, last, since = time.time(), None, time.time()
+    while time.time() - t0 < most:
+        sizes = [f.stat().st_size for f in logs]
+        if sizes != last:
+            last, since = sizes, time.time()
+        elif time.time() - since >= quiet:
+            return
+        time.sleep(0.03)
 
 
 # ----------------------------------------------------------------------------------------------- the child
@@ -182,8 +284,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, n_ubatch: int, n_eval: int) -> list:
-    logdir = Path(tempfile.mkdtemp(prefix="ctxq-tensor-truth-"))
+def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, n_ubatch: int, n_eval: int,
+          logdir: str) -> list:
+    logdir = Path(logdir)
     env = dict(os.environ, GGML_RPC_DEBUG="1")
     ports, procs, logs = [], [], []
     for i in range(len(split)):
@@ -194,17 +297,7 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
             procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(port)], env=env, stdout=f,
                                           stderr=subprocess.STDOUT))
     try:
-        from ctxq.rpc.client import add_servers
-
-        t0 = time.time()
-        while True:  # the workers take a moment to listen
-            try:
-                add_servers([f"127.0.0.1:{p}" for p in ports])
-                break
-            except Exception:
-                if time.time() - t0 > 30 or any(p.poll() is not None for p in procs):
-                    raise
-                time.sleep(0.5)
+        _connect(ports, procs)
         import llama_cpp
 
         from ctxq.llama.backend import capture_log
@@ -213,21 +306,23 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
             try:
                 llm = llama_cpp.Llama(model, n_ctx=n_ctx, n_gpu_layers=999, split_mode=3, tensor_split=split,
                                       type_k=GGML_TYPE[type_k], type_v=GGML_TYPE[type_v], flash_attn=True,
-                                      n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1)
+                                      n_batch=n_ubatch, n_ubatch=n_ubatch, verbose=False, n_threads=1,
+                                      swa_full=False)  # as ctxq runs a plan (Plan.swa_full; the C API's default
+                                      # is a full-size cache for sliding-window layers)
             except ValueError as e:  # llama.cpp's reason is in its log (llama_model_load: error loading model: ...)
                 why = [l.strip() for l in lines if "error" in l.lower()]
                 raise ValueError(f"{e}: {why[-1] if why else 'no reason logged'}") from None
         # never freed: llama_free would talk to workers the `finally` below has killed, and ggml-rpc aborts the
         # child when a worker does not answer (seen: exit -6 in ~llama_context); the child ends with os._exit
         _KEEP.append(llm)
-        time.sleep(0.5)  # the workers' last lines of the load reach their logs
+        _settle(logs)  # the workers' last lines of the load reach their logs
         made = [f.stat().st_size for f in logs]  # what follows is the first batch
         # token ids, not text: the memory does not depend on them, and a test model without a tokenizer
         # ("none": llama.cpp's dummy tokens) aborts in llama_tokenize
         tokens = [1 + i % (llm.n_vocab() - 1) for i in range(min(n_eval, n_ctx))]
         if tokens:
             llm.eval(tokens)
-        time.sleep(0.5)
+        _settle(logs)
         cards = [_classify(f.read_bytes(), cut) for f, cut in zip(logs, made)]
         shutil.rmtree(logdir, ignore_errors=True)  # kept when the load fails
         return [{"buffers": [b.__dict__ for b in c.buffers], "warnings": c.warnings} for c in cards]
@@ -288,7 +383,9 @@ def _classify(log: bytes, made: int) -> Card:
 
 @dataclass
 class Row:
-    """One card: planned and measured bytes of weights, KV and compute (compute with the all-reduce)."""
+    """One card: planned and measured bytes of weights, KV and compute (compute with the all-reduce). `batch`: the
+    load ran its micro-batch; where llama.cpp aborts at it (`aborted`), the load's allocations only, and the planned
+    compute without the all-reduce scratch (allocated at the first batch)."""
 
     label: str
     card: int
@@ -297,6 +394,9 @@ class Row:
     measured: dict
     allreduce: int
     warnings: list[str]
+    batch: bool = True
+    aborted: str = ""
+    target: tuple[float, int] | None = None  # (rel, abs bytes) the card's total is held to, where one is set
 
     def diff(self, kind: str) -> int:
         return self.planned[kind] - self.measured[kind]
@@ -304,6 +404,15 @@ class Row:
     def under(self) -> list[str]:
         """The figures the plan puts below the measured ones (the never-under rule)."""
         return [k for k in ("weights", "kv", "compute") if self.diff(k) < 0]
+
+    @property
+    def error(self) -> int:
+        """The card's planned total less its measured total (bytes)."""
+        return sum(self.diff(k) for k in ("weights", "kv", "compute"))
+
+    def within(self, rel: float, abs_: int) -> bool:
+        """The card's total within rel of what it allocates or abs bytes, whichever is larger."""
+        return abs(self.error) <= max(rel * sum(self.measured.values()), abs_)
 
 
 def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512):
@@ -316,8 +425,15 @@ def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
 
 
 def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512,
-            label: str = "", timeout: float = 300) -> list[Row]:
-    """Plan, load for real with the plan's proportions, and pair the two card by card."""
+            label: str = "", timeout: float = 300, batch: bool | str = True) -> list[Row]:
+    """Plan, load for real with the plan's proportions, and pair the two card by card. `batch`: True, the load runs
+    one full micro-batch (retried once should llama.cpp abort); False, the load only; "auto", the batch where
+    llama.cpp runs it, else (an abort, as Qwen3.5's models over RPC: ggml-rpc.cpp:1414) the load only, the abort
+    named in the rows."""
+    from ctxq.gguf.info import model_info
+    from ctxq.gguf.shards import read_model
+    from ctxq.planning.tensor import allreduce_bytes
+
     p = planned(model, n_ctx, kv, split, simulate, n_ubatch)
     if p.split_mode != "tensor":
         raise TruthError(f"the plan is in {p.split_mode} mode, not tensor")
@@ -325,15 +441,28 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
         raise TruthError(f"the plan keeps {p.n_layer + 1 - p.n_gpu_layers} layer slots on the CPU; "
                          "the truth run offloads every layer")
     tk, _, tv = kv.partition("/")
-    cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, timeout=timeout)
+    cards, aborted = None, ""
+    if batch:
+        try:
+            cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, timeout=timeout,
+                            retries=0 if batch == "auto" else 1)
+        except Crashed as e:
+            if batch != "auto":
+                raise
+            aborted = abort_words(str(e))
+    if cards is None:
+        cards = measure(model, n_ctx, p.tensor_split, tk, tv or tk, n_ubatch, n_eval=0, timeout=timeout)
+    # without a batch no scratch is allocated: the plan's is left out of the comparison
+    scratch = 0 if batch and not aborted else allreduce_bytes(model_info(read_model(model)), len(cards), n_ubatch)
     total = sum(p.tensor_split)
     if split is None:  # the planner's own proportions: name them
         label = f"{label} = {':'.join(map(str, p.tensor_split))}"
     rows = []
     for j, (g, c) in enumerate(zip(p.gpus, cards)):
         rows.append(Row(label, j, p.tensor_split[j] / total,
-                        {"weights": g.weights, "kv": g.kv + g.state, "compute": g.compute + g.cuda_copies},
-                        {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings))
+                        {"weights": g.weights, "kv": g.kv + g.state, "compute": g.compute + g.cuda_copies - scratch},
+                        {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings,
+                        batch=bool(batch) and not aborted, aborted=aborted))
     return rows
 
 
@@ -357,22 +486,86 @@ def _upstream(name: str) -> Path:
     return upstream_models.build(name)
 
 
+# The yardsticks: every architecture ctxq's test models cover where llama.cpp runs tensor mode, on 2 and 3 cards,
+# each KV type (scripts/accuracy.py --tensor)
+YARDSTICK_SPLITS = ("2:1", "5:3:2")
+YARDSTICK_KV = ("f16", "q8_0", "q4_0")
+# Qwen3.5-shaped models made in code with delta nets wide enough that every card gets whole heads (4 K heads and 8 V
+# heads of 128: llama.cpp's granule is lcm(128, ssm_d_state) wide)
+WIDE = dict(n_layer=4, n_embd=256, n_ff=512, ssm_d_state=128, ssm_n_group=4, ssm_dt_rank=8)
+
+
+def yardsticks(folder: Path) -> list[tuple[str, str, object]]:
+    """(name, architecture, a function making the model or the reason it is not made) for each of ctxq's yardstick
+    models whose architecture llama.cpp runs in tensor mode (asked of the linked libllama, llama/archs.py): the hybrids
+    and gpt-oss made in code (ctxq.testing.hybrid.MAKERS, into `folder`) and the checkpoints transformers builds and
+    llama.cpp's converter converts (ctxq.testing.upstream_models, cached)."""
+    from ctxq.llama.archs import refuses_tensor_mode
+    from ctxq.testing import upstream_models
+    from ctxq.testing.hybrid import MAKERS, HybridGeometry, write_qwen35
+
+    out = []
+    for name, make in MAKERS.items():
+        if refuses_tensor_mode(name):
+            continue
+        if name in ("qwen35", "qwen3next", "qwen35moe"):
+            made = (lambda n=name: write_qwen35(folder / f"{n}.gguf", HybridGeometry(**WIDE), arch=n))
+        else:
+            made = (lambda n=name, m=make: m(folder / f"{n}.gguf"))
+        out.append((f"{name} (made)", name, made))
+    for name in upstream_models.NAMES:
+        arch = upstream_models.SPECS[name].arch
+        if refuses_tensor_mode(arch):
+            continue
+        why = upstream_models.NOT_BUILDABLE.get(name)
+        out.append((name, arch, why or (lambda n=name: upstream_models.build(n))))
+    return out
+
+
+# At real layer widths (header-only conversions, ctxq.testing.upstream_widths), a few layers each: name -> the
+# (KV type, split) cells, None for every yardstick cell (llama4-scout-4l's 5.7 GB takes about a minute a load)
+REAL_WIDTHS = {"gemma4-6l": None, "gemma4-e2b-8l": None, "llama4-scout-4l": (("q8_0", "5:3:2"), ("f16", "2:1"))}
+
+
+def real_widths() -> list[tuple[str, str, object, list[tuple[str, str]]]]:
+    """(name, architecture, a function making the model, its (KV type, split) cells) of REAL_WIDTHS whose
+    architecture llama.cpp runs in tensor mode."""
+    from ctxq.llama.archs import refuses_tensor_mode
+    from ctxq.testing import upstream_models, upstream_widths
+
+    out = []
+    for name, cells in REAL_WIDTHS.items():
+        arch = upstream_models.SPECS[upstream_widths.REALISTIC[name].base].arch
+        if not refuses_tensor_mode(arch):
+            out.append((name, arch, lambda n=name: upstream_widths.build_realistic(n),
+                        list(cells or [(kv, sp) for sp in YARDSTICK_SPLITS for kv in YARDSTICK_KV])))
+    return out
+
+
 EXTRA = [  # main() only: the other load measured by hand when the planner was written
     ("SmolLM2 F16 4096 q4_0 3:1", F16, 4096, "q4_0", "3:1", None),
 ]
 
 
+def outside(r: Row) -> bool:
+    """The card's total is outside its target (where it has one)."""
+    return r.target is not None and not r.within(*r.target)
+
+
 def table(rows: list[Row]) -> str:
     head = ("| configuration | card | share | weights planned | measured | diff | KV planned | measured | diff "
-            "| compute planned | measured (all-reduce) | diff | never under |")
-    lines = [head, "|" + "---|" * 13]
+            "| compute planned | measured (all-reduce) | diff | total diff | never under, within target |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         cells = []
         for k in ("weights", "kv", "compute"):
-            extra = f" ({r.allreduce / MiB:.3f})" if k == "compute" else ""
+            extra = (f" ({r.allreduce / MiB:.3f})" if r.batch else " (no batch)") if k == "compute" else ""
             cells += [f"{r.planned[k] / MiB:.3f}", f"{r.measured[k] / MiB:.3f}{extra}", f"{r.diff(k) / MiB:+.3f}"]
+        cells.append(f"{r.error / MiB:+.3f}")
         under = r.under()
         status = "ok" if not under else "**UNDER: " + ", ".join(under) + "**"
+        if outside(r):
+            status += f" **OVER: outside {r.target[0]:.0%} / {r.target[1] / MiB:g} MiB**"
         if r.warnings:
             status += " (" + "; ".join(r.warnings) + ")"
         lines.append(f"| {r.label} | {r.card} | {r.proportion:.0%} | " + " | ".join(cells) + f" | {status} |")
@@ -386,9 +579,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the first configuration")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per load")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         _child(json.loads(a.child))
+    if a.probe:
+        _probe_child(json.loads(a.probe))
     rows, bad = [], 0
     for label, model, n_ctx, kv, split, sim in CONFIGS[:1] if a.quick else CONFIGS + EXTRA:
         model = model() if callable(model) else model

@@ -2,7 +2,9 @@
 runs, both checked against real loads over loopback RPC workers (scripts/tensor_truth.py: each worker's
 GGML_RPC_DEBUG log of the buffers it holds). Qwen3.5-shaped models are loaded without a batch: this llama.cpp
 aborts in its RPC worker at their first batch in tensor mode (ggml-rpc.cpp:1414, a tensor outside its buffer), for
-the converter's Qwen3.5-MoE as for ctxq's own, so their all-reduce scratch cannot be measured here."""
+the converter's Qwen3.5-MoE as for ctxq's own (Qwen3-Next at uneven proportions earlier, in the client:
+ggml-backend-meta.cpp:1086, `split_state.ne[j] % div == 0`), so their all-reduce scratch cannot be measured here.
+Which architectures load is probed for every yardstick in one child over the same two workers (tensor_truth.probe)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import tensor_truth  # noqa: E402
 MiB = 2**20
 # Delta nets wide enough that every card gets whole heads (4 K heads and 8 V heads of 128: llama.cpp's granule is
 # lcm(128, ssm_d_state) wide, and a card given no head aborts the RPC worker at the first batch)
-WIDE = HybridGeometry(n_layer=4, n_embd=256, n_ff=512, ssm_d_state=128, ssm_n_group=4, ssm_dt_rank=8)
+WIDE = HybridGeometry(**tensor_truth.WIDE)
 
 
 def _model(name: str, folder: Path) -> Path:
@@ -88,23 +90,32 @@ def _one_per_arch() -> list[tuple[str, str]]:
 _YARDSTICKS = _one_per_arch()
 
 
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory) -> dict[str, tuple[Path | None, str | None]]:
+    """name -> (the model or None where it is not at hand, llama.cpp's reason where it does not load it): every
+    yardstick probed in one child process over the same two loopback RPC workers (tensor_truth.probe), each load in
+    tensor mode without a batch, freed before the next."""
+    folder = tmp_path_factory.mktemp("yardsticks")
+    models = {}
+    for kind, name in _YARDSTICKS:
+        if kind == "made":
+            models[name] = _model(name, folder)
+        elif name not in upstream_models.NOT_BUILDABLE:
+            models[name] = _cached_upstream(name)
+    got = tensor_truth.probe([m for m in models.values() if m is not None], timeout=300)
+    return {name: (m, got.get(str(m)) if m is not None else None) for name, m in models.items()}
+
+
 @pytest.mark.parametrize("kind,name", _YARDSTICKS, ids=[n for _, n in _YARDSTICKS])
-def test_ctxq_plans_tensor_mode_exactly_where_llama_cpp_loads_it(kind, name, tmp_path):
+def test_ctxq_plans_tensor_mode_exactly_where_llama_cpp_loads_it(kind, name, probed):
     """The probe: a load in tensor mode over two loopback RPC workers (no batch), in a child process. Where it
     loads, ctxq plans; where llama.cpp refuses the architecture, ctxq refuses in one line with its reason."""
-    if kind == "made":
-        model = _model(name, tmp_path)
-    else:
-        if name in upstream_models.NOT_BUILDABLE:
-            pytest.skip(upstream_models.NOT_BUILDABLE[name])
-        model = _cached_upstream(name)
-        if model is None:
-            pytest.skip(f"{name}: not in the cache (upstream_models.build makes it)")
-    try:
-        tensor_truth.measure(model, 2048, [1, 1], "f16", "f16", 512, n_eval=0, retries=0, timeout=120)
-        loads, why = True, ""
-    except tensor_truth.TruthError as e:
-        loads, why = False, str(e)
+    if kind == "upstream" and name in upstream_models.NOT_BUILDABLE:
+        pytest.skip(upstream_models.NOT_BUILDABLE[name])
+    model, why = probed[name]
+    if model is None:
+        pytest.skip(f"{name}: not in the cache (upstream_models.build makes it)")
+    loads = why is None
     try:
         ctxq.plan(str(model), 2048, simulate="1,1", split_mode="tensor", kv="f16")
         plans, refusal = True, ""

@@ -34,6 +34,16 @@ SPECIAL = frozenset(("deepseek4", "dflash", "hrm_text"))
 
 ALIGN = 128  # the largest buffer alignment among the backends (CUDA's 128; CPU and RPC 32): an over-estimate
 
+# Tensors outside the blocks made with a layer's buffer type (llm_tensor_info LAYER_REPEATING), so whole on every card
+# with it: Gemma 4's per-layer input projection (layer 0); rope_freqs, with the first layer using it (gemma4.cpp: the
+# first full-attention one; later layers' TENSOR_DUPLICATED copies are the same tensor in the same buffer).
+LAYER_TENSORS = {
+    "per_layer_model_proj.weight": lambda info: 0,
+    "per_layer_proj_norm.weight": lambda info: 0,
+    "rope_freqs.weight": lambda info: next((il for il, la in enumerate(info.layers)
+                                            if la.attention and not la.sliding), 0) if info.arch == "gemma4" else 0,
+}
+
 MIRRORED, PARTIAL = -1, -2  # whole on every card; whole on every card, summed (ffn_down_exps.bias)
 
 _B = r"blk\.\d+\."
@@ -159,6 +169,9 @@ class TensorSplit:
             il = int(m.group(1)) if m else None
             if il is not None and (il >= info.n_layer or info.layers[il].mtp):
                 continue  # NextN blocks llama.cpp does not load
+            if il is None and t.name in LAYER_TENSORS:  # whole on every card with the layer that makes it
+                self.fixed_layer[LAYER_TENSORS[t.name](info)] += _pad(t.nbytes)
+                continue
             if il is None and not (t.name.startswith("output") or t.name == OUTPUT_NORM.get(info.arch)
                                    or (t.name == "token_embd.weight" and info.output_tied)):
                 continue  # token_embd (CPU memory) and rope factors etc. (planned with the host)
@@ -272,6 +285,10 @@ class _Model:
             self.il_eff.append(seen.get(k, 0))
             seen[k] = seen.get(k, 0) + 1
         self.n_layer_main = sum(1 for la in info.layers if not la.mtp)  # hparams.n_layer(): NextN blocks not counted
+        # llama_hparams::n_embd_head_k(il) / n_embd_head_v(il): a sliding-window layer's own head size where the header
+        # gives one (Gemma 4: key_length_swa 256 beside 512), else the full layers' (load_arch_hparams)
+        swa = (key("attention.key_length_swa") or info.head_dim_k, key("attention.value_length_swa") or info.head_dim_v)
+        self.head_dims = [swa if la.sliding else (info.head_dim_k, info.head_dim_v) for la in info.layers]
         self._np = np
 
     def rotation(self, il: int | None) -> int:
@@ -332,7 +349,7 @@ class _Model:
             return qwen_segments(self, name, ne, il)
         if il is not None and _QKV.fullmatch(name):
             la = info.layers[il]
-            nq = la.n_head * info.head_dim_k
+            nq = la.n_head * self.head_dims[il][0]
             nk, nv = info.n_embd_k_gqa(il), info.n_embd_v_gqa(il)
             if nq + nk + nv != ne:
                 raise ValueError(f"{name}: {ne} rows, not {nq} + {nk} + {nv}")
@@ -352,7 +369,7 @@ class _Model:
                 return g
         elif il is not None and info.layers[il].attention and info.layers[il].n_head_kv:
             la = info.layers[il]
-            head_k, head_v = info.head_dim_k, info.head_dim_v
+            head_k, head_v = self.head_dims[il]
             n_gqa = la.n_head // la.n_head_kv
             n_embd_q = n_gqa * head_k
             perf = blck

@@ -1,0 +1,40 @@
+"""`ctxq run -sm tensor` on a hybrid (issue 54): the text plain llama-cpp-python gives at the same proportions, over
+two RPC workers on 127.0.0.1. The model is LFM2-MoE as transformers builds it with random weights and llama.cpp's
+converter converts it (ctxq.testing.upstream_models: short convolutions, their state mirrored on every card, attention
+layers and routed experts cut), so its greedy tokens depend on every weight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ctxq import rpc
+from ctxq.rpc import generate_greedy
+from ctxq.testing import upstream_models
+
+from .conftest import run_ctxq
+
+PROMPT, N_PREDICT = "The capital of France is", 16
+
+
+@pytest.mark.parametrize("name", ["lfm2moe"])
+def test_run_in_tensor_mode_gives_plain_llama_cpp_pythons_text(name):
+    if upstream_models.NOT_BUILDABLE.get(name):
+        pytest.skip(upstream_models.NOT_BUILDABLE[name])
+    model = upstream_models.build(name)
+    with rpc.start_workers("0.5,0.25", threads=1) as w:
+        out = run_ctxq("run", str(model), "-c", "2048", "-p", PROMPT, "-n", str(N_PREDICT), "--temp", "0", "-t", "1",
+                       "-sm", "tensor", "--rpc", w.rpc_spec, "--json", timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got = json.loads(out.stdout)
+        p = got["plan"]
+        assert p["split_mode"] == "tensor" and len(p["tensor_split"]) == 2, p
+        assert "-sm tensor -ts " in p["llama_flags"]
+        kw = dict(n_ctx=2048, n_gpu_layers=999, split_mode=3, tensor_split=[float(x) for x in p["tensor_split"]],
+                  flash_attn=True, n_batch=p["n_batch"], n_ubatch=p["n_ubatch"], n_threads=1)
+        plain = rpc.run_supervised(generate_greedy, str(model), PROMPT, N_PREDICT, rpc=w.endpoints, workers=w,
+                                   timeout=300, **kw)
+    assert plain.devices == ["Meta()"], plain.devices  # tensor mode: one meta device of the two workers
+    assert len(plain.tokens) == N_PREDICT and len(set(plain.tokens)) > 1  # random weights: not one token repeated
+    assert got["tokens"] == plain.tokens
