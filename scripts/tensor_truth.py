@@ -432,7 +432,7 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
     named in the rows."""
     from ctxq.gguf.info import model_info
     from ctxq.gguf.shards import read_model
-    from ctxq.planning.tensor import allreduce_bytes
+    from ctxq.planning.tensor.mode import allreduce_bytes
 
     p = planned(model, n_ctx, kv, split, simulate, n_ubatch)
     if p.split_mode != "tensor":

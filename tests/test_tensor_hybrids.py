@@ -19,7 +19,7 @@ from ctxq.gguf.info import model_info
 from ctxq.gguf.shards import read_model
 from ctxq.paths import ctxq_home
 from ctxq.llama.archs import refuses_tensor_mode, tensor_mode_support
-from ctxq.planning.tensor import allreduce_bytes
+from ctxq.planning.tensor.mode import allreduce_bytes
 from ctxq.testing import upstream_models
 from ctxq.testing.hybrid import MAKERS, HybridGeometry, write_qwen35
 

@@ -19,7 +19,7 @@ import ctxq
 from ctxq.errors import InvalidOption
 from ctxq.gguf.info import kv_cells, model_info
 from ctxq.gguf.shards import read_model
-from ctxq.planning.tensor_split import TensorSplit, not_planned
+from ctxq.planning.tensor.split import TensorSplit, not_planned
 from ctxq.testing import upstream_models
 
 from .conftest import card_profile, run_ctxq
@@ -190,7 +190,7 @@ def test_auto_plans_both_modes_and_keeps_layer_mode_until_measured(smollm2):
     assert any(n.startswith("split mode:") and "-sm tensor -ts" in n for n in p.notes)
 
 
-# --- tensor mode over some of the cards (planning/tensor_subset.py) -------------------------------------------
+# --- tensor mode over some of the cards (planning/tensor/subset.py) -------------------------------------------
 
 _WEAK = (("RTX 4090", 2), ("RTX 3060", 1))  # two fast cards and a slow one (conftest.card_profile)
 

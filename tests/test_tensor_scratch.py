@@ -12,7 +12,7 @@ import pytest
 import ctxq
 from ctxq.gguf.info import model_info
 from ctxq.gguf.shards import read_model
-from ctxq.planning.tensor import allreduce_bytes
+from ctxq.planning.tensor.mode import allreduce_bytes
 from ctxq.testing.moe import tiny_moe_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ctxq.gguf.shards import read_model
-from ctxq.planning.tensor_split import TensorSplit
+from ctxq.planning.tensor.split import TensorSplit
 from ctxq.gguf.info import model_info
 from ctxq.testing import upstream_models
 

@@ -53,12 +53,12 @@ class PlanOptions:
     n_ctx cells shared by all, one output row and one recurrent state per sequence. None: one sequence
     and llama.cpp's defaults (what `Llama` makes).
     split_mode: "layer" (llama.cpp's -sm layer: whole layers per card, the default), "tensor" (-sm tensor: every
-    layer cut across the cards, proportions searched; planning/tensor.py) or "auto" (both planned, their speeds
+    layer cut across the cards, proportions searched; planning/tensor/mode.py) or "auto" (both planned, their speeds
     estimated; the faster by `ctxq bench`'s kept measurements on these devices, else layer mode).
     prompt_tokens / gen_tokens: the workload `split_mode="auto"` times each mode for, prefill then generation
     (default: the whole context, then 128 tokens).
     tensor_cards: tensor mode over exactly these cards (indices into the devices; the others are not given to
-    llama.cpp), as `ctxq bench` measures each candidate (planning/tensor_candidates.py); None: searched.
+    llama.cpp), as `ctxq bench` measures each candidate (planning/tensor/candidates.py); None: searched.
     offload: what goes to host memory when the cards cannot hold every layer at the context: "weights" (dense FFN
     weights of chosen layers, `-ot ...=CPU`; attention, norms and the whole KV cache stay on the cards), "layers"
     (whole layers with their KV cache, llama.cpp's -ngl), or "auto" (the default: the placement with the least

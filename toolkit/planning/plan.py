@@ -95,10 +95,10 @@ class Plan:
     kv_unified: bool = False
     n_outputs_max: int = 0
     # "layer" (-sm layer: whole layers per device) or "tensor" (-sm tensor: every offloaded layer cut across the
-    # cards in tensor_split's proportions; planning/tensor.py)
+    # cards in tensor_split's proportions; planning/tensor/mode.py)
     split_mode: str = "layer"
     speed: dict = field(default_factory=dict)  # estimates by mode (planning/speed/model.py), where the devices say enough
-    # tensor mode over some of the cards (planning/tensor_subset.py): the cards left out, each {"device", "why"},
+    # tensor mode over some of the cards (planning/tensor/subset.py): the cards left out, each {"device", "why"},
     # and the devices llama.cpp is given, as its -dev names them (device_order: their indices); None: every card
     left_out: list[dict] | None = None
     llama_devices: list[str] | None = None

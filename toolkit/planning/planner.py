@@ -20,8 +20,9 @@ from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
 from .layers import fast as fast_layers
 from .spill import placement as spill
 from .speed.reading import reading, workload
-from . import kvpairs, tensor_candidates, ubatch
-from . import tensor as tensor_mod
+from .tensor import candidates as tensor_candidates
+from . import kvpairs, ubatch
+from .tensor import mode as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts

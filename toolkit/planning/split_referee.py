@@ -75,10 +75,10 @@ def measured(p, info: ModelInfo) -> tuple[list[int], int, list[int]] | None:
 
 def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     """Tensor mode: a metadata-only load prints one Meta() figure and weights and KV as 0 (NOTES-llama-cpp.md), so
-    each card's weights and KV come from planning/tensor_split.py (checked against real loads in
+    each card's weights and KV come from planning/tensor/split.py (checked against real loads in
     scripts/accuracy.py --tensor). Its compute buffer is sized on the whole tensors and allocated at that size on
     every card: llama.cpp's dry run of one device holding every offloaded layer, plus the all-reduce scratch."""
-    from .tensor import allreduce_bytes
+    from .tensor.mode import allreduce_bytes
 
     one = replace(p, split_mode="layer", gpus=p.gpus[:1], tensor_split=[p.n_gpu_layers])
     got = measured(one, info)

@@ -4,7 +4,7 @@ For each candidate (layer mode, tensor mode: the plans `ctxq plan -sm layer|tens
 process loads the plan (llama.cpp aborts instead of returning errors: never in ctxq's own process) and, `-r` times
 after one warm-up, fills `-d` tokens of cache untimed, then times a prompt of `-p` random tokens (prompt processing,
 pp) and, at the same depth, `-n` tokens decoded one at a time (token generation, tg): tokens/s, mean ± sd over the
-repetitions, llama-bench's figures. Each result is kept (`planning.speed_store`) per model file, device set and
+repetitions, llama-bench's figures. Each result is kept (`planning.speed.store`) per model file, device set and
 llama.cpp version, and `ctxq plan --split-mode auto` then chooses the mode by these measurements.
 """
 
@@ -122,7 +122,7 @@ def bench_spec(model, options: PlanOptions, *, depth: int = 0, reps: int = 3, n_
 def candidates(model, options: PlanOptions, modes: tuple[str, ...],
                ubatches: tuple[int | None, ...] = (None,)) -> list[tuple[str, object]]:
     """(mode, plan) for each mode, each tensor-mode candidate (every card and each subset the planner considers:
-    planning/tensor_candidates.py) and each micro-batch (None: the options' own) that can be planned here, modes
+    planning/tensor/candidates.py) and each micro-batch (None: the options' own) that can be planned here, modes
     first; one that cannot gives (mode, its one-line reason). A micro-batch sizes the compute buffers: a larger one
     may not fit where a smaller one does."""
     out = []
@@ -157,7 +157,7 @@ def _other_placement(model, opts: PlanOptions, p) -> list[tuple[str, object]]:
 
 def _card_sets(options: PlanOptions) -> list:
     from ..planning.devices import resolve_devices
-    from ..planning.tensor_candidates import card_sets
+    from ..planning.tensor.candidates import card_sets
 
     try:
         devices, _ = resolve_devices(options.updated(split_mode="tensor").resolved())

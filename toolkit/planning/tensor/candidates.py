@@ -9,12 +9,12 @@ A card left out is not given to llama.cpp (`-dev`; docs/planner.md, "Tensor mode
 
 from __future__ import annotations
 
-from ..errors import InvalidOption
-from .speed import store as speed_store
-from . import tensor as tensor_mod
-from .devices import Device
-from .plan import Plan
-from .tensor_subset import subsets
+from ...errors import InvalidOption
+from ..speed import store as speed_store
+from . import mode as tensor_mod
+from ..devices import Device
+from ..plan import Plan
+from .subset import subsets
 
 
 def card_sets(devices: list[Device]) -> list[tuple[list[int], str | None]]:

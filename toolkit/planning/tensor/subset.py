@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from .devices import Device
+from ..devices import Device
 
 
 def subsets(devices: list[Device]) -> list[tuple[list[int], str]]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import re
 
-from ..gguf.info import ModelInfo, state_widths as info_state_widths
-from ..gguf.reader import GGUFFile
+from ...gguf.info import ModelInfo, state_widths as info_state_widths
+from ...gguf.reader import GGUFFile
 
 _B = r"blk\.\d+\."
 _QKV = re.compile(_B + r"attn_qkv\.(weight|bias)")

@@ -23,10 +23,9 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..gguf.info import OUTPUT_NORM, ModelInfo
-from ..gguf.reader import GGML_BLOCKS, GGML_TYPES, GGUFFile
-from .tensor_hybrid import (MIRRORED_STATE, QWEN_GATED, RECURRENT_PLANNED, qwen_segments, recurrent_granularity,
-                            state_widths)
+from ...gguf.info import OUTPUT_NORM, ModelInfo
+from ...gguf.reader import GGML_BLOCKS, GGML_TYPES, GGUFFile
+from .hybrid import MIRRORED_STATE, QWEN_GATED, RECURRENT_PLANNED, qwen_segments, recurrent_granularity, state_widths
 
 # Architectures llama.cpp splits by rules of their own (gated Q, linear attention segments, grouped output,
 # aliased caches) that this module does not copy: ctxq does not plan tensor mode for them.
@@ -86,7 +85,7 @@ _GATE = re.compile(_B + r"attn_gate\.weight")
 def not_planned(arch: str, info: ModelInfo) -> str | None:
     """Why ctxq cannot plan tensor mode for this model (one line), or None. Whether llama.cpp refuses the
     architecture is asked of the linked libllama (llama/archs.py: llm_arch_supports_sm_tensor)."""
-    from ..llama.archs import refuses_tensor_mode
+    from ...llama.archs import refuses_tensor_mode
 
     if refuses_tensor_mode(arch):
         return f"llama.cpp does not run tensor mode for architecture '{arch}' (LLAMA_SPLIT_MODE_TENSOR not implemented)"

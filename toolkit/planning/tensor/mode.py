@@ -1,6 +1,6 @@
 """Tensor mode (`-sm tensor`): every offloaded layer cut across all the cards, planned card by card.
 
-llama.cpp makes one meta device of the cards and cuts each tensor by `tensor_split` (`tensor_split.py`: axes,
+llama.cpp makes one meta device of the cards and cuts each tensor by `tensor_split` (`split.py`: axes,
 granularity, rotation, the mirrored tensors every card holds whole). What each card allocates, checked against
 real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accuracy.py's tensor section):
 
@@ -21,20 +21,20 @@ The proportions are searched: each card's share of the cut bytes follows its spe
 memory) but never beyond what it can hold at the context after its whole part (mirrored tensors, compute
 buffer, reserve); the exact cut is then checked and a card over its room gives up share until every card fits.
 Layers the cards cannot hold go to the CPU, as in layer mode. Tensor mode over some of the cards (a weaker card
-left out, not given to llama.cpp) is a candidate beside every card: `search`, `tensor_subset.py`.
+left out, not given to llama.cpp) is a candidate beside every card: `search`, `subset.py`.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..errors import InvalidOption
-from ..gguf.info import kv_cells
-from .devices import Device
-from .memory.costs import Costs, costs, device_cost, host_cost
-from .plan import DevicePlan, Plan
-from .tensor_split import TensorSplit, not_planned
-from .tensor_subset import llama_name, subsets
+from ...errors import InvalidOption
+from ...gguf.info import kv_cells
+from ..devices import Device
+from ..memory.costs import Costs, costs, device_cost, host_cost
+from ..plan import DevicePlan, Plan
+from .split import TensorSplit, not_planned
+from .subset import llama_name, subsets
 
 SCALE = 1000  # proportions passed to llama.cpp as integers out of SCALE (exact in its float32 scan)
 
@@ -223,7 +223,7 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
     its all-reduce scratch, and joins every all-reduce: docs/planner.md). Among the candidates that keep the most
     layers on the cards, the least estimated time for the context wins where every one can be estimated; else
     every card (or, where they do not hold tensor mode, the largest subset that does)."""
-    from .speed import model as speed
+    from ..speed import model as speed
 
     work = speed.Workload(opts.n_ctx if opts.prompt_tokens is None else opts.prompt_tokens,
                           speed.DEFAULT_GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens,
@@ -304,7 +304,7 @@ def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, t
 
 
 def _make(c: Costs, g, path: str, opts, tk: str, tv: str, slots: int, props, plans, host) -> Plan:
-    from .speed import model as speed
+    from ..speed import model as speed
 
     n = c.info.n_layer
     p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
@@ -329,8 +329,8 @@ def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, o
     (planning/speed/model.py) and, where `ctxq bench` measured both plans on these devices (planning/speed/store.py),
     measured. The faster by measurement is returned; without both measurements the layer plan: llama.cpp marks
     tensor mode experimental, and which mode is faster has to be measured on the devices (docs/planner.md)."""
-    from .speed import model as speed
-    from .speed import store as speed_store
+    from ..speed import model as speed
+    from ..speed import store as speed_store
 
     why = None
     try:
