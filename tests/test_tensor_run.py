@@ -38,3 +38,17 @@ def test_run_in_tensor_mode_gives_plain_llama_cpp_pythons_text(name):
     assert plain.devices == ["Meta()"], plain.devices  # tensor mode: one meta device of the two workers
     assert len(plain.tokens) == N_PREDICT and len(set(plain.tokens)) > 1  # random weights: not one token repeated
     assert got["tokens"] == plain.tokens
+
+
+def test_a_tensor_mode_llama_cpp_cannot_run_ends_in_one_line():
+    """Gemma 4 with KV-shared layers over three cards: llama.cpp loads it in tensor mode, then its meta device asserts
+    at the first batch (ggml-backend-meta.cpp:1098). `ctxq run` says so in one line and exits 1; no core, no trace."""
+    model = upstream_models.build("gemma4-kvshare")
+    with rpc.start_workers("0.5,0.5,0.5", threads=1) as w:
+        out = run_ctxq("run", str(model), "-c", "2048", "-p", PROMPT, "-n", "4", "--temp", "0", "-t", "1",
+                       "-sm", "tensor", "-ts", "1,1,1", "--rpc", w.rpc_spec, timeout=300)
+    assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and "tensor mode (ggml-backend-meta.cpp:" in errors[0], out.stderr[-2000:]
+    assert "try -sm layer" in errors[0] and "RPC worker" not in errors[0]
+    assert "Traceback" not in out.stderr
