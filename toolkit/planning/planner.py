@@ -14,8 +14,7 @@ from dataclasses import replace
 
 from .memory import compute as compute_mod
 from .devices import Device, cpu_device, resolve_devices
-from .layers.search import (best_split as _best_split, counts_fit as _counts_fit, layout as _layout,
-                            proportional as _proportional, take_back)
+from .layers.search import best_split as _best_split, layout as _layout, least_held, take_back
 from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
 from .layers import fast as fast_layers
 from .spill import placement as spill
@@ -262,12 +261,8 @@ def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opt
         return None, host_cost(bare, n + 1, 0, cpu)
     slots, order, counts = found
     ds = [devices[i] for i in order]
-    best = None
-    for cand in (counts, _proportional(ds, slots)):
-        if _counts_fit(bare, ds, cand):
-            got = take_back(bare, ds, cand, bare.cpu_experts, bare.with_cpu_experts)
-            if best is None or len(got.cpu_experts) < len(best[0].cpu_experts):
-                best = got, cand
+    best = least_held(bare, ds, slots, counts, lambda k: take_back(bare, ds, k, bare.cpu_experts, bare.with_cpu_experts),
+                      lambda got: len(got.cpu_experts))
     if best is None:  # the split found does not hold once costed exactly: whole layers only
         return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
     ce, cand = best

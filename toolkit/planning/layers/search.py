@@ -160,3 +160,16 @@ def take_back(c: Costs, devs: list[Device], counts: list[int], held, place) -> C
                 hi = mid - 1
         held -= set(mine[len(mine) - lo:])
     return place(held)
+
+
+def least_held(bare: Costs, devs: list[Device], slots: int, counts: list[int], restore, held):
+    """(costs, counts) of the split that keeps the least in host memory, or None: of the search's split `counts` and
+    llama.cpp's proportional one over the same `slots`, each that holds `bare` (everything of one kind in host memory)
+    with `restore(counts)` giving back what its devices can take (`take_back`), compared by `held(costs)`."""
+    best = None
+    for cand in (counts, proportional(devs, slots)):
+        if counts_fit(bare, devs, cand):
+            got = restore(cand)
+            if best is None or held(got) < held(best[0]):
+                best = got, cand
+    return best

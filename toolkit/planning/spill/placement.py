@@ -18,7 +18,7 @@ workload's estimated seconds (planning/speed/reading.timed), the weights when th
 from __future__ import annotations
 
 from ..devices import Device
-from ..layers.search import best_split, counts_fit, layout, proportional, take_back
+from ..layers.search import best_split, layout, least_held, take_back
 from ..memory.costs import Costs, host_cost
 from ..options import PlanOptions
 from ..speed.reading import seconds, timed, workload
@@ -46,15 +46,14 @@ def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, 
         return None, None
     slots, order, counts = found
     ds = [devices[i] for i in order]
-    best = None
-    for cand in (counts, proportional(ds, slots)):
-        if counts_fit(bare, ds, cand):
-            got = take_back(bare, ds, cand, bare.cpu_ffn, bare.with_cpu_ffn)
-            if experts_back and got.cpu_experts:  # then routed experts, where a card has room left
-                got = take_back(got, ds, cand, got.cpu_experts, got.with_cpu_experts)
-            if best is None or (len(got.cpu_ffn), len(got.cpu_experts)) < (len(best[0].cpu_ffn),
-                                                                          len(best[0].cpu_experts)):
-                best = got, cand
+
+    def restore(cand: list[int]) -> Costs:
+        got = take_back(bare, ds, cand, bare.cpu_ffn, bare.with_cpu_ffn)
+        if experts_back and got.cpu_experts:  # then routed experts, where a card has room left
+            got = take_back(got, ds, cand, got.cpu_experts, got.with_cpu_experts)
+        return got
+
+    best = least_held(bare, ds, slots, counts, restore, lambda got: (len(got.cpu_ffn), len(got.cpu_experts)))
     if best is None:
         return None, None
     cf, cand = best
