@@ -124,16 +124,7 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
                 type_v=type_v or type_k, n_ubatch=int(n_ubatch),
                 n_eval=int(n_ubatch if n_eval is None else n_eval),  # 0: load and make the context only
                 logdir=tempfile.mkdtemp(prefix="ctxq-tensor-truth-"))  # the workers' logs (kept when the load fails)
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.communicate()
-        raise TruthError(f"the load did not finish in {timeout:.0f} s") from None
-    finally:
-        _kill_group(proc)  # the workers, should the child have left any
+    proc, out = _run_self("--child", args, timeout, "the load")
     text = out.decode(errors="replace")
     for line in text.splitlines():
         if line.startswith(RESULT):
@@ -172,6 +163,22 @@ def held_buffers(model, n_ctx: int, split, type_k: str = "f16", type_v: str | No
             for c in measure(model, n_ctx, split, type_k, type_v, n_ubatch, timeout=timeout)]
 
 
+def _run_self(flag: str, args: dict, timeout: float, what: str) -> tuple[subprocess.Popen, bytes]:
+    """This script as a child (`flag` and its job as JSON) in a session of its own: the process and its output; the
+    child's group (the workers it started) ended either way. TruthError past `timeout` seconds."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), flag, json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        proc.communicate()
+        raise TruthError(f"{what} did not finish in {timeout:.0f} s") from None
+    finally:
+        _kill_group(proc)  # the workers, should the child have left any
+    return proc, out
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """End the child's process group (the child and the workers it started), by the child's id."""
     try:
@@ -187,17 +194,7 @@ def probe(models, n_ctx: int = 2048, timeout: float = 300) -> dict[str, str | No
     rest are probed in a new child."""
     left, out = [str(m) for m in models], {}
     while left:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--probe",
-                                 json.dumps(dict(models=left, n_ctx=n_ctx))],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            text, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.communicate()
-            raise TruthError(f"the probe did not finish in {timeout:.0f} s") from None
-        finally:
-            _kill_group(proc)
+        proc, text = _run_self("--probe", dict(models=left, n_ctx=n_ctx), timeout, "the probe")
         lines = text.decode(errors="replace").splitlines()
         for line in lines:
             if line.startswith(RESULT):
