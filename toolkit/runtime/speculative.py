@@ -140,6 +140,10 @@ class Drafter:
         self._last: tuple[int, int, int, np.ndarray] | None = None  # (context length, its last token, k, prediction)
 
     def new_request(self) -> None:
+        st = self.stats
+        if st.passes:  # what the request that ends here did (`ctxq -v serve` shows it)
+            log.info("spec %s: a request decoded in %d passes, %d of %d drafted tokens accepted", self.mode,
+                     st.passes, st.accepted, st.drafted)
         for ix in self.indexes:
             ix.reset()
         self.policy = Policy(self.policy.cost, floor=self.policy.floor, max_draft=self.policy.max_draft)
