@@ -75,6 +75,7 @@ class Stats:
     drafts: int = 0  # passes that carried a draft
     drafted: int = 0
     accepted: int = 0
+    cost: float = 0.0  # the passes' cost by the policy's curve, in single-token passes (a load-free measure of time)
 
     @property
     def acceptance(self) -> float:
@@ -82,7 +83,7 @@ class Stats:
 
     def to_dict(self) -> dict:
         return {"passes": self.passes, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": self.acceptance}
+                "acceptance": self.acceptance, "cost": self.cost}
 
 
 class Policy:
@@ -181,6 +182,7 @@ class Drafter:
         k = self.policy.length(len(pred)) if len(pred) else 0
         draft = pred[:k]
         self._last = (L, int(input_ids[L - 1]), k, pred)
+        self.stats.cost += self.policy._costs[k]
         if k:
             self.stats.drafts += 1
             self.stats.drafted += k
