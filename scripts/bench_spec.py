@@ -92,8 +92,8 @@ def main() -> None:
     llm.close()
     print(f"# load average at the end {os.getloadavg()[0]:.1f}")
     print()
-    # "at c(n)": the ratio the passes made would give if each cost what the cost line says (n - 1 single passes
-    # against the sum of c(k + 1) over the passes): what the drafts are worth, whatever else ran on the machine
+    # "at c(n)": the ratio the passes made would give if each cost what the cost line says (`_modeled`): what the
+    # drafts are worth, whatever else ran on the machine
     print("| workload | prompt tokens | generated | off tok/s | ngram tok/s | ngram ratio | ngram at c(n) | "
           "ngram tokens/pass | ngram acceptance | auto tok/s | auto ratio | auto at c(n) | auto tokens/pass | same text |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -106,10 +106,10 @@ def main() -> None:
 
 
 def _modeled(r) -> float:
-    """n - 1 single-token passes against the cost of the passes made (the drafter's count, by its cost curve)."""
+    """The single-token passes plain decoding takes for this output (n - 1, and one more that samples the end of
+    generation) against the cost of the passes made, each c(k + 1) by the drafter's cost curve."""
     cost = r.spec.get("cost") if r.spec else None
-    return (r.n_generated - 1) / cost if cost else 1.0
-
+    return (r.n_generated - 1 + (r.stop == "eos")) / cost if cost else 1.0
 
 if __name__ == "__main__":
     main()
