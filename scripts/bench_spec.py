@@ -4,10 +4,11 @@
 
 Three workloads over the same document (the built-in licences text, the first --chars characters, a few thousand
 tokens): a verbatim quote, a summary, an answer in the model's own words. Each is generated greedily with --spec off,
-ngram and auto, `--reps` times interleaved (a shared machine's slow moments fall on all three alike), and the best
-decode tok/s of each is kept. auto uses the cost of a draft's batch measured first at the document's depth
-(`runtime.bench.spec_cost`, what `ctxq bench --spec` keeps). Prints decode tok/s, tokens per pass, acceptance and
-the ratios to off, and whether the text equals off's.
+ngram and auto, `--reps` times interleaved (a shared machine's slow moments fall on all three alike), each from the
+same cache (the document evaluated once, its last token alone before every run, so every run reads the same
+logits first), and the best decode tok/s of each is kept. auto uses the cost of a draft's batch measured first at
+the document's depth (`runtime.bench.spec_cost`, what `ctxq bench --spec` keeps). Prints decode tok/s, tokens per
+pass, acceptance and the ratios to off, and whether the text equals off's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import statistics
 import time
 from importlib.resources import files
 
@@ -45,50 +47,69 @@ def main() -> None:
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--workload", action="append", choices=list(WORKLOADS), help="only these (default: all three)")
+    ap.add_argument("--default-cost", action="store_true",
+                    help="auto drafts with speculative.DEFAULT_COST (a quiet machine's curve) instead of measuring one "
+                         "first: on a loaded machine the measurement itself is noise")
     a = ap.parse_args()
     with gzip.open(str(files("ctxq.quality").joinpath("licences.txt.gz")), "rt") as f:
         doc = f.read()[:a.chars]
     llm = ctxq.load(n_ctx=8192, spec="off", n_threads=a.threads)
     prompts = {w: input_tokens(llm.model_path, q, document=doc, chat=True)[0] if q else quote_prompt(llm, doc)
-               for w, q in WORKLOADS.items()}
+               for w, q in WORKLOADS.items() if not a.workload or w in a.workload}
     depth = max(len(t) for t in prompts.values())
     t0 = time.perf_counter()
-    cost = spec_cost(llm, depth, 8)
+    cost = dict(speculative.DEFAULT_COST) if a.default_cost else spec_cost(llm, depth, 8)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, SmolLM2-135M-Instruct Q4_1, {llm.ctxq_plan.llama_flags()}, "
           f"{a.threads or 'default'} threads, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"# a draft's batch of n tokens against one, at depth {depth} (measured in {time.perf_counter() - t0:.0f} s): "
+    how = "speculative.DEFAULT_COST" if a.default_cost else f"measured in {time.perf_counter() - t0:.0f} s"
+    print(f"# a draft's batch of n tokens against one, at depth {depth} ({how}): "
           + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items()))
     rows = []
     for w, toks in prompts.items():
         llm.reset()
+        speculative.attach(llm, "off")
+        llm.eval(toks[:-1])  # the document once; every run evaluates its last token alone, so all start alike
         best: dict[str, object] = {}
-        first = True
+        paired: dict[str, list[float]] = {"ngram": [], "auto": []}  # each rep's ratio to the off run just before
         for _ in range(a.reps):
             for mode in ("off", "ngram", "auto"):
                 speculative.attach(llm, mode, cost if mode == "auto" else None, cost_source="measured")
-                if first:  # the document once; later runs re-evaluate only its last token
-                    r = generate(llm, toks, n_predict=a.n_predict, temp=0)
-                    first = False
+                llm.n_tokens = len(toks) - 1
+                r = generate(llm, toks, n_predict=a.n_predict, temp=0, n_cached=len(toks) - 1)
+                if mode == "off":
+                    last_off = r.decode_tps
                 else:
-                    llm.n_tokens = len(toks) - 1
-                    r = generate(llm, toks, n_predict=a.n_predict, temp=0, n_cached=len(toks) - 1)
+                    paired[mode].append(r.decode_tps / last_off)
                 if mode not in best or r.decode_tps > best[mode].decode_tps:
                     best[mode] = r
         off = best["off"]
         rows.append((w, len(toks), off, best["ngram"], best["auto"]))
-        print(f"# {w}: {off.text[:100]!r}", flush=True)
+        print(f"# {w}: {off.text[:100]!r}; each rep's ratio to its off run: "
+              + "; ".join(f"{m} " + " ".join(f"{x:.2f}" for x in v) + f" (median {statistics.median(v):.2f})"
+                          for m, v in paired.items()), flush=True)
     speculative.detach(llm)
     llm.close()
+    print(f"# load average at the end {os.getloadavg()[0]:.1f}")
     print()
-    print("| workload | prompt tokens | generated | off tok/s | ngram tok/s | ngram ratio | ngram tokens/pass | "
-          "ngram acceptance | auto tok/s | auto ratio | auto tokens/pass | same text |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    # "at c(n)": the ratio the passes made would give if each cost what the cost line says (`_modeled`): what the
+    # drafts are worth, whatever else ran on the machine
+    print("| workload | prompt tokens | generated | off tok/s | ngram tok/s | ngram ratio | ngram at c(n) | "
+          "ngram tokens/pass | ngram acceptance | auto tok/s | auto ratio | auto at c(n) | auto tokens/pass | same text |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for w, n, off, ng, au in rows:
         same = "yes" if ng.tokens == off.tokens and au.tokens == off.tokens else "no"
         print(f"| {w} | {n:,} | {off.n_generated} | {off.decode_tps:.2f} | {ng.decode_tps:.2f} | "
-              f"{ng.decode_tps / off.decode_tps:.2f}x | {ng.tokens_per_pass:.2f} | {100 * ng.spec['acceptance']:.0f} % | "
-              f"{au.decode_tps:.2f} | {au.decode_tps / off.decode_tps:.2f}x | {au.tokens_per_pass:.2f} | {same} |")
+              f"{ng.decode_tps / off.decode_tps:.2f}x | {_modeled(ng):.2f}x | {ng.tokens_per_pass:.2f} | "
+              f"{100 * ng.spec['acceptance']:.0f} % | {au.decode_tps:.2f} | {au.decode_tps / off.decode_tps:.2f}x | "
+              f"{_modeled(au):.2f}x | {au.tokens_per_pass:.2f} | {same} |")
 
+
+def _modeled(r) -> float:
+    """The single-token passes plain decoding takes for this output (n - 1, and one more that samples the end of
+    generation) against the cost of the passes made, each c(k + 1) by the drafter's cost curve."""
+    cost = r.spec.get("cost") if r.spec else None
+    return (r.n_generated - 1 + (r.stop == "eos")) / cost if cost else 1.0
 
 if __name__ == "__main__":
     main()

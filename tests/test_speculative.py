@@ -254,27 +254,53 @@ def test_chi_square_tail_matches_known_values():
     assert math.isclose(_chi2_sf(2.0, 4), math.exp(-1) * 2, rel_tol=1e-6)  # k=4: e^(-x/2)(1 + x/2)
 
 
-def test_a_cost_curve_and_acceptance_steer_the_draft_length():
+def test_a_cost_curve_and_agreement_steer_the_draft_length():
     assert S.Policy(S.DEFAULT_COST, floor=0).length() in range(0, S.MAX_DRAFT + 1)
     cheap = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.3, 16: 1.6}
     linear = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}
     p = S.Policy(cheap, floor=0)
-    for _ in range(10):
-        p.observe(8, 8)
-    assert p.length() >= 8  # all accepted, batches nearly free: long drafts
+    p.observe(30, False)
+    assert p.length() >= 8  # all agreed, batches nearly free: long drafts
+    assert p.length(available=3) == 3  # never beyond the prediction
     q = S.Policy(linear, floor=0)
-    for _ in range(10):
-        q.observe(8, 8)
-    assert q.length() == 0  # a batch costs its tokens: no draft ever pays
+    q.observe(30, False)
+    assert q.length() == 0  # a batch costs its tokens: no draft ever pays ...
+    assert S.Policy(linear, floor=1).length() == 1  # ... but `ngram` drafts the cheapest, one token
     moderate = {1: 1.0, 2: 1.5, 4: 2.2, 8: 3.5, 16: 6.0}
     r = S.Policy(moderate, floor=0)
     for _ in range(10):
-        r.observe(4, 0)
-    assert r.length() == 0  # drafts keep failing: auto stops drafting ...
-    for _ in range(200):
-        r.idle()
-    assert r.length() > 0  # ... and probes again once that evidence has faded
+        r.observe(0, True)
+    assert r.length() == 0  # the prediction keeps missing: auto stops drafting ...
+    short = r.length
+    for _ in range(6):
+        r.observe(1, False)  # ... tokens generated one per pass that equal the prediction (nothing drafted)
+    assert r.length() > 0 and r.streak == 6  # ... turn drafts back on
+    r.observe(2, True)
+    assert r.streak == 0 and short() <= 2
     assert math.isclose(S.cost_at(linear, 3), 3.0)
+
+
+def test_the_longest_indexed_match_gives_the_prediction():
+    d = S.Drafter("ngram", S.DEFAULT_COST)
+    head = list(range(1, 13))  # 12 tokens
+    ctx = np.array(head + [100, 101] + [50, 10, 11, 12, 200, 201] + head, dtype=np.intc)
+    # the 3-gram (10, 11, 12) last occurred before 200; the whole 12-gram only before 100
+    assert list(d.predict(ctx)[:2]) == [100, 101]
+    assert list(d.indexes[-1].draft(ctx, 2)) == [200, 201]
+
+
+def test_auto_starts_drafting_on_a_copy_from_what_it_generates(llm):
+    """`auto` with a cost where a draft pays only at high agreement: it learns from tokens generated one per pass
+    that the prediction holds, then drafts, and greedy text is unchanged."""
+    toks, _ = input_tokens(llm.model_path, "Repeat the text above exactly.", document=ALICE * 2, chat=True)
+    S.attach(llm, "off")
+    plain = generate(llm, toks, n_predict=40, temp=0).tokens
+    S.attach(llm, "auto", S.DEFAULT_COST, cost_source="measured")
+    r = generate(llm, toks, n_predict=40, temp=0)
+    S.attach(llm, "off")
+    assert r.tokens == plain
+    assert 0 < r.spec["drafts"] < r.spec["passes"], r.spec  # a pass without a draft first, then drafts
+    assert r.spec["accepted"] > 10 and r.tokens_per_pass > 1.5, r.spec
 
 
 def test_auto_drafts_nothing_where_no_cost_was_measured(llm):

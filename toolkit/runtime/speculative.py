@@ -13,11 +13,13 @@ renormalized: the speculative-sampling rule for a deterministic draft, in one dr
 of the chain, so a run with drafts consumes the random state as one without them. At temperature 0 the chain is
 greedy: the longest prefix greedy decoding would give is kept.
 
-The draft length adapts to acceptance (`Policy`): with per-token acceptance a (recent passes, decayed) a draft of k
-tokens yields (1 - a^(k+1)) / (1 - a) tokens per pass at the cost of a batch of k + 1 tokens; `cost` is that cost
-against one token, measured by `ctxq bench --spec` (`planning.speed_store`) or `DEFAULT_COST`. `ngram` drafts the
-best k >= 1 wherever the index has a match; `auto` drafts only where the measured cost says a draft pays, and
-none (k = 0) while acceptance stays too low, probing again as old evidence decays.
+The draft is what followed the latest earlier occurrence of the context's longest indexed n-gram (12, 6, then 3
+tokens). Its length (`Policy`): with a the per-token agreement of that prediction with what was generated (every
+generated token is compared, drafted or not, so evidence comes in while nothing is drafted) and a miss rate that
+falls as a copy goes on (`STREAK`), the k with the most expected tokens per unit of cost c(k + 1), the cost of a
+batch of k + 1 tokens against one, measured by `ctxq bench --spec` (`planning.speed_store`) or `DEFAULT_COST`.
+`auto` drafts only where that beats one token per pass; `ngram` drafts at least one token wherever the context
+has a match.
 Recurrent and hybrid memory cannot drop the end of a sequence: no drafts there (`Speculation.note`).
 """
 
@@ -35,17 +37,14 @@ from .ngram import NgramIndex
 log = logging.getLogger(__name__)
 
 MODES = ("ngram", "off", "auto")
-N_GRAM = 3  # tokens matched before a draft: ngram-map's default key size (common/arg.cpp --spec-ngram-size-n)
-START_DRAFT = 4  # `ngram`'s first draft length
-MAX_DRAFT = 16  # tokens per draft at most (llama.cpp's --draft-max default)
-# A batch of n tokens against one, measured with SmolLM2-135M Q4_1 on this project's 2-core CPU at 5k tokens of
-# depth (scripts/bench_spec.py); used by `ngram` where `ctxq bench --spec` has measured nothing.
-DEFAULT_COST = {1: 1.0, 2: 1.45, 4: 2.2, 8: 3.6, 16: 6.4}
-DECAY = 0.7  # weight of a pass's evidence after each later pass
-IDLE_DECAY = 0.98  # per token drafted nothing while a match existed: old evidence fades, so `auto` probes again
-PRIOR = (4.0, 1.0)  # pseudo-counts of accepted tokens and of rejections: 0.8 before any evidence (a match in the
-# context was accepted for 60-75 % of its tokens on quotes, scripts/bench_spec.py): a new request, or one whose
-# old evidence has faded, tries a draft
+N_GRAMS = (12, 6, 3)  # n-gram sizes looked up, longest first: a longer match is more often the text being copied
+MAX_DRAFT = 15  # tokens per draft at most: a batch of 16, the largest `ctxq bench --spec` measures
+# A batch of n tokens against one, measured with SmolLM2-135M Q4_1 on this project's 2-core CPU at 3.5k tokens of
+# depth (scripts/bench_spec.py, docs/speculative.md); used by `ngram` where `ctxq bench --spec` has measured nothing.
+DEFAULT_COST = {1: 1.0, 2: 1.93, 3: 2.60, 4: 3.15, 6: 4.32, 8: 5.16, 12: 7.43, 16: 9.41}
+DECAY = 0.95  # weight of the evidence of one token after each later token: about 14 tokens' half-life
+STREAK = 4  # tokens agreeing in a row that halve the expected miss rate (a copy goes on; bench_spec.py, tried 2-16)
+PRIOR = (1.6, 0.4)  # pseudo-counts of agreeing tokens and of misses, 0.8 before any evidence, worth two tokens
 
 
 def check_mode(spec: str | None) -> str:
@@ -76,6 +75,7 @@ class Stats:
     drafts: int = 0  # passes that carried a draft
     drafted: int = 0
     accepted: int = 0
+    cost: float = 0.0  # the passes' cost by the policy's curve, in single-token passes (a load-free measure of time)
 
     @property
     def acceptance(self) -> float:
@@ -83,81 +83,109 @@ class Stats:
 
     def to_dict(self) -> dict:
         return {"passes": self.passes, "drafts": self.drafts, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance": self.acceptance}
+                "acceptance": self.acceptance, "cost": self.cost}
 
 
 class Policy:
-    """The draft length from recent acceptance and the cost of a batch (`auto`); `ngram` (floor 1) doubles the
-    length after a draft accepted whole and shrinks it to what was accepted plus one otherwise, as llama.cpp's
-    ngram drafts grow and shrink (common/speculative.cpp), never below what the cost model would draft."""
+    """The draft length from the per-token agreement a of the context's prediction with what was generated (decayed
+    counts, every generated token compared, drafted or not) and the cost c(n) of a batch: the k with the most
+    expected tokens per unit of cost, (1 - a^(k+1)) / (1 - a) / c(k+1), 0 where none beats a pass of one token;
+    at least `floor` (`ngram`: 1) where there is a prediction."""
 
     def __init__(self, cost: dict[int, float], *, floor: int, max_draft: int = MAX_DRAFT):
         self.cost, self.floor, self.max_draft = cost, floor, max_draft
         self.acc, self.rej = 0.0, 0.0
-        self.run = START_DRAFT if floor else 0
+        self.streak = 0  # generated tokens in a row that equalled the prediction
+        self._costs = [cost_at(cost, k + 1) for k in range(max_draft + 1)]
 
     def alpha(self) -> float:
         return (self.acc + PRIOR[0]) / (self.acc + self.rej + PRIOR[0] + PRIOR[1])
 
-    def length(self) -> int:
-        """The k (0..max_draft) with the most expected tokens per unit of cost; at least `floor`."""
-        a = min(self.alpha(), 0.999)
+    def length(self, available: int | None = None) -> int:
+        """The k (0..max_draft, at most `available`) with the most expected tokens per unit of cost."""
+        top = self.max_draft if available is None else min(available, self.max_draft)
+        miss = 1 - min(self.alpha(), 0.999)
         best, best_k = 1.0, 0  # no draft: one token per pass of cost 1
-        for k in range(1, self.max_draft + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / cost_at(self.cost, k + 1)
+        expect, reach = 1.0, 1.0  # tokens a pass gives; the chance the draft's first k tokens all agree
+        for k in range(1, top + 1):
+            # a copy that has gone on for r tokens is more likely to go on: the miss rate falls as r grows
+            reach *= 1 - miss * STREAK / (STREAK + self.streak + k - 1)
+            expect += reach
+            rate = expect / self._costs[k]
             if rate > best:
                 best, best_k = rate, k
-        return max(best_k, self.floor, min(self.run, self.max_draft))
+        return max(best_k, min(self.floor, top))  # `ngram` where no draft pays: the cheapest, one token
 
-    def observe(self, k: int, accepted: int) -> None:
-        if self.floor:
-            self.run = min(2 * k, self.max_draft) if accepted == k else max(2, accepted + 1)
-        self.acc = DECAY * self.acc + accepted
-        self.rej = DECAY * self.rej + (1 if accepted < k else 0)
-
-    def idle(self) -> None:
-        self.acc *= IDLE_DECAY
-        self.rej *= IDLE_DECAY
+    def observe(self, agreed: int, missed: bool) -> None:
+        """`agreed` generated tokens equalled the prediction, then one did not (`missed`) or the prediction ended."""
+        w = DECAY ** (agreed + missed)
+        self.acc = self.acc * w + agreed
+        self.rej = self.rej * w + missed
+        self.streak = 0 if missed else self.streak + agreed
 
 
 class Drafter:
-    """llama-cpp-python's draft-model interface (`LlamaDraftModel.__call__`): the context so far -> draft tokens."""
+    """llama-cpp-python's draft-model interface (`LlamaDraftModel.__call__`): the context so far -> draft tokens.
 
-    def __init__(self, mode: str, cost: dict[int, float], n: int = N_GRAM, max_draft: int = MAX_DRAFT):
+    Each call predicts up to `max_draft` tokens from the context's longest n-gram match (`N_GRAMS`) and hands out
+    the first `Policy.length()` of them; the next call compares every token generated since with that whole
+    prediction, drafted or not, so `auto` learns that a quote is being copied without paying for a draft."""
+
+    def __init__(self, mode: str, cost: dict[int, float], grams: tuple[int, ...] = N_GRAMS,
+                 max_draft: int = MAX_DRAFT):
         self.mode = mode
-        self.index = NgramIndex(n)
+        self.indexes = [NgramIndex(n) for n in grams]
         self.policy = Policy(cost, floor=1 if mode == "ngram" else 0, max_draft=max_draft)
         self.stats = Stats()
         self.pending = False  # a draft was handed out; the next eval verifies it
-        self._last: tuple[int, int, int] | None = None  # (context length, its last token, draft length)
+        self._last: tuple[int, int, int, np.ndarray] | None = None  # (context length, its last token, k, prediction)
 
     def new_request(self) -> None:
-        self.index.reset()
+        st = self.stats
+        if st.passes:  # what the request that ends here did (`ctxq -v serve` shows it)
+            log.info("spec %s: a request decoded in %d passes, %d of %d drafted tokens accepted", self.mode,
+                     st.passes, st.accepted, st.drafted)
+        for ix in self.indexes:
+            ix.reset()
         self.policy = Policy(self.policy.cost, floor=self.policy.floor, max_draft=self.policy.max_draft)
         self.stats = Stats()
         self._last = None
 
+    def predict(self, tokens: np.ndarray) -> np.ndarray:
+        """What followed the latest earlier occurrence of the context's longest indexed n-gram (maybe empty)."""
+        for ix in self.indexes:
+            ix.update(tokens)
+        for ix in self.indexes:
+            d = ix.draft(tokens, self.policy.max_draft)
+            if len(d):
+                return d
+        return d
+
     def __call__(self, input_ids: np.ndarray, /, **kwargs) -> np.ndarray:
         L = len(input_ids)
         if self._last is not None:
-            L0, tail, k = self._last
+            L0, tail, k, pred = self._last
             accepted = L - L0 - 1
             if 0 <= accepted <= k and int(input_ids[L0 - 1]) == tail:
-                if k:
-                    self.policy.observe(k, accepted)
-                    self.stats.accepted += accepted
+                self.stats.accepted += accepted
+                got = np.asarray(input_ids[L0:L])
+                m = min(len(got), len(pred))
+                if m:
+                    same = got[:m] == pred[:m]
+                    agreed = int(m if same.all() else np.argmin(same))
+                    self.policy.observe(agreed, agreed < m)
             else:  # not the continuation of the last call: another request on the same cache
                 self.new_request()
-        self.index.update(input_ids)
-        k = self.policy.length()
-        draft = self.index.draft(input_ids, max(k, 1))
-        if len(draft) and k == 0:
-            self.policy.idle()
-            draft = draft[:0]
-        self._last = (L, int(input_ids[L - 1]), len(draft))
-        if len(draft):
+        pred = self.predict(input_ids)
+        if not len(pred):
+            self.policy.streak = 0
+        k = self.policy.length(len(pred)) if len(pred) else 0
+        draft = pred[:k]
+        self._last = (L, int(input_ids[L - 1]), k, pred)
+        self.stats.cost += self.policy._costs[k]
+        if k:
             self.stats.drafts += 1
-            self.stats.drafted += len(draft)
+            self.stats.drafted += k
         self.pending = True
         return draft
 
