@@ -17,7 +17,7 @@ The draft is what followed the latest earlier occurrence of the context's longes
 tokens). Its length (`Policy`): with a the per-token agreement of that prediction with what was generated (every
 generated token is compared, drafted or not, so evidence comes in while nothing is drafted) and a miss rate that
 falls as a copy goes on (`STREAK`), the k with the most expected tokens per unit of cost c(k + 1), the cost of a
-batch of k + 1 tokens against one, measured by `ctxq bench --spec` (`planning.speed_store`) or `DEFAULT_COST`.
+batch of k + 1 tokens against one, measured by `ctxq bench --spec` (`planning.speed.store`) or `DEFAULT_COST`.
 `auto` drafts only where that beats one token per pass; `ngram` drafts at least one token wherever the context
 has a match.
 Recurrent and hybrid memory cannot drop the end of a sequence: no drafts there (`Speculation.note`).
