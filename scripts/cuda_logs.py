@@ -5,7 +5,7 @@
 For each log whose parameters are complete enough, it writes a synthetic GGUF of the model's geometry
 (`ctxq.testing.synthetic`), plans it with the log's n_ctx, split, KV types, flash attention and ubatch
 (`ctxq.planning.planner.plan`, whose compute comes from llama.cpp's CPU dry run), adds the CUDA terms of
-`ctxq.planning.cuda` for this llama.cpp version, and prints one Markdown row per log: KV and compute per
+`ctxq.planning.memory.cuda` for this llama.cpp version, and prints one Markdown row per log: KV and compute per
 device (printed / predicted, MiB), CUDA_Host compute, the CUDA terms, the build and why an entry is left out.
 Sizes in the logs are MiB as printed; the geometry of each model is the one its Hugging Face config gives.
 """

@@ -7,7 +7,7 @@ Issue 13 ("the under-estimates that remain on RPC and CPU devices") names two ce
 
 For each cell this script plans with ctxq, makes llama.cpp size the same layout over real loopback
 RPC workers, and prints per device llama.cpp's compute buffer (the host: compute + output buffers)
-against the planner's (`ctxq.planning.memory`), and counts the rows the plan under-estimates.
+against the planner's (`ctxq.planning.memory.costs`), and counts the rows the plan under-estimates.
 
 By default llama.cpp sizes the layout in a dry run (`no_alloc`, milliseconds, nothing allocated).
 A dry run differs from a real load in one way (`dry_run_norm_copy`): every device after the first holds
