@@ -14,6 +14,7 @@ from ctxq.rpc import generate_greedy
 from ctxq.testing import upstream_models
 
 from .conftest import run_ctxq
+from .test_serve import start, wait_ready
 
 PROMPT, N_PREDICT = "The capital of France is", 16
 
@@ -52,3 +53,24 @@ def test_a_tensor_mode_llama_cpp_cannot_run_ends_in_one_line():
     assert len(errors) == 1 and "tensor mode (ggml-backend-meta.cpp:" in errors[0], out.stderr[-2000:]
     assert "try -sm layer" in errors[0] and "RPC worker" not in errors[0]
     assert "Traceback" not in out.stderr
+
+
+def test_serve_ends_in_one_line_too(tmp_path):
+    """The same model behind `ctxq serve`: the first request's batch stops the server with one line and exit 1."""
+    import httpx
+
+    model = upstream_models.build("gemma4-kvshare")
+    log = tmp_path / "serve.log"
+    with rpc.start_workers("0.5,0.5,0.5", threads=1) as w:
+        proc, base = start(model, log, "-c", "2048", "-t", "1", "-sm", "tensor", "-ts", "1,1,1", "--rpc", w.rpc_spec)
+        try:
+            wait_ready(proc, base, log)
+            with pytest.raises(httpx.TransportError):  # the process ends under the request
+                httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=120)
+            assert proc.wait(60) == 1, log.read_text()[-2000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    errors = [ln for ln in log.read_text().splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and "tensor mode (ggml-backend-meta.cpp:" in errors[0], log.read_text()[-2000:]
+    assert "Traceback" not in log.read_text()

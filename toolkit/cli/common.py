@@ -103,3 +103,27 @@ class Bars:
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
+
+
+def one_line_on_abort(tensor: bool) -> None:
+    """For `run` and `serve`, which load the model in their own process: llama.cpp aborts it when an RPC worker goes
+    away, and in tensor mode where its meta device cannot cut a model's graph at these proportions
+    (ggml-backend-meta.cpp's split-state assertions: Gemma 4 with KV-shared layers at 1:1:1 or 2:1, Qwen3-Next at
+    uneven proportions; docs/accuracy-table.md, section tensor); say so in one line and exit 1."""
+    import os
+    import sys
+
+    from ..rpc import describe_abort, on_ggml_abort
+
+    def on_abort(message: str) -> None:
+        if tensor and "ggml-backend-meta" in message:  # the meta device's own assertion: no worker to blame
+            where = message.strip().rsplit("/", 1)[-1]
+            line = (f"llama.cpp stopped the process in tensor mode ({where}): its tensor mode (experimental) cannot cut "
+                    "this model's graph at these proportions: try -sm layer, or other -ts")
+        else:
+            line = describe_abort(message)
+        sys.stderr.write(f"\nError: {line}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
+    on_ggml_abort(on_abort)

@@ -8,7 +8,7 @@ import click
 
 from .. import interrupts
 from .group import cli
-from .common import echo_json, memory_table, reexec
+from .common import echo_json, memory_table, one_line_on_abort, reexec
 from .options import echo_session_log, hf_file_option, load_options, plan_options, session_option
 from .plan import render_plan
 
@@ -104,7 +104,7 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, f
             return
         tensor = getattr(prepared.plan, "split_mode", "layer") == "tensor"
         if prepared.rpc or tensor:
-            _one_line_on_abort(tensor)
+            one_line_on_abort(tensor)
         if (no_cuda := backend.cuda_unavailable()) is not None:
             click.echo(f"ctxq: {no_cuda}; running on the CPU", err=True)
         bar = None if as_json else _ProgressBar()
@@ -236,25 +236,3 @@ class _ProgressBar:
                 self.closed = True
                 if self.bar is not None:
                     self.bar.close()
-
-
-def _one_line_on_abort(tensor: bool) -> None:
-    """llama.cpp aborts the process when an RPC worker goes away, and in tensor mode where its meta device cannot cut
-    a model's graph at these proportions (ggml-backend-meta.cpp's split-state assertions: Gemma 4 with KV-shared layers
-    at 1:1:1 or 2:1, Qwen3-Next at uneven proportions; docs/accuracy-table.md, section tensor); say so in one line."""
-    import os
-
-    from ..rpc import describe_abort, on_ggml_abort
-
-    def on_abort(message: str) -> None:
-        if tensor and "ggml-backend-meta" in message:  # the meta device's own assertion: no worker to blame
-            where = message.strip().rsplit("/", 1)[-1]
-            line = (f"llama.cpp stopped the process in tensor mode ({where}): its tensor mode (experimental) cannot cut "
-                    "this model's graph at these proportions: try -sm layer, or other -ts")
-        else:
-            line = describe_abort(message)
-        sys.stderr.write(f"\nError: {line}\n")
-        sys.stderr.flush()
-        os._exit(1)
-
-    on_ggml_abort(on_abort)

@@ -7,7 +7,7 @@ import click
 from ..serve.limits import ServeLimits
 from ..units import MiB
 from .group import cli
-from .common import memory_table, reexec
+from .common import memory_table, one_line_on_abort, reexec
 from .options import echo_session_log, hf_file_option, load_options, plan_options, session_option
 
 _LIMITS = ServeLimits()  # the defaults
@@ -110,6 +110,8 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
                 click.echo(f"ctxq: --parallel {n_seq}: {auto_why or why}", err=True)
             click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
 
+        if opts.rpc or p.split_mode == "tensor":  # llama.cpp aborts the process: one line instead
+            one_line_on_abort(p.split_mode == "tensor")
         click.echo(f"ctxq: loading the model; http://{host}:{port}/health says when it is ready", err=True)
         try:
             server.serve(app, load, host=host, port=port, on_ready=ready)
