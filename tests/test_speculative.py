@@ -309,3 +309,18 @@ def test_auto_drafts_nothing_where_no_cost_was_measured(llm):
     r = generate(llm, llm.tokenize((FOX * 3).encode()), n_predict=8, temp=0)
     assert r.spec["active"] is False and r.tokens_per_pass == 1.0
     S.attach(llm, "off")
+
+
+@pytest.mark.parametrize("n_predict", [3, 9])
+def test_no_draft_reaches_past_the_tokens_asked_for(llm, n_predict):
+    """A copy `ngram` drafts whole (the fox sentence, repeated): the drafts of a request stop one short of its last
+    token (the batch's last logits give that one), so no pass verifies tokens nobody asked for; the text as without."""
+    toks = llm.tokenize((FOX * 6).encode())
+    S.attach(llm, "off")
+    plain = generate(llm, toks, n_predict=n_predict, temp=0).tokens
+    S.attach(llm, "ngram")
+    r = generate(llm, toks, n_predict=n_predict, temp=0)
+    S.attach(llm, "off")
+    assert r.tokens == plain and len(plain) == n_predict
+    assert r.spec["drafted"] <= n_predict - 1, r.spec
+    assert n_predict < 9 or r.spec["accepted"] > 0, r.spec  # drafted, and accepted

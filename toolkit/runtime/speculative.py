@@ -139,6 +139,7 @@ class Drafter:
         self.stats = Stats()
         self.pending = False  # a draft was handed out; the next eval verifies it
         self._last: tuple[int, int, int, np.ndarray] | None = None  # (context length, its last token, k, prediction)
+        self.end: int | None = None  # the context length where the request stops generating (Speculation.start)
 
     def new_request(self) -> None:
         st = self.stats
@@ -180,6 +181,8 @@ class Drafter:
         if not len(pred):
             self.policy.streak = 0
         k = self.policy.length(len(pred)) if len(pred) else 0
+        if self.end is not None:  # the batch's last logits sample one more token: drafts up to the request's end - 1
+            k = max(0, min(k, self.end - L - 1))
         draft = pred[:k]
         self._last = (L, int(input_ids[L - 1]), k, pred)
         self.stats.cost += self.policy._costs[k]
@@ -208,10 +211,13 @@ class Speculation:
     def stats(self) -> Stats | None:
         return self.drafter.stats if self.drafter else None
 
-    def start(self) -> None:
-        """A new request begins (its prompt evaluated by the caller): fresh index, acceptance and counts."""
+    def start(self, end: int | None = None) -> None:
+        """A new request begins (its prompt evaluated by the caller): fresh index, acceptance and counts. `end`: the
+        context length at which it stops (its prompt and the tokens it may generate; None: until the context is
+        full): drafts never reach past it."""
         if self.drafter:
             self.drafter.new_request()
+            self.drafter.end = end
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "active": self.active, "note": self.note,
