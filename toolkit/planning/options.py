@@ -91,7 +91,7 @@ class PlanOptions:
     gen_tokens: int | None = None
     tensor_cards: tuple | list | None = None
     offload: str | None = None
-    prefer_given: bool | None = None  # set by resolved(): `prefer` was given, not the default (planning/spill/placement.py)
+    prefer_given: bool | None = None  # set by resolved(): `prefer` was given, not the default (planning/spill/)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -97,13 +97,13 @@ class Plan:
     # "layer" (-sm layer: whole layers per device) or "tensor" (-sm tensor: every offloaded layer cut across the
     # cards in tensor_split's proportions; planning/tensor/mode.py)
     split_mode: str = "layer"
-    speed: dict = field(default_factory=dict)  # estimates by mode (planning/speed/model.py), where the devices say enough
+    speed: dict = field(default_factory=dict)  # estimates by mode (planning/speed/), where the devices say enough
     # tensor mode over some of the cards (planning/tensor/subset.py): the cards left out, each {"device", "why"},
     # and the devices llama.cpp is given, as its -dev names them (device_order: their indices); None: every card
     left_out: list[dict] | None = None
     llama_devices: list[str] | None = None
     # layers whose dense FFN weights sit in host memory, their attention, norms and KV cache on their card (a plan
-    # that spills weights, never the cache: planning/spill/placement.py); passed as tensor_buft_overrides (`tensor_overrides`)
+    # that spills weights, never the cache: planning/spill/); passed as tensor_buft_overrides (`tensor_overrides`)
     cpu_ffn_layers: list[int] = field(default_factory=list)
 
     @property

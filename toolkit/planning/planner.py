@@ -12,16 +12,15 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from .memory import compute as compute_mod
-from .devices import Device, cpu_device, resolve_devices
-from .layers.search import best_split as _best_split, layout as _layout, least_held, take_back
-from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
-from .layers import fast as fast_layers
-from .spill import placement as spill
-from .speed.reading import reading, workload
-from .tensor import candidates as tensor_candidates
 from . import kvpairs, ubatch
-from .tensor import mode as tensor_mod
+from .devices import Device, cpu_device, resolve_devices
+from .layers import fast as fast_layers
+from .layers.search import best_split as _best_split, layout as _layout, least_held, take_back
+from .memory import compute as compute_mod
+from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
+from .speed.reading import reading, workload
+from .spill import placement as spill
+from .tensor import candidates as tensor_candidates, mode as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts
@@ -97,8 +96,8 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
     if tensor:
         tensor_mod.check(info, src.arch, opts, devices, bool(experts.cpu_layers))
         auto_experts = False  # whole layers only (tensor.check)
-    # FFN weights to host memory where whole layers would go (planning/spill/placement.py), in layer mode: a dense model's, or
-    # after its routed experts a MoE's shared experts and dense layers' FFN
+    # FFN weights to host memory where whole layers would go (planning/spill/placement.py), in layer mode: a dense
+    # model's, or after its routed experts a MoE's shared experts and dense layers' FFN
     ffn_spill = (not tensor and opts.split is None and opts.offload != "layers"
                  and any(la.ffn_bytes for la in info.layers))
     spill.check(opts, info, tensor, bool(experts.expert_layers), devices)
@@ -261,7 +260,8 @@ def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opt
         return None, host_cost(bare, n + 1, 0, cpu)
     slots, order, counts = found
     ds = [devices[i] for i in order]
-    best = least_held(bare, ds, slots, counts, lambda k: take_back(bare, ds, k, bare.cpu_experts, bare.with_cpu_experts),
+    best = least_held(bare, ds, slots, counts,
+                      lambda k: take_back(bare, ds, k, bare.cpu_experts, bare.with_cpu_experts),
                       lambda got: len(got.cpu_experts))
     if best is None:  # the split found does not hold once costed exactly: whole layers only
         return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)

@@ -86,7 +86,8 @@ def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
         return None
     (card,), host, _ = got
     # + the printed size's rounding: the real buffer is up to 0.005 MiB above it (97.12 printed, 97.125 held)
-    return [card + PRINT_ROUNDING + allreduce_bytes(info, len(p.gpus), p.n_ubatch)] * len(p.gpus), host, [0] * len(p.gpus)
+    n = len(p.gpus)
+    return [card + PRINT_ROUNDING + allreduce_bytes(info, n, p.n_ubatch)] * n, host, [0] * n
 
 
 def _take(p, got: tuple[list[int], int, list[int]]) -> list[str]:
