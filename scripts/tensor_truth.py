@@ -413,12 +413,16 @@ class Row:
 
 
 def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512):
-    """ctxq's tensor-mode plan: `split` the proportions (None: the planner searches them on `simulate`)."""
+    """ctxq's tensor-mode plan: `split` the proportions (None: the planner searches them on `simulate`). Without
+    the first-batch refusals (planning/tensor/batch.py: the load is what is measured, and where a batch would abort
+    none is computed): the plan these cards would get where llama.cpp runs it."""
     import ctxq
+    from ctxq.planning.tensor.batch import loads_only
 
     n = len(str(split).replace(":", ",").split(",")) if split else None
     sim = simulate or ",".join(["1"] * (n or 2))
-    return ctxq.plan(str(model), n_ctx, simulate=sim, split_mode="tensor", kv=kv, split=split, n_ubatch=n_ubatch)
+    with loads_only():
+        return ctxq.plan(str(model), n_ctx, simulate=sim, split_mode="tensor", kv=kv, split=split, n_ubatch=n_ubatch)
 
 
 def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512,

@@ -19,6 +19,7 @@ from ctxq.gguf.info import model_info
 from ctxq.gguf.shards import read_model
 from ctxq.paths import ctxq_home
 from ctxq.llama.archs import refuses_tensor_mode, tensor_mode_support
+from ctxq.planning.tensor.batch import loads_only
 from ctxq.planning.tensor.mode import allreduce_bytes
 from ctxq.testing import upstream_models
 from ctxq.testing.hybrid import MAKERS, HybridGeometry, write_qwen35
@@ -48,8 +49,7 @@ def test_each_hybrid_card_is_what_llama_cpp_allocates(name, split, kv, batch, tm
     nets' cut by whole heads), the compute buffer (with the scratch after a batch) never under and within 2 MiB."""
     model = _model(name, tmp_path)
     n = len(split.split(":"))
-    p = ctxq.plan(str(model), 4096, simulate=",".join("1" for _ in range(n)), split_mode="tensor", kv=kv,
-                  split=split.replace(":", ","))
+    p = tensor_truth.planned(model, 4096, kv, split.replace(":", ","), simulate=",".join("1" for _ in range(n)))
     cards = tensor_truth.measure(model, 4096, [float(x) for x in split.split(":")], kv, kv, 512,
                                  n_eval=None if batch else 0)
     # without a batch no scratch is allocated: the planned scratch is then added to what the card holds
@@ -109,7 +109,8 @@ def probed(tmp_path_factory) -> dict[str, tuple[Path | None, str | None]]:
 @pytest.mark.parametrize("kind,name", _YARDSTICKS, ids=[n for _, n in _YARDSTICKS])
 def test_ctxq_plans_tensor_mode_exactly_where_llama_cpp_loads_it(kind, name, probed):
     """The probe: a load in tensor mode over two loopback RPC workers (no batch), in a child process. Where it
-    loads, ctxq plans; where llama.cpp refuses the architecture, ctxq refuses in one line with its reason."""
+    loads, ctxq plans; where llama.cpp refuses the architecture, ctxq refuses in one line with its reason. What a
+    first batch then does is tests/test_tensor_batch.py's question (the plan here leaves those refusals out)."""
     if kind == "upstream" and name in upstream_models.NOT_BUILDABLE:
         pytest.skip(upstream_models.NOT_BUILDABLE[name])
     model, why = probed[name]
@@ -117,7 +118,8 @@ def test_ctxq_plans_tensor_mode_exactly_where_llama_cpp_loads_it(kind, name, pro
         pytest.skip(f"{name}: not in the cache (upstream_models.build makes it)")
     loads = why is None
     try:
-        ctxq.plan(str(model), 2048, simulate="1,1", split_mode="tensor", kv="f16")
+        with loads_only():
+            ctxq.plan(str(model), 2048, simulate="1,1", split_mode="tensor", kv="f16")
         plans, refusal = True, ""
     except InvalidOption as e:
         plans, refusal = False, str(e)

@@ -14,7 +14,7 @@ from ctxq.rpc import generate_greedy
 from ctxq.testing import upstream_models
 
 from .conftest import run_ctxq
-from .test_serve import start, wait_ready
+from .test_serve import start
 
 PROMPT, N_PREDICT = "The capital of France is", 16
 
@@ -41,36 +41,63 @@ def test_run_in_tensor_mode_gives_plain_llama_cpp_pythons_text(name):
     assert got["tokens"] == plain.tokens
 
 
-def test_a_tensor_mode_llama_cpp_cannot_run_ends_in_one_line():
-    """Gemma 4 with KV-shared layers over three cards: llama.cpp loads it in tensor mode, then its meta device asserts
-    at the first batch (ggml-backend-meta.cpp:1098). `ctxq run` says so in one line and exits 1; no core, no trace."""
+def test_a_tensor_mode_llama_cpp_cannot_run_is_refused_before_the_load():
+    """Gemma 4 with KV-shared layers over three cards: llama.cpp would load it in tensor mode, then abort at the first
+    batch (ggml-backend-meta.cpp:1098; tests/test_tensor_batch.py). `ctxq run` refuses in one line, before loading."""
     model = upstream_models.build("gemma4-kvshare")
     with rpc.start_workers("0.5,0.5,0.5", threads=1) as w:
         out = run_ctxq("run", str(model), "-c", "2048", "-p", PROMPT, "-n", "4", "--temp", "0", "-t", "1",
                        "-sm", "tensor", "-ts", "1,1,1", "--rpc", w.rpc_spec, timeout=300)
     assert out.returncode == 1, (out.returncode, out.stderr[-2000:])
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and "aborts at the first batch with proportions 1:1:1" in errors[0], out.stderr[-2000:]
+    assert "-sm layer" in errors[0] and "Traceback" not in out.stderr
+
+
+ABORTING = """
+import sys
+from ctxq.cli.common import one_line_on_abort
+from ctxq.rpc.client import add_servers
+import llama_cpp
+add_servers(sys.argv[2].split(","))
+one_line_on_abort(tensor=True)
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=2048, n_gpu_layers=999, split_mode=3, tensor_split=[1, 1, 1],
+                      flash_attn=True, verbose=False, n_threads=1, swa_full=False)
+llm.eval(list(range(100, 112)))
+print("computed")
+"""
+
+
+def test_where_llama_cpp_aborts_anyway_run_and_serve_end_in_one_line():
+    """The hook `ctxq run` and `ctxq serve` install (cli.common.one_line_on_abort), in a process that loads the same
+    model at 1:1:1 without ctxq's plan: the meta device's assertion becomes one line and exit 1; no core, no trace."""
+    import subprocess
+    import sys
+
+    model = upstream_models.build("gemma4-kvshare")
+    with rpc.start_workers("0.5,0.5,0.5", threads=1) as w:
+        out = subprocess.run([sys.executable, "-c", ABORTING, str(model), ",".join(w.endpoints)],
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "computed" not in out.stdout, (out.returncode, out.stderr[-2000:])
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("Error: ")]
     assert len(errors) == 1 and "tensor mode (ggml-backend-meta.cpp:" in errors[0], out.stderr[-2000:]
     assert "try -sm layer" in errors[0] and "RPC worker" not in errors[0]
-    assert "Traceback" not in out.stderr
+    assert [ln for ln in out.stderr.splitlines() if ln.strip()] == errors  # nothing but the line: no core, no trace
 
 
-def test_serve_ends_in_one_line_too(tmp_path):
-    """The same model behind `ctxq serve`: the first request's batch stops the server with one line and exit 1."""
-    import httpx
+def test_serve_refuses_before_the_load_too(tmp_path):
+    """The same model behind `ctxq serve`: one line and exit 1 before it listens."""
+    import subprocess
 
     model = upstream_models.build("gemma4-kvshare")
     log = tmp_path / "serve.log"
     with rpc.start_workers("0.5,0.5,0.5", threads=1) as w:
         proc, base = start(model, log, "-c", "2048", "-t", "1", "-sm", "tensor", "-ts", "1,1,1", "--rpc", w.rpc_spec)
         try:
-            wait_ready(proc, base, log)
-            with pytest.raises(httpx.TransportError):  # the process ends under the request
-                httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=120)
-            assert proc.wait(60) == 1, log.read_text()[-2000:]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+            assert proc.wait(120) == 1, log.read_text()[-2000:]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
     errors = [ln for ln in log.read_text().splitlines() if ln.startswith("Error: ")]
-    assert len(errors) == 1 and "tensor mode (ggml-backend-meta.cpp:" in errors[0], log.read_text()[-2000:]
+    assert len(errors) == 1 and "aborts at the first batch" in errors[0], log.read_text()[-2000:]
     assert "Traceback" not in log.read_text()

@@ -107,9 +107,9 @@ class Bars:
 
 def one_line_on_abort(tensor: bool) -> None:
     """For `run` and `serve`, which load the model in their own process: llama.cpp aborts it when an RPC worker goes
-    away, and in tensor mode where its meta device cannot cut a model's graph at these proportions
-    (ggml-backend-meta.cpp's split-state assertions: Gemma 4 with KV-shared layers at 1:1:1 or 2:1, Qwen3-Next at
-    uneven proportions; docs/accuracy-table.md, section tensor); say so in one line and exit 1."""
+    away, and in tensor mode where its meta device cannot cut a model's graph (ggml-backend-meta.cpp's split-state
+    assertions, at the first batch); say so in one line and exit 1. The plan refuses the tensor-mode setups known to
+    abort beforehand (planning/tensor/batch.py); this is for the ones it does not know."""
     import os
     import sys
 

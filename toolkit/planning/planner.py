@@ -20,7 +20,7 @@ from .memory import compute as compute_mod
 from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
 from .speed.reading import reading, workload
 from .spill import placement as spill
-from .tensor import candidates as tensor_candidates, mode as tensor_mod
+from .tensor import batch as tensor_batch, candidates as tensor_candidates, mode as tensor_mod
 from .options import PlanOptions
 from .checks import check_kv_can_fit, check_reserve, does_not_fit
 from .facts import model_facts
@@ -102,6 +102,8 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                  and any(la.ffn_bytes for la in info.layers))
     spill.check(opts, info, tensor, bool(experts.expert_layers), devices)
     pairs = [fixed] if fixed else [(k, v) for k, v in kvpairs.at_speed(cuda) if k in usable and v in usable]
+    if tensor:  # a quantized cache llama.cpp's tensor mode aborts on at the first batch (tensor/batch.py)
+        pairs = tensor_batch.usable_pairs(pairs, info, src, fixed)
     cands = kvpairs.ranked(pairs, kvpairs.measurements(path, opts.n_ctx))
     allowed = kvpairs.limited(cands, opts.max_kl, path, opts.n_ctx, fixed is not None)
     check_kv_can_fit(info, devices, cpu, opts, [c.pair for c in cands])
@@ -161,8 +163,11 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
 
         def over(keep: list[int], why) -> Plan | None:  # tensor mode over those cards, this K/V pair
             c = costs(info, src, opts, layer.type_k, layer.type_v, cuda)
-            return tensor_candidates.pinned(c, src, str(path), devices, cpu, replace(opts, tensor_cards=tuple(keep)),
-                                            layer.type_k, layer.type_v)[0]
+            try:
+                return tensor_candidates.pinned(c, src, str(path), devices, cpu,
+                                                replace(opts, tensor_cards=tuple(keep)), layer.type_k, layer.type_v)[0]
+            except InvalidOption:  # its first batch would abort on those cards (tensor/batch.py)
+                return None
 
         if not p.speed.get("tensor_refused"):  # every tensor candidate weighed by measurement
             p = tensor_candidates.measured_best(p, layer, over, devices, workload(opts))

@@ -63,6 +63,13 @@ REALISTIC: dict[str, Real] = {
         + ["sliding_attention"] * 3 + ["full_attention"], num_kv_shared_layers=4, use_double_wide_mlp=True,
         hidden_size_per_layer_input=256, vocab_size_per_layer_input=SPM_VOCAB,
         per_layer_config={"03": {"head_dim": 512}, "07": {"head_dim": 512}}), note="8 of 35 layers, 4 shared"),
+    # Gemma 4 E2B's first four layers (s s s f), none shared: its one 256-wide K head per layer (512 on the full one)
+    # without the KV-shared tail, as a multi-query model (tensor/batch.py's rotated cache)
+    "gemma4-e2b-4l": Real("gemma4", dict(
+        num_hidden_layers=4, hidden_size=1536, intermediate_size=6144, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=256, sliding_window=512, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        num_kv_shared_layers=0, hidden_size_per_layer_input=256, vocab_size_per_layer_input=SPM_VOCAB,
+        per_layer_config={"03": {"head_dim": 512}}), note="4 of 35 layers, none shared"),
 }
 
 

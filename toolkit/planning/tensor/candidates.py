@@ -14,7 +14,7 @@ from ..speed import store as speed_store
 from . import mode as tensor_mod
 from ..devices import Device
 from ..plan import Plan
-from .subset import subsets
+from .subset import mark_left_out, subsets
 
 
 def card_sets(devices: list[Device]) -> list[tuple[list[int], str | None]]:
@@ -33,7 +33,7 @@ def pinned(c, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, t
     why = dict((tuple(k), w) for k, w in card_sets(devices)).get(tuple(keep), "as asked")
     p, host = tensor_mod.search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
     if p is not None and len(keep) < len(devices):
-        tensor_mod.mark_left_out(p, devices, keep, why)
+        mark_left_out(p, devices, keep, why)
     return p, host
 
 

@@ -5,7 +5,7 @@ granularity, rotation, the mirrored tensors every card holds whole). What each c
 real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accuracy.py's tensor section):
 
 - weights and KV: its cut of each offloaded tensor and cache (`tensor_split.CardBytes`), exact to the byte in the
-  loads tried (SmolLM2 Q4_1 and F16, 2 and 3 cards, f16/q8_0/q4_0 caches, splits 2:1, 1:1, 3:1, 5:3:2);
+  loads tried (docs/accuracy-table.md);
 - compute: the meta device's buffer is sized on the whole tensors and allocated at that size on every card
   (ggml_backend_meta_buffer_type_alloc_buffer), so each card holds the compute buffer of one device holding every
   offloaded layer (97.125 MiB on each card for SmolLM2 at 4k and 8k): the search costs it with ctxq's rules, then the
@@ -34,14 +34,15 @@ from ..devices import Device
 from ..memory.costs import Costs, costs, device_cost, host_cost
 from ..plan import DevicePlan, Plan
 from .split import TensorSplit, not_planned
-from .subset import llama_name, subsets
+from . import batch
+from .subset import llama_name, mark_left_out, subsets
 
 SCALE = 1000  # proportions passed to llama.cpp as integers out of SCALE (exact in its float32 scan)
 
 
 def check(info, arch: str, opts, devices: list[Device], experts_fixed: bool) -> None:
     """InvalidOption (one line) when tensor mode cannot run this model with these options."""
-    why = not_planned(arch, info)
+    why = not_planned(arch, info) or batch.over_rpc(arch, devices)
     if why:
         raise InvalidOption(why, option="split_mode", value="tensor")
     if not devices:
@@ -95,7 +96,7 @@ class _Cards:
     def __init__(self, c: Costs, g, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
         devices = meta_order(devices)
         self.c, self.devices, self.cpu, self.opts = c, devices, cpu, opts
-        self.info = c.info
+        self.info, self.g = c.info, g
         self.ts = TensorSplit(g, c.info, len(devices), tk, tv)
         self.n_ctx, self.n_ubatch = opts.n_ctx, opts.n_ubatch
         self.allreduce = allreduce_bytes(self.info, len(devices), opts.n_ubatch)
@@ -229,12 +230,17 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
                           speed.DEFAULT_GEN_TOKENS if opts.gen_tokens is None else opts.gen_tokens,
                           n_ubatch=opts.n_ubatch, n_batch=opts.n_batch)
     shape = speed.model_shape(c.info, tk, tv, g)
-    cands = []
+    cands, refused = [], []
     for keep, why in [(list(range(len(devices))), None), *subsets(devices)]:
-        p, host = search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
+        try:
+            p, host = search_cards(c, g, path, [devices[i] for i in keep], cpu, opts, tk, tv)
+        except InvalidOption as e:  # llama.cpp would abort at the first batch (batch.py)
+            p, host = None, refused.append((keep, e))
         total = speed.estimate(shape, speed.placement_from_plan(p), work).total_s if p is not None else None
         cands.append((p, host, keep, why, total))
     fit = [x for x in cands if x[0] is not None]
+    if not fit and refused:
+        raise refused[0][1]
     if not fit:
         return None, cands[0][1]
     least = min(x[0].cpu_layers for x in fit)
@@ -245,7 +251,7 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
         return p, host
     every = cands[0]
     if every[0] is None:
-        than = "tensor mode over every card does not fit"
+        than = next((str(e) for k, e in refused if k == every[2]), "tensor mode over every card does not fit")
     elif every[0].cpu_layers > p.cpu_layers:
         than = f"over every card it keeps {every[0].cpu_layers} layer slots on the CPU, here {p.cpu_layers}"
     else:
@@ -253,18 +259,6 @@ def search(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk:
                 f"against {every[4]:.1f} s over every card (estimates, not measurements)")
     mark_left_out(p, devices, keep, why, than)
     return p, host
-
-
-def mark_left_out(p: Plan, devices: list[Device], keep: list[int], why: str, than: str | None = None) -> None:
-    """A plan over `keep` of `devices`: llama.cpp is given only those (-dev); the reason and a note say which were
-    left out, why, and (`than`) against what."""
-    p.device_order = keep
-    p.llama_devices = [llama_name(devices, i) for i in keep]
-    p.left_out = [{"device": devices[i].name, "why": why} for i in range(len(devices)) if i not in keep]
-    p.reason += f"; {len(devices) - len(keep)} card(s) left out ({why})" + (f": {than}" if than else "")
-    p.notes.append("left out of tensor mode: " + ", ".join(x["device"] for x in p.left_out)
-                   + f" ({why}); llama.cpp is given only " + ", ".join(p.llama_devices)
-                   + " (-dev; a card with proportion 0 would still hold a whole compute buffer)")
 
 
 def search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str):
@@ -284,8 +278,10 @@ def search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opt
     host = cards.host(slots)
     if best is None or host.total > host.device.usable:
         return None, host
-    props, plans = best
-    return _make(c, g, path, opts, tk, tv, slots, props, plans, host), host
+    props, plans, note = batch.settled(cards, slots, *best, [SCALE // len(devices)] * len(devices))
+    p = _make(c, g, path, opts, tk, tv, slots, props, plans, host)
+    p.notes += [note] if note else []
+    return p, host
 
 
 def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, tk: str, tv: str,
@@ -293,6 +289,9 @@ def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, t
     """The plan for proportions the user gave (`--split` with `--split-mode tensor`), every layer offloaded."""
     cards = _Cards(c, g, devices, cpu, opts, tk, tv)  # ratios in the meta device's order (meta_order)
     slots = c.info.n_layer + 1
+    why = batch.shared_kv(cards.ts, c.info, g, ratios)
+    if why:
+        raise InvalidOption(why, option="split", value=":".join(f"{x:g}" for x in ratios))
     plans = cards.cards(slots, ratios)
     p = _make(c, g, path, opts, tk, tv, slots, ratios, plans, cards.host(slots))
     p.reason = "tensor mode, the proportions you gave"
@@ -332,15 +331,16 @@ def compare(p: Plan, src, info, path: str, devices: list[Device], cpu: Device, o
     from ..speed import model as speed
     from ..speed import store as speed_store
 
-    why = None
+    why, t = None, None
     try:
         check(info, src.arch, opts, devices, bool(experts.cpu_layers))
+        why = batch.pair_refused(info, src, p.type_k, p.type_v)
+        if why is None:
+            c = costs(info, src, opts, p.type_k, p.type_v, cuda)
+            t, _ = search(c, src, path, devices, cpu, opts, p.type_k, p.type_v)
     except InvalidOption as e:
         why = str(e)
-    t = None
     if why is None:
-        c = costs(info, src, opts, p.type_k, p.type_v, cuda)
-        t, _ = search(c, src, path, devices, cpu, opts, p.type_k, p.type_v)
         if t is None:
             why = "tensor mode does not fit these devices at this context"
         elif t.cpu_layers > p.cpu_layers:

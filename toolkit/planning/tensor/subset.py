@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 from ..devices import Device
+from ..plan import Plan
 
 
 def subsets(devices: list[Device]) -> list[tuple[list[int], str]]:
@@ -48,3 +49,15 @@ def llama_name(devices: list[Device], i: int) -> str:
     if re.fullmatch(r"[A-Za-z]+\d+", d.name):
         return d.name
     return f"CUDA{sum(1 for x in devices[:i] if x.kind != 'rpc')}"
+
+
+def mark_left_out(p: Plan, devices: list[Device], keep: list[int], why: str, than: str | None = None) -> None:
+    """A plan over `keep` of `devices`: llama.cpp is given only those (-dev); the reason and a note say which were
+    left out, why, and (`than`) against what."""
+    p.device_order = keep
+    p.llama_devices = [llama_name(devices, i) for i in keep]
+    p.left_out = [{"device": devices[i].name, "why": why} for i in range(len(devices)) if i not in keep]
+    p.reason += f"; {len(devices) - len(keep)} card(s) left out ({why})" + (f": {than}" if than else "")
+    p.notes.append("left out of tensor mode: " + ", ".join(x["device"] for x in p.left_out)
+                   + f" ({why}); llama.cpp is given only " + ", ".join(p.llama_devices)
+                   + " (-dev; a card with proportion 0 would still hold a whole compute buffer)")

@@ -1,0 +1,92 @@
+"""Tensor mode: ctxq plans it exactly where llama.cpp's first batch runs, and refuses it where that batch aborts
+(issue 54; toolkit/planning/tensor/batch.py). Each cell is judged twice over fresh RPC workers on 127.0.0.1: `ctxq plan`
+with the same proportions and cache types, then plain llama-cpp-python loading the model in tensor mode and computing
+a 12-token batch in a child process. Models come from llama.cpp's converter (ctxq.testing.upstream_models and, at
+Gemma 4 E2B's widths, upstream_widths): Gemma 4 with KV-shared layers, Gemma 4 E2B's one K head per layer, Gemma 4
+at its default widths (four K heads), Qwen3.5-MoE's gated delta nets and LFM2-MoE's short convolutions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ctxq import rpc
+from ctxq.errors import CtxqError
+from ctxq.rpc import generate_greedy
+from ctxq.testing import upstream_models, upstream_widths
+
+from .conftest import run_ctxq
+
+GGML_TYPE = {"f16": 1, "q8_0": 8, "q4_0": 2}
+TOKENS = list(range(100, 112))  # a batch of 12: the meta device works out split states only when it computes one
+
+CELLS = [  # (model, proportions, cache type); what happens is asked of llama.cpp, not written here
+    ("gemma4-kvshare", "1,1", "f16"),
+    ("gemma4-kvshare", "2,1", "f16"),
+    ("gemma4-kvshare", "1,1,1", "f16"),
+    ("gemma4-kvshare", "1,1", "q8_0"),  # layer 0's 32-wide heads: llama.cpp rotates no cache
+    ("gemma4-e2b-4l", "2,1", "f16"),
+    ("gemma4-e2b-4l", "1,1", "q8_0"),
+    ("gemma4-6l", "2,1", "q4_0"),  # rotated too, but four K heads of 256 per layer
+    ("qwen35moe", "1,1", "f16"),
+    ("lfm2moe", "2,1", "q8_0"),
+]
+
+
+def _model(name: str) -> str:
+    if name in upstream_widths.REALISTIC:
+        return str(upstream_widths.build_realistic(name))
+    return str(upstream_models.build(name))
+
+
+def first_batch(model: str, split: str, cache: str) -> str | None:
+    """None where llama.cpp computes the batch in tensor mode over fresh workers, else its words for the abort."""
+    props = [float(x) for x in split.split(",")]
+    with rpc.start_workers(",".join(["2"] * len(props)), threads=1) as w:
+        try:
+            rpc.run_supervised(generate_greedy, model, TOKENS, 1, rpc=w.endpoints, workers=w, timeout=240,
+                               n_ctx=2048, n_gpu_layers=999, split_mode=3, tensor_split=props, flash_attn=True,
+                               type_k=GGML_TYPE[cache], type_v=GGML_TYPE[cache], n_threads=1, swa_full=False)
+            return None
+        except CtxqError as e:
+            return str(e)
+
+
+@pytest.mark.parametrize("name,split,cache", CELLS, ids=[f"{n}-{s}-{c}" for n, s, c in CELLS])
+def test_ctxq_plans_tensor_mode_exactly_where_the_first_batch_runs(name, split, cache):
+    model = _model(name)
+    with rpc.start_workers(",".join(["2"] * len(split.split(","))), threads=1) as w:
+        out = run_ctxq("plan", model, "-c", "2048", "-sm", "tensor", "-ts", split, "-ctk", cache, "-ctv", cache,
+                       "--rpc", w.rpc_spec, "--json", timeout=300)
+    aborted = first_batch(model, split, cache)
+    if aborted is None:
+        assert out.returncode == 0, f"llama.cpp runs it, ctxq refuses: {out.stderr[-800:]}"
+        p = json.loads(out.stdout)
+        assert p["split_mode"] == "tensor" and len(p["tensor_split"]) == len(split.split(","))
+    else:
+        errors = [ln for ln in out.stderr.splitlines() if ln.startswith("Error: ")]
+        assert out.returncode != 0, f"llama.cpp aborts ({aborted[-300:]}), ctxq plans it"
+        assert len(errors) == 1 and "at the first batch" in errors[0], out.stderr[-800:]
+        assert "Traceback" not in out.stderr
+
+
+def test_both_outcomes_are_among_the_cells():
+    """The cells above are worth something only if llama.cpp both runs and aborts among them: three of each, asked."""
+    picked = [CELLS[i] for i in (0, 4, 8, 1, 5, 7)]
+    got = [first_batch(_model(n), s, c) is None for n, s, c in picked]
+    assert got == [True, True, True, False, False, False], got
+
+
+def test_the_search_takes_equal_proportions_where_speed_would_abort(tmp_path):
+    """Gemma 4 with KV-shared layers on an RTX 4090 and an RTX 3060: by bandwidth the cut would be uneven, which
+    llama.cpp aborts on (above); the plan takes 1:1 instead and says why."""
+    from .conftest import card_profile
+
+    model = str(upstream_models.build("gemma4-kvshare"))
+    prof = card_profile(tmp_path / "cards.toml", ("RTX 4090", 1), ("RTX 3060", 1))
+    out = run_ctxq("plan", model, "-c", "2048", "-sm", "tensor", "--profile", str(prof), "--json")
+    assert out.returncode == 0, out.stderr[-800:]
+    p = json.loads(out.stdout)
+    assert p["tensor_split"][0] == p["tensor_split"][1], p["tensor_split"]
+    assert any(n.startswith("equal proportions, not by speed") for n in p["notes"]), p["notes"]

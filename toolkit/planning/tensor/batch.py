@@ -1,0 +1,165 @@
+"""What llama.cpp's tensor mode loads but aborts on at the first batch, refused by ctxq in one line beforehand.
+
+The meta device (ggml/src/ggml-backend-meta.cpp) works out each graph node's split state from its sources only when
+a batch is computed; a load (weights, caches, the reserved compute buffer) never asks, so llama.cpp loads these
+setups and then aborts the process at the first token. Three rules, each read from the vendored source and checked
+against real first batches over RPC workers (tests/test_tensor_batch.py, both ways):
+
+- **A layer that reads another layer's KV cache** (Gemma 3n / Gemma 4's KV-shared layers, `memory.split.reused_layer`):
+  its queries are cut with its own rotation, the cache it reads with that layer's, and flash attention asserts that
+  every source is cut in the same ratio (`split_state.ne[j] * ... == sum * tensor->ne[axis]`, the "ratio is
+  consistent" check). Where the rounding remainder lands on a different card for the two layers, it aborts: tiny
+  Gemma 4 with shared layers at 2:1 and 1:1:1, not at 1:1 (`shared_kv`).
+- **A quantized K cache on layers with one K head** (Gemma 4 E2B, multi-query models): llama.cpp rotates K by a
+  Hadamard matrix before quantizing it (llama_kv_cache::build_input_k_rot, `attn_rot_k`: nrot the largest power of
+  two from 64 dividing the cache's head size); `llama_mul_mat_hadamard` reshapes K to [nrot, ...], which moves its
+  split from the heads (axis 1) to axis 0 where one layer's K is no wider than nrot (handle_reshape), and a matrix
+  product of a mirrored matrix with an axis-0 split is not implemented ("unsupported mul_mat split states").
+  Likewise V with a quantized V cache (`attn_rot_v`, nrot 64). `rotated_cache`.
+- **The gated delta nets over RPC workers** (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): each worker asserts at the first
+  batch that a tensor it is sent lies inside its buffer (ggml-rpc.cpp deserialize_tensor) and aborts; the load
+  succeeds. On CUDA cards this is the graph llama.cpp's tensor mode was written for, so ctxq plans it there.
+  `over_rpc`.
+
+`loads_only()` switches the three off, for scripts that measure what a load allocates without computing a batch
+(scripts/tensor_truth.py): there every such setup is planned as it would be where it runs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from contextlib import contextmanager
+
+from ...errors import InvalidOption
+from ...gguf.info import ModelInfo
+from ..memory.split import reused_layer
+from .hybrid import QWEN_GATED
+from .split import TensorSplit, _Model, _split
+
+UNQUANTIZED = frozenset(("f32", "f16", "bf16"))
+_LOADS_ONLY = contextvars.ContextVar("ctxq_tensor_loads_only", default=False)
+
+
+@contextmanager
+def loads_only():
+    """Plan tensor mode without the first-batch refusals inside the block (a load measured without a batch)."""
+    token = _LOADS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _LOADS_ONLY.reset(token)
+
+
+def over_rpc(arch: str, devices) -> str | None:
+    """Why tensor mode over these devices aborts at the first batch for this architecture, or None."""
+    rpc = [d.name for d in devices if getattr(d, "backend", None) == "rpc"]
+    if arch in QWEN_GATED and rpc and not _LOADS_ONLY.get():
+        return (f"llama.cpp's RPC workers abort at the first batch of a {arch} model in tensor mode (ggml-rpc.cpp "
+                f"deserialize_tensor: a tensor outside its buffer; the load itself succeeds): split over "
+                f"{', '.join(rpc)} with split_mode=layer")
+    return None
+
+
+def _nrot(head: int) -> int:
+    """build_input_k_rot: from 64, doubled while the head size divides by it."""
+    n = 64
+    while head % (n * 2) == 0:
+        n *= 2
+    return n
+
+
+def rotated_cache(info: ModelInfo, head_dims, type_k: str, type_v: str) -> str | None:
+    """Why a quantized cache of these types aborts tensor mode at the first batch (the Hadamard rotation of a layer's
+    K or V no wider than the rotation), or None. head_dims[il]: layer il's (K, V) head sizes (split._Model)."""
+    bad = []
+    for kind, t, idx, whole_nrot in () if _LOADS_ONLY.get() else (("K", type_k, 0, None), ("V", type_v, 1, 64)):
+        if t.lower() in UNQUANTIZED:
+            continue
+        own = [il for il, la in enumerate(info.layers) if la.attention and la.n_head_kv
+               and not la.mtp and reused_layer(info, il) is None]
+        if head_dims[0][idx] % 64:
+            continue  # llama_kv_cache: attn_rot_* needs hparams.n_embd_head_k() (layer 0's) a multiple of 64
+        for sliding in (False, True):  # an iSWA model's two caches, each with its own head size
+            layers = [il for il in own if info.layers[il].sliding == sliding]
+            heads = {head_dims[il][idx] for il in layers}
+            if len(heads) != 1:
+                continue  # no layers, or head sizes that differ: no rotation (n_embd_head_*_all = -1)
+            nrot = whole_nrot or _nrot(heads.pop())
+            for il in layers:
+                if head_dims[il][idx] * info.layers[il].n_head_kv <= nrot:
+                    bad.append((kind, t, il, nrot, info.layers[il].n_head_kv))
+                    break
+    if not bad:
+        return None
+    kind, t, il, nrot, n_kv = bad[0]
+    return (f"llama.cpp's tensor mode aborts at the first batch with a {t} {kind} cache here: layer {il} has "
+            f"{n_kv} {kind} head(s), no wider than the {nrot}-wide Hadamard rotation llama.cpp applies before "
+            f"quantizing (an unsupported split of the rotated {kind}); use an f16 {kind} cache or split_mode=layer")
+
+
+def shared_kv(ts: TensorSplit, info: ModelInfo, g, proportions, layers=None) -> str | None:
+    """Why these proportions abort tensor mode at the first batch (a KV-shared layer's queries cut in another ratio
+    than the cache it reads), or None. `layers`: the offloaded ones (default all); a pair with either on the CPU is
+    not cut."""
+    if _LOADS_ONLY.get():
+        return None
+    n = ts.n
+    prop = [float(p) for p in proportions]
+    scans = [ts.model.scan(prop, r) for r in range(n)]
+
+    def cut(segs, rot) -> list[int]:
+        per = [0] * n
+        for ne_s, nr_s, g_s in segs:
+            for j, c in enumerate(_split(ne_s, scans[rot], g_s, n, rot)):
+                per[j] += c * nr_s
+        return per
+
+    held = set(range(info.n_layer) if layers is None else layers)
+    for il in sorted(held):
+        src = reused_layer(info, il)
+        if src is None or src not in held or ts.cache[src][0] is None:
+            continue
+        q = g.tensor(f"blk.{il}.attn_q.weight")
+        if q is None:
+            continue
+        spec = ts.model.spec(q.name, q.shape, q.type, il)
+        if spec is None:
+            continue
+        qc = cut(spec[2], spec[3])
+        for kind, (_, segs, rot) in zip("KV", ts.cache[src]):
+            kc = cut(segs, rot)
+            if any(a * sum(kc) != b * sum(qc) for a, b in zip(qc, kc)):
+                return (f"llama.cpp's tensor mode aborts at the first batch with proportions "
+                        f"{':'.join(f'{x:g}' for x in prop)}: layer {il} reads layer {src}'s KV cache, and its queries "
+                        f"are cut {':'.join(map(str, qc))} while that {kind} cache is cut {':'.join(map(str, kc))} "
+                        f"(the meta device needs one ratio); use other proportions or split_mode=layer")
+    return None
+
+
+def usable_pairs(pairs, info: ModelInfo, g, fixed) -> list:
+    """The K/V type pairs tensor mode can run (`rotated_cache`); InvalidOption (one line) for a pair the user fixed."""
+    heads = _Model(g, info, 1).head_dims
+    if fixed:
+        why = rotated_cache(info, heads, *fixed)
+        if why:
+            raise InvalidOption(why, option="type_k", value=fixed[0])
+    return [p for p in pairs if rotated_cache(info, heads, *p) is None]
+
+
+def pair_refused(info: ModelInfo, g, type_k: str, type_v: str) -> str | None:
+    """`rotated_cache` for one pair, from the model's header."""
+    return rotated_cache(info, _Model(g, info, 1).head_dims, type_k, type_v)
+
+
+def settled(cards, slots: int, props, plans, even):
+    """(proportions, the cards' plans, a note or None) for the proportions the search found: those, where llama.cpp
+    runs them; else `even` where they run and fit, with a note; else InvalidOption naming why (`shared_kv`)."""
+    layers = list(cards.slots_layers(slots)[0])
+    why = shared_kv(cards.ts, cards.info, cards.g, props, layers)
+    if why is None:
+        return props, plans, None
+    if list(props) != list(even) and shared_kv(cards.ts, cards.info, cards.g, even, layers) is None:
+        got = cards.cards(slots, even)
+        if all(dp.total <= dp.device.usable for dp in got):
+            return even, got, f"equal proportions, not by speed: {why.split(': ', 1)[1].split('; use')[0]}"
+    raise InvalidOption(why, option="split_mode", value="tensor")
