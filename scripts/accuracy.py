@@ -47,13 +47,14 @@ q8_0 split 2:1, 1:1 and at the proportions the planner searches for `simulate="0
 on 3 cards 5:3:2 (skipped, with the reason, where that file is absent); then every yardstick whose architecture
 llama.cpp runs in tensor mode (the hybrids and gpt-oss of `ctxq.testing.hybrid`, the converter's checkpoints of
 `ctxq.testing.upstream_models`: scripts/tensor_truth.py's `yardsticks`) at 4096 on 2 and 3 cards (2:1, 5:3:2) with
-f16, q8_0 and q4_0 caches (`--models gemma4-moe,lfm2` takes only those), and Gemma 4 (6 and 8 layers) and
+f16, q8_0 and q4_0 caches (`--models gemma4-moe,lfm2` takes only those), and Gemma 4 (6 layers; E2B's 8 and 4) and
 Llama-4-Scout (4 layers, 2 cells) at real layer widths (`ctxq.testing.upstream_widths`: tensor_truth.REAL_WIDTHS). Each load runs over local RPC workers with
 GGML_RPC_DEBUG=1 in a child process (scripts/tensor_truth.py), and each card's held buffers (weights, KV, compute and
 the all-reduce scratch of one full micro-batch) are compared with the plan's; a planned figure below the measured
 one is flagged UNDER (the never-under rule), a card total outside the target (1 % / 32 MiB; models under 1 GiB
 3 % / 2 MiB) OVER. Where llama.cpp aborts at the first batch (the Qwen3.5 family over RPC: ggml-rpc.cpp:1414) the
-load is measured without it, the plan's all-reduce scratch left out of its compute:
+load is measured without it, the plan's all-reduce scratch left out of its compute; and ctxq's own verdict at the
+same proportions (planning/tensor/batch.py: it refuses what aborts at the first batch) is held against that batch:
 
     .venv/bin/python scripts/accuracy.py --tensor --out docs/accuracy-table.md
 
@@ -355,6 +356,8 @@ def _tensor(a) -> int:
         worst = max(rows, key=lambda r: abs(r.error), default=None)
         over = max(rows, key=lambda r: max(r.diff(k) for k in ("weights", "kv", "compute")), default=None)
         nobatch = len({r.label for r in rows if not r.batch})
+        asked = {r.label: r for r in rows if r.refused is not None}
+        split = [r for r in asked.values() if bool(r.refused) != bool(r.aborted)]
         tail = (f"{len(rows)} card rows{'' if done else ' so far (run in progress)'}; "
                 + (f"**{len(under)} UNDER the real allocation (the never-under rule is broken)**"
                    if under else "0 under the real allocation")
@@ -363,7 +366,12 @@ def _tensor(a) -> int:
                 + (f"; the most over in one figure: {max(over.diff(k) for k in ('weights', 'kv', 'compute')) / MiB:+.3f} "
                    f"MiB ({over.label}, card {over.card})" if over else "")
                 + (f". {nobatch} loads without a batch (llama.cpp aborted at it; compute without the all-reduce "
-                   "scratch)" if nobatch else "") + ".")
+                   "scratch)" if nobatch else "") + "."
+                + (f" First batch: ctxq refuses {sum(1 for r in asked.values() if r.refused)} of these loads "
+                   f"(planning/tensor/batch.py) and plans {sum(1 for r in asked.values() if not r.refused)}; "
+                   + (f"**{len(split)} disagree with llama.cpp** ({', '.join(r.label for r in split)})" if split else
+                      f"llama.cpp aborted exactly at the {sum(1 for r in asked.values() if r.aborted)} refused")
+                   + "." if asked else ""))
         lines = notes + [f"{m}: measured without a batch ({', '.join(cells)}): llama.cpp aborts at it: {why}"
                          for (m, why), cells in aborts.items()]
         text_ = tt.table(rows) + "\n\n" + tail + ("\n\n" + "\n".join(f"- {n}" for n in lines) if lines else "")
@@ -387,6 +395,7 @@ def _tensor(a) -> int:
             r.target = target(model)
         rows += got
         bad += sum(1 for r in got if r.under() or r.warnings or tt.outside(r))
+        bad += bool(got and got[0].refused is not None and bool(got[0].refused) != bool(got[0].aborted))
         for r in got:
             if r.warnings:
                 notes.append(f"{label} card {r.card}: " + "; ".join(r.warnings))

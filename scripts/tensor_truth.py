@@ -393,6 +393,7 @@ class Row:
     warnings: list[str]
     batch: bool = True
     aborted: str = ""
+    refused: str | None = None  # ctxq's first-batch refusal at these proportions ("" where it plans; None: not asked)
     target: tuple[float, int] | None = None  # (rel, abs bytes) the card's total is held to, where one is set
 
     def diff(self, kind: str) -> int:
@@ -425,6 +426,21 @@ def planned(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
         return ctxq.plan(str(model), n_ctx, simulate=sim, split_mode="tensor", kv=kv, split=split, n_ubatch=n_ubatch)
 
 
+def refusal(model, n_ctx: int, kv: str, split, simulate: str | None = None, n_ubatch: int = 512) -> str:
+    """ctxq's own verdict on these proportions, first-batch refusals included (planning/tensor/batch.py): "" where it
+    plans tensor mode, else its one line."""
+    import ctxq
+    from ctxq.errors import InvalidOption
+
+    sim = simulate or ",".join(["1"] * len(split))
+    try:
+        ctxq.plan(str(model), n_ctx, simulate=sim, split_mode="tensor", kv=kv, n_ubatch=n_ubatch,
+                  split=",".join(map(str, split)))
+        return ""
+    except InvalidOption as e:
+        return str(e)
+
+
 def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None, n_ubatch: int = 512,
             label: str = "", timeout: float = 300, batch: bool | str = True) -> list[Row]:
     """Plan, load for real with the plan's proportions, and pair the two card by card. `batch`: True, the load runs
@@ -442,6 +458,7 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
         raise TruthError(f"the plan keeps {p.n_layer + 1 - p.n_gpu_layers} layer slots on the CPU; "
                          "the truth run offloads every layer")
     tk, _, tv = kv.partition("/")
+    refused = refusal(model, n_ctx, kv, p.tensor_split, simulate, n_ubatch) if batch == "auto" else None
     cards, aborted = None, ""
     if batch:
         try:
@@ -463,7 +480,7 @@ def compare(model, n_ctx: int, kv: str, split=None, simulate: str | None = None,
         rows.append(Row(label, j, p.tensor_split[j] / total,
                         {"weights": g.weights, "kv": g.kv + g.state, "compute": g.compute + g.cuda_copies - scratch},
                         {"weights": c.weights, "kv": c.kv, "compute": c.compute}, c.allreduce, c.warnings,
-                        batch=bool(batch) and not aborted, aborted=aborted))
+                        batch=bool(batch) and not aborted, aborted=aborted, refused=refused))
     return rows
 
 
@@ -525,7 +542,8 @@ def yardsticks(folder: Path) -> list[tuple[str, str, object]]:
 
 # At real layer widths (header-only conversions, ctxq.testing.upstream_widths), a few layers each: name -> the
 # (KV type, split) cells, None for every yardstick cell (llama4-scout-4l's 5.7 GB takes about a minute a load)
-REAL_WIDTHS = {"gemma4-6l": None, "gemma4-e2b-8l": None, "llama4-scout-4l": (("q8_0", "5:3:2"), ("f16", "2:1"))}
+REAL_WIDTHS = {"gemma4-6l": None, "gemma4-e2b-8l": None, "gemma4-e2b-4l": None,
+               "llama4-scout-4l": (("q8_0", "5:3:2"), ("f16", "2:1"))}
 
 
 def real_widths() -> list[tuple[str, str, object, list[tuple[str, str]]]]:

@@ -90,3 +90,39 @@ def test_the_search_takes_equal_proportions_where_speed_would_abort(tmp_path):
     p = json.loads(out.stdout)
     assert p["tensor_split"][0] == p["tensor_split"][1], p["tensor_split"]
     assert any(n.startswith("equal proportions, not by speed") for n in p["notes"]), p["notes"]
+
+
+@pytest.fixture(scope="module")
+def qwen3next_wide(tmp_path_factory):
+    """Qwen3-Next's layout with delta nets of 4 K heads and 8 V heads of 128 (scripts/tensor_truth.py's WIDE), so
+    that the key and value segments round apart at uneven proportions."""
+    import sys
+    from pathlib import Path
+
+    from ctxq.testing.hybrid import HybridGeometry, write_qwen35
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import tensor_truth
+
+    return str(write_qwen35(tmp_path_factory.mktemp("q3n") / "qwen3next.gguf", HybridGeometry(**tensor_truth.WIDE),
+                            arch="qwen3next"))
+
+
+@pytest.mark.parametrize("split", ["1,1", "2,1", "3,1", "1,1,1", "2,1,1", "5,3,2"])
+def test_qwen3next_segments_are_refused_where_the_meta_device_asserts(qwen3next_wide, split):
+    """Over RPC every Qwen3-Next batch ends in the worker (refused whole: `over_rpc`); before that, at some uneven
+    proportions, llama.cpp's own process asserts in the meta device (ggml-backend-meta.cpp:1086), which it would on
+    GPUs too. `split_segments` names exactly those (3:1 and 2:1:1 pass it, 2:1, 1:1:1 and 5:3:2 do not)."""
+    from ctxq.gguf.info import model_info
+    from ctxq.planning.facts import model_facts
+    from ctxq.planning.memory.compute import load_source
+    from ctxq.planning.tensor.batch import split_segments
+    from ctxq.planning.tensor.split import TensorSplit
+
+    src = load_source(qwen3next_wide)
+    info = model_facts(src, model_info(src), n_ctx=2048, n_ubatch=512, n_batch=2048, flash_attn=True)
+    props = [float(x) for x in split.split(",")]
+    why = split_segments(TensorSplit(src, info, len(props), "f16", "f16"), info, props)
+    aborted = first_batch(qwen3next_wide, split, "f16")
+    assert aborted is not None  # over RPC it never computes (the worker's assertion, or the meta device's first)
+    assert ("GGML_ASSERT(split_state" in aborted) == (why is not None), (aborted[-300:], why)

@@ -9,7 +9,8 @@ against real first batches over RPC workers (tests/test_tensor_batch.py, both wa
   its queries are cut with its own rotation, the cache it reads with that layer's, and flash attention asserts that
   every source is cut in the same ratio (`split_state.ne[j] * ... == sum * tensor->ne[axis]`, the "ratio is
   consistent" check). Where the rounding remainder lands on a different card for the two layers, it aborts: tiny
-  Gemma 4 with shared layers at 2:1 and 1:1:1, not at 1:1 (`shared_kv`).
+  Gemma 4 with shared layers at 2:1 and 1:1:1, not at 1:1 (`shared_kv`). Likewise a recurrent layer's fused input
+  whose key and value segments are rounded apart (Qwen3-Next at 2:1 and 5:3:2: `split_segments`).
 - **A quantized K cache on layers with one K head** (Gemma 4 E2B, multi-query models): llama.cpp rotates K by a
   Hadamard matrix before quantizing it (llama_kv_cache::build_input_k_rot, `attn_rot_k`: nrot the largest power of
   two from 64 dividing the cache's head size); `llama_mul_mat_hadamard` reshapes K to [nrot, ...], which moves its
@@ -21,7 +22,7 @@ against real first batches over RPC workers (tests/test_tensor_batch.py, both wa
   succeeds. On CUDA cards this is the graph llama.cpp's tensor mode was written for, so ctxq plans it there.
   `over_rpc`.
 
-`loads_only()` switches the three off, for scripts that measure what a load allocates without computing a batch
+`loads_only()` switches them off, for scripts that measure what a load allocates without computing a batch
 (scripts/tensor_truth.py): there every such setup is planned as it would be where it runs.
 """
 
@@ -97,43 +98,81 @@ def rotated_cache(info: ModelInfo, head_dims, type_k: str, type_v: str) -> str |
             f"quantizing (an unsupported split of the rotated {kind}); use an f16 {kind} cache or split_mode=layer")
 
 
+def _cutter(ts: TensorSplit, prop: list[float]):
+    """cut(segments, rotation): each card's elements of a tensor so cut, as llama_meta_device_get_split_state gives
+    them (split._split per segment, times its repeats)."""
+    scans = [ts.model.scan(prop, r) for r in range(ts.n)]
+
+    def cut(segs, rot) -> list[int]:
+        per = [0] * ts.n
+        for ne_s, nr_s, g_s in segs:
+            for j, c in enumerate(_split(ne_s, scans[rot], g_s, ts.n, rot)):
+                per[j] += c * nr_s
+        return per
+
+    return cut
+
+
+def _apart(a: list[int], b: list[int]) -> bool:
+    """Two cuts in different ratios (the meta device's "ratio is consistent" test)."""
+    return any(x * sum(b) != y * sum(a) for x, y in zip(a, b))
+
+
+def _line(prop, what: str) -> str:
+    return (f"llama.cpp's tensor mode aborts at the first batch with proportions {':'.join(f'{x:g}' for x in prop)}: "
+            f"{what} (the meta device needs one ratio); use other proportions or split_mode=layer")
+
+
 def shared_kv(ts: TensorSplit, info: ModelInfo, g, proportions, layers=None) -> str | None:
     """Why these proportions abort tensor mode at the first batch (a KV-shared layer's queries cut in another ratio
     than the cache it reads), or None. `layers`: the offloaded ones (default all); a pair with either on the CPU is
     not cut."""
     if _LOADS_ONLY.get():
         return None
-    n = ts.n
     prop = [float(p) for p in proportions]
-    scans = [ts.model.scan(prop, r) for r in range(n)]
-
-    def cut(segs, rot) -> list[int]:
-        per = [0] * n
-        for ne_s, nr_s, g_s in segs:
-            for j, c in enumerate(_split(ne_s, scans[rot], g_s, n, rot)):
-                per[j] += c * nr_s
-        return per
-
+    cut = _cutter(ts, prop)
     held = set(range(info.n_layer) if layers is None else layers)
     for il in sorted(held):
         src = reused_layer(info, il)
         if src is None or src not in held or ts.cache[src][0] is None:
             continue
         q = g.tensor(f"blk.{il}.attn_q.weight")
-        if q is None:
-            continue
-        spec = ts.model.spec(q.name, q.shape, q.type, il)
+        spec = ts.model.spec(q.name, q.shape, q.type, il) if q is not None else None
         if spec is None:
             continue
         qc = cut(spec[2], spec[3])
         for kind, (_, segs, rot) in zip("KV", ts.cache[src]):
             kc = cut(segs, rot)
-            if any(a * sum(kc) != b * sum(qc) for a, b in zip(qc, kc)):
-                return (f"llama.cpp's tensor mode aborts at the first batch with proportions "
-                        f"{':'.join(f'{x:g}' for x in prop)}: layer {il} reads layer {src}'s KV cache, and its queries "
-                        f"are cut {':'.join(map(str, qc))} while that {kind} cache is cut {':'.join(map(str, kc))} "
-                        f"(the meta device needs one ratio); use other proportions or split_mode=layer")
+            if _apart(qc, kc):
+                return _line(prop, f"layer {il} reads layer {src}'s KV cache, and its queries are cut "
+                                   f"{':'.join(map(str, qc))} while that {kind} cache is cut {':'.join(map(str, kc))}")
     return None
+
+
+def split_segments(ts: TensorSplit, info: ModelInfo, proportions, layers=None) -> str | None:
+    """Why these proportions abort tensor mode at the first batch (a recurrent layer's fused tensor whose segments are
+    cut in different ratios), or None. Qwen3-Next's delta-net input (attn_qkv, ssm_conv1d, the conv state) holds its
+    key heads (q and k) and value heads as two segments, each rounded to whole heads on its own
+    (get_split_segments); the graph then takes q, k and v apart and pairs each card's key heads with its value heads,
+    so the two cuts must keep one ratio (ggml-backend-meta.cpp:1086, `split_state.ne[j] % div == 0`). They do at 1:1
+    with whole heads on every card; Qwen3.5 cuts one segment (its V heads interleaved with K's) and never parts."""
+    if _LOADS_ONLY.get():
+        return None
+    prop = [float(p) for p in proportions]
+    cut = _cutter(ts, prop)
+    held = set(range(info.n_layer) if layers is None else layers)
+    for il, _, _, _, segs, rot in ts.specs:
+        if il in held and info.layers[il].recurrent and len(segs) > 1:
+            cuts = [cut((s,), rot) for s in segs]
+            if any(_apart(cuts[0], c) for c in cuts[1:]):
+                return _line(prop, f"layer {il}'s recurrent input is cut "
+                                   + " and ".join(":".join(map(str, c)) for c in cuts) + " in its segments")
+    return None
+
+
+def at_proportions(ts: TensorSplit, info: ModelInfo, g, proportions, layers=None) -> str | None:
+    """`shared_kv`, then `split_segments`."""
+    return shared_kv(ts, info, g, proportions, layers) or split_segments(ts, info, proportions, layers)
 
 
 def usable_pairs(pairs, info: ModelInfo, g, fixed) -> list:
@@ -153,12 +192,12 @@ def pair_refused(info: ModelInfo, g, type_k: str, type_v: str) -> str | None:
 
 def settled(cards, slots: int, props, plans, even):
     """(proportions, the cards' plans, a note or None) for the proportions the search found: those, where llama.cpp
-    runs them; else `even` where they run and fit, with a note; else InvalidOption naming why (`shared_kv`)."""
+    runs them; else `even` where they run and fit, with a note; else InvalidOption naming why (`at_proportions`)."""
     layers = list(cards.slots_layers(slots)[0])
-    why = shared_kv(cards.ts, cards.info, cards.g, props, layers)
+    why = at_proportions(cards.ts, cards.info, cards.g, props, layers)
     if why is None:
         return props, plans, None
-    if list(props) != list(even) and shared_kv(cards.ts, cards.info, cards.g, even, layers) is None:
+    if list(props) != list(even) and at_proportions(cards.ts, cards.info, cards.g, even, layers) is None:
         got = cards.cards(slots, even)
         if all(dp.total <= dp.device.usable for dp in got):
             return even, got, f"equal proportions, not by speed: {why.split(': ', 1)[1].split('; use')[0]}"

@@ -289,7 +289,7 @@ def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, t
     """The plan for proportions the user gave (`--split` with `--split-mode tensor`), every layer offloaded."""
     cards = _Cards(c, g, devices, cpu, opts, tk, tv)  # ratios in the meta device's order (meta_order)
     slots = c.info.n_layer + 1
-    why = batch.shared_kv(cards.ts, c.info, g, ratios)
+    why = batch.at_proportions(cards.ts, c.info, g, ratios)
     if why:
         raise InvalidOption(why, option="split", value=":".join(f"{x:g}" for x in ratios))
     plans = cards.cards(slots, ratios)
