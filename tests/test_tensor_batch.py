@@ -78,18 +78,22 @@ def test_both_outcomes_are_among_the_cells():
     assert got == [True, True, True, False, False, False], got
 
 
-def test_the_search_takes_equal_proportions_where_speed_would_abort(tmp_path):
-    """Gemma 4 with KV-shared layers on an RTX 4090 and an RTX 3060: by bandwidth the cut would be uneven, which
-    llama.cpp aborts on (above); the plan takes 1:1 instead and says why."""
+@pytest.mark.parametrize("name,expect", [("gemma4-kvshare", [1, 1]), ("qwen3next", [3, 1])])
+def test_the_search_takes_whole_heads_where_speed_would_abort(name, expect, qwen3next_wide, tmp_path):
+    """On an RTX 4090 and an RTX 3060 the cut by bandwidth is 737:263, which llama.cpp aborts on for Gemma 4 with
+    KV-shared layers and for Qwen3-Next's delta nets (the cells above). The plan takes the nearest proportions in
+    whole heads instead (1:1 of 2 KV heads; 3:1 of 4 key heads, where the meta device passes: the test below) and
+    says why."""
     from .conftest import card_profile
 
-    model = str(upstream_models.build("gemma4-kvshare"))
+    model = qwen3next_wide if name == "qwen3next" else str(upstream_models.build(name))
     prof = card_profile(tmp_path / "cards.toml", ("RTX 4090", 1), ("RTX 3060", 1))
     out = run_ctxq("plan", model, "-c", "2048", "-sm", "tensor", "--profile", str(prof), "--json")
     assert out.returncode == 0, out.stderr[-800:]
     p = json.loads(out.stdout)
-    assert p["tensor_split"][0] == p["tensor_split"][1], p["tensor_split"]
-    assert any(n.startswith("equal proportions, not by speed") for n in p["notes"]), p["notes"]
+    assert p["tensor_split"] == expect, p["tensor_split"]
+    assert any(n.startswith(f"proportions {expect[0]}:{expect[1]} (in whole heads), not 737:263 by speed")
+               for n in p["notes"]), p["notes"]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ against real first batches over RPC workers (tests/test_tensor_batch.py, both wa
 from __future__ import annotations
 
 import contextvars
+import math
 from contextlib import contextmanager
 
 from ...errors import InvalidOption
@@ -190,15 +191,50 @@ def pair_refused(info: ModelInfo, g, type_k: str, type_v: str) -> str | None:
     return rotated_cache(info, _Model(g, info, 1).head_dims, type_k, type_v)
 
 
+def granules(ts: TensorSplit, info: ModelInfo, g, layers) -> int | None:
+    """The greatest common number of granules (whole heads) of the cuts `at_proportions` holds together in these
+    layers: proportions in whole multiples of 1/that cut every one of them exactly, whatever the rotation."""
+    counts = []
+    held = set(layers)
+    for il in held:
+        src = reused_layer(info, il)
+        if src is not None and src in held and ts.cache[src][0] is not None:
+            q = g.tensor(f"blk.{il}.attn_q.weight")
+            spec = ts.model.spec(q.name, q.shape, q.type, il) if q is not None else None
+            segs = (spec[2] if spec else ()) + tuple(x for k in ts.cache[src] for x in k[1])
+            counts += [ne // gr for ne, _, gr in segs]
+    counts += [ne // gr for il, _, _, _, segs, _ in ts.specs
+               if il in held and info.layers[il].recurrent and len(segs) > 1 for ne, _, gr in segs]
+    return math.gcd(*counts) if counts else None
+
+
+def _snapped(props, n: int) -> list[int]:
+    """`props` as whole numbers summing to n, by largest remainder."""
+    total = sum(props)
+    raw = [p * n / total for p in props]
+    out = [int(x) for x in raw]
+    for j in sorted(range(len(raw)), key=lambda j: raw[j] - out[j], reverse=True)[:n - sum(out)]:
+        out[j] += 1
+    return out
+
+
 def settled(cards, slots: int, props, plans, even):
     """(proportions, the cards' plans, a note or None) for the proportions the search found: those, where llama.cpp
-    runs them; else `even` where they run and fit, with a note; else InvalidOption naming why (`at_proportions`)."""
+    runs them; else the nearest in whole heads (`granules`), then `even`, where they run and fit, with a note; else
+    InvalidOption naming why (`at_proportions`)."""
     layers = list(cards.slots_layers(slots)[0])
     why = at_proportions(cards.ts, cards.info, cards.g, props, layers)
     if why is None:
         return props, plans, None
-    if list(props) != list(even) and at_proportions(cards.ts, cards.info, cards.g, even, layers) is None:
-        got = cards.cards(slots, even)
-        if all(dp.total <= dp.device.usable for dp in got):
-            return even, got, f"equal proportions, not by speed: {why.split(': ', 1)[1].split('; use')[0]}"
+    n = granules(cards.ts, cards.info, cards.g, layers)
+    tried = [list(props)]
+    for cand, what in ((_snapped(props, n) if n else None, "in whole heads"), (list(even), "equal")):
+        if cand is None or cand in tried or not any(cand):
+            continue
+        tried.append(cand)
+        if at_proportions(cards.ts, cards.info, cards.g, cand, layers) is None:
+            got = cards.cards(slots, cand)
+            if all(dp.total <= dp.device.usable for dp in got):
+                return cand, got, (f"proportions {':'.join(map(str, cand))} ({what}), not "
+                                   f"{':'.join(map(str, props))} by speed: {why.split(': ', 1)[1].split('; use')[0]}")
     raise InvalidOption(why, option="split_mode", value="tensor")
