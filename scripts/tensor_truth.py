@@ -321,6 +321,8 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
             llm.eval(tokens)
         _settle(logs)
         cards = [_classify(f.read_bytes(), cut) for f, cut in zip(logs, made)]
+        for t in tokens[:2]:  # then two one-token steps, which reshape differently (an abort there ends the child)
+            llm.eval([t])
         shutil.rmtree(logdir, ignore_errors=True)  # kept when the load fails
         return [{"buffers": [b.__dict__ for b in c.buffers], "warnings": c.warnings} for c in cards]
     finally:

@@ -2,8 +2,8 @@
 
 The meta device (ggml/src/ggml-backend-meta.cpp) works out each graph node's split state from its sources only when
 a batch is computed; a load (weights, caches, the reserved compute buffer) never asks, so llama.cpp loads these
-setups and then aborts the process at the first token. Three rules, each read from the vendored source and checked
-against real first batches over RPC workers (tests/test_tensor_batch.py, both ways):
+setups and then aborts the process at the first batch or the first one-token step. Four rules, each read from the
+vendored source and checked against real batches over RPC workers (tests/test_tensor_batch.py, both ways):
 
 - **A layer that reads another layer's KV cache** (Gemma 3n / Gemma 4's KV-shared layers, `memory.split.reused_layer`):
   its queries are cut with its own rotation, the cache it reads with that layer's, and flash attention asserts that
@@ -17,6 +17,8 @@ against real first batches over RPC workers (tests/test_tensor_batch.py, both wa
   split from the heads (axis 1) to axis 0 where one layer's K is no wider than nrot (handle_reshape), and a matrix
   product of a mirrored matrix with an axis-0 split is not implemented ("unsupported mul_mat split states").
   Likewise V with a quantized V cache (`attn_rot_v`, nrot 64). `rotated_cache`.
+- **One K/V head, normalised head by head** (Gemma 4 E2B): at a one-token step the projection keeps its cut on the
+  head's rows and a row norm refuses that. `one_kv_head`.
 - **The gated delta nets over RPC workers** (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): each worker asserts at the first
   batch that a tensor it is sent lies inside its buffer (ggml-rpc.cpp deserialize_tensor) and aborts; the load
   succeeds. On CUDA cards this is the graph llama.cpp's tensor mode was written for, so ctxq plans it there.
@@ -176,8 +178,37 @@ def at_proportions(ts: TensorSplit, info: ModelInfo, g, proportions, layers=None
     return shared_kv(ts, info, g, proportions, layers) or split_segments(ts, info, proportions, layers)
 
 
+# Architectures that normalise each V head without a weight tensor (gemma4.cpp: ggml_rms_norm on Vcur)
+V_NORMED = frozenset(("gemma4",))
+
+
+def one_kv_head(info: ModelInfo, g) -> str | None:
+    """Why this model's first one-token batch aborts tensor mode, or None: a layer with one K/V head whose heads are
+    normalised one by one (a per-head attn_k_norm, or Gemma 4's V norm). With one token and one head, the projection
+    [head_dim x 1] reshaped to [head_dim, 1, 1] keeps its cut on axis 0 (handle_reshape: the source's last axis of
+    one dimension), and a norm over rows refuses a tensor cut along its rows (handle_per_row:
+    `GGML_ASSERT(src_ss[0].axis != GGML_BACKEND_SPLIT_AXIS_0)`). A longer batch takes the other branch and computes;
+    so does a model without such a norm (SmolLM3's layout with one KV head, tried)."""
+    if _LOADS_ONLY.get():
+        return None
+    heads = _Model(g, info, 1).head_dims
+    for il, la in enumerate(info.layers):
+        if not (la.attention and la.n_head_kv == 1 and not la.mtp and reused_layer(info, il) is None):
+            continue
+        norm = g.tensor(f"blk.{il}.attn_k_norm.weight")
+        if (norm is not None and norm.shape[0] == heads[il][0]) or info.arch in V_NORMED:
+            return (f"llama.cpp's tensor mode aborts at the first one-token batch of this model: layer {il} has one "
+                    f"K/V head, normalised head by head, which a one-token step cuts along its rows "
+                    f"(ggml-backend-meta.cpp handle_per_row); use split_mode=layer")
+    return None
+
+
 def usable_pairs(pairs, info: ModelInfo, g, fixed) -> list:
-    """The K/V type pairs tensor mode can run (`rotated_cache`); InvalidOption (one line) for a pair the user fixed."""
+    """The K/V type pairs tensor mode can run (`rotated_cache`); InvalidOption (one line) for a pair the user fixed,
+    or for any (`one_kv_head`)."""
+    why = one_kv_head(info, g)
+    if why:
+        raise InvalidOption(why, option="split_mode", value="tensor")
     heads = _Model(g, info, 1).head_dims
     if fixed:
         why = rotated_cache(info, heads, *fixed)
@@ -187,8 +218,8 @@ def usable_pairs(pairs, info: ModelInfo, g, fixed) -> list:
 
 
 def pair_refused(info: ModelInfo, g, type_k: str, type_v: str) -> str | None:
-    """`rotated_cache` for one pair, from the model's header."""
-    return rotated_cache(info, _Model(g, info, 1).head_dims, type_k, type_v)
+    """`one_kv_head`, then `rotated_cache` for one pair, from the model's header."""
+    return one_kv_head(info, g) or rotated_cache(info, _Model(g, info, 1).head_dims, type_k, type_v)
 
 
 def granules(ts: TensorSplit, info: ModelInfo, g, layers) -> int | None:
