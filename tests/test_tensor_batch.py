@@ -79,6 +79,18 @@ def test_ctxq_plans_tensor_mode_exactly_where_the_first_batch_runs(name, split, 
         assert "Traceback" not in out.stderr
 
 
+def test_with_llama_cpp_rotation_off_the_quantized_cache_runs(monkeypatch):
+    """LLAMA_ATTN_ROT_DISABLE=1 turns llama.cpp's Hadamard rotation off: the one-KV-head model's q8_0 cache then
+    computes, and ctxq (reading the same variable) plans it."""
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")  # the plan's process and the batch's child both inherit it
+    model = _model("smollm3-mqa")
+    with rpc.start_workers("2,2", threads=1) as w:
+        out = run_ctxq("plan", model, "-c", "2048", "-sm", "tensor", "-ts", "2,1", "-ctk", "q8_0", "-ctv", "q8_0",
+                       "--rpc", w.rpc_spec, "--json", timeout=300)
+    assert first_batch(model, "2,1", "q8_0") is None
+    assert out.returncode == 0, out.stderr[-800:]
+
+
 def test_both_outcomes_are_among_the_cells():
     """The cells above are worth something only if llama.cpp both runs and aborts among them: three of each, asked."""
     picked = [CELLS[i] for i in (0, 6, 9, 1, 4, 8)]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 from contextlib import contextmanager
 
 from ...errors import InvalidOption
@@ -75,30 +76,27 @@ def _nrot(head: int) -> int:
 def rotated_cache(info: ModelInfo, head_dims, type_k: str, type_v: str) -> str | None:
     """Why a quantized cache of these types aborts tensor mode at the first batch (the Hadamard rotation of a layer's
     K or V no wider than the rotation), or None. head_dims[il]: layer il's (K, V) head sizes (split._Model)."""
-    bad = []
-    for kind, t, idx, whole_nrot in () if _LOADS_ONLY.get() else (("K", type_k, 0, None), ("V", type_v, 1, 64)):
-        if t.lower() in UNQUANTIZED:
-            continue
-        own = [il for il, la in enumerate(info.layers) if la.attention and la.n_head_kv
-               and not la.mtp and reused_layer(info, il) is None]
-        if head_dims[0][idx] % 64:
-            continue  # llama_kv_cache: attn_rot_* needs hparams.n_embd_head_k() (layer 0's) a multiple of 64
+    if _LOADS_ONLY.get() or os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0").strip() not in ("", "0"):
+        return None  # llama_kv_cache: LLAMA_ATTN_ROT_DISABLE=1 turns the rotation off
+    own = [il for il, la in enumerate(info.layers)
+           if la.attention and la.n_head_kv and not la.mtp and reused_layer(info, il) is None]
+    for kind, t, idx, fixed_nrot in (("K", type_k, 0, None), ("V", type_v, 1, 64)):
+        if t.lower() in UNQUANTIZED or head_dims[0][idx] % 64:
+            continue  # attn_rot_* needs a quantized type and hparams.n_embd_head_k() (layer 0's) a multiple of 64
         for sliding in (False, True):  # an iSWA model's two caches, each with its own head size
             layers = [il for il in own if info.layers[il].sliding == sliding]
             heads = {head_dims[il][idx] for il in layers}
             if len(heads) != 1:
                 continue  # no layers, or head sizes that differ: no rotation (n_embd_head_*_all = -1)
-            nrot = whole_nrot or _nrot(heads.pop())
+            nrot = fixed_nrot or _nrot(heads.pop())
             for il in layers:
-                if head_dims[il][idx] * info.layers[il].n_head_kv <= nrot:
-                    bad.append((kind, t, il, nrot, info.layers[il].n_head_kv))
-                    break
-    if not bad:
-        return None
-    kind, t, il, nrot, n_kv = bad[0]
-    return (f"llama.cpp's tensor mode aborts at the first batch with a {t} {kind} cache here: layer {il} has "
-            f"{n_kv} {kind} head(s), no wider than the {nrot}-wide Hadamard rotation llama.cpp applies before "
-            f"quantizing (an unsupported split of the rotated {kind}); use an f16 {kind} cache or split_mode=layer")
+                n_kv = info.layers[il].n_head_kv
+                if head_dims[il][idx] * n_kv <= nrot:
+                    return (f"llama.cpp's tensor mode aborts at the first batch with a {t} {kind} cache here: layer "
+                            f"{il} has {n_kv} {kind} head(s), no wider than the {nrot}-wide Hadamard rotation "
+                            f"llama.cpp applies before quantizing (an unsupported split of the rotated {kind}); use "
+                            f"an f16 {kind} cache or split_mode=layer")
+    return None
 
 
 def _cutter(ts: TensorSplit, prop: list[float]):
