@@ -128,7 +128,8 @@ def _measure_once(model, n_ctx, split, type_k, type_v, n_ubatch, n_eval, timeout
     text = out.decode(errors="replace")
     for line in text.splitlines():
         if line.startswith(RESULT):
-            got = json.loads(line[len(RESULT):])
+            # the first object on the line: a thread of llama.cpp's may write after it before the line ends
+            got, _ = json.JSONDecoder().raw_decode(line[len(RESULT):])
             if "error" in got:
                 raise TruthError(got["error"])
             return [Card([Buffer(**b) for b in c["buffers"]], c["warnings"]) for c in got["cards"]]
