@@ -150,3 +150,39 @@ def test_qwen3next_segments_are_refused_where_the_meta_device_asserts(qwen3next_
     aborted = first_batch(qwen3next_wide, split, "f16")
     assert aborted is not None  # over RPC it never computes (the worker's assertion, or the meta device's first)
     assert ("GGML_ASSERT(split_state" in aborted) == (why is not None), (aborted[-300:], why)
+
+
+def test_whole_heads_that_do_not_hold_every_slot_keep_fewer_on_the_cards():
+    """The search's proportions (7:3 here) abort for Gemma 4 with KV-shared layers; the nearest in whole heads, 1:1,
+    then needs more of the second card than it has at every slot. `settled` keeps one slot fewer on the cards at 1:1
+    rather than refuse. The cards are sized from the planner's own per-card figures at 7:3 and at 1:1."""
+    from ctxq.gguf.info import model_info
+    from ctxq.planning.devices import Device
+    from ctxq.planning.facts import model_facts
+    from ctxq.planning.memory.compute import load_source
+    from ctxq.planning.memory.costs import costs
+    from ctxq.planning.options import PlanOptions
+    from ctxq.planning.tensor import batch, mode
+
+    src = load_source(str(upstream_models.build("gemma4-kvshare")))
+    opts = PlanOptions(n_ctx=65536, kv="f16").resolved()
+    info = model_facts(src, model_info(src), n_ctx=opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch,
+                       flash_attn=True)
+    c = costs(info, src, opts, "f16", "f16")
+    cpu = Device("CPU", "cpu", 2**34, 2**34, backend="cpu")
+
+    def cards_of(room):
+        return mode._Cards(c, src, [Device(f"RPC{j}", "rpc", r, r, backend="rpc") for j, r in enumerate(room)], cpu,
+                           opts, "f16", "f16")
+
+    full = info.n_layer + 1
+    big = cards_of([2**30, 2**30])
+    need = {(s, tuple(p)): [dp.total for dp in big.cards(s, p)] for s in (full, full - 1) for p in ([7, 3], [1, 1])}
+    room = [max(need[(full, (7, 3))][j], need[(full - 1, (1, 1))][j]) for j in range(2)]
+    assert room[1] < need[(full, (1, 1))][1]  # 1:1 cannot hold every slot on the second card
+    cards = cards_of(room)
+    assert batch.at_proportions(cards.ts, info, src, [7, 3]) is not None  # the search's cut aborts
+    slots, props, plans, note = batch.settled(cards, full, [7, 3], cards.cards(full, [7, 3]), [500, 500])
+    assert (slots, props) == (full - 1, [1, 1])
+    assert all(dp.total <= dp.device.usable for dp in plans)
+    assert "(in whole heads, 1 layer slot(s) fewer on the cards), not 7:3 by speed" in note

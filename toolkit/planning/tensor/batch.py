@@ -248,22 +248,24 @@ def _snapped(props, n: int) -> list[int]:
 
 
 def settled(cards, slots: int, props, plans, even):
-    """(proportions, the cards' plans, a note or None) for the proportions the search found: those, where llama.cpp
-    runs them; else the nearest in whole heads (`granules`), then `even`, where they run and fit, with a note; else
-    InvalidOption naming why (`at_proportions`)."""
-    layers = list(cards.slots_layers(slots)[0])
-    why = at_proportions(cards.ts, cards.info, cards.g, props, layers)
+    """(slots, proportions, the cards' plans, a note or None) for what the search found: those, where llama.cpp runs
+    them; else the nearest proportions in whole heads (`granules`), then `even`, at the most slots (at most `slots`)
+    where they run and the cards hold them, with a note; else InvalidOption naming why (`at_proportions`)."""
+    why = at_proportions(cards.ts, cards.info, cards.g, props, list(cards.slots_layers(slots)[0]))
     if why is None:
-        return props, plans, None
-    n = granules(cards.ts, cards.info, cards.g, layers)
+        return slots, props, plans, None
+    n = granules(cards.ts, cards.info, cards.g, list(cards.slots_layers(slots)[0]))
     tried = [list(props)]
     for cand, what in ((_snapped(props, n) if n else None, "in whole heads"), (list(even), "equal")):
         if cand is None or cand in tried or not any(cand):
             continue
         tried.append(cand)
-        if at_proportions(cards.ts, cards.info, cards.g, cand, layers) is None:
-            got = cards.cards(slots, cand)
-            if all(dp.total <= dp.device.usable for dp in got):
-                return cand, got, (f"proportions {':'.join(map(str, cand))} ({what}), not "
-                                   f"{':'.join(map(str, props))} by speed: {why.split(': ', 1)[1].split('; use')[0]}")
+        for s in range(slots, 0, -1):  # fewer layers on the cards where these proportions do not hold them all
+            if at_proportions(cards.ts, cards.info, cards.g, cand, list(cards.slots_layers(s)[0])) is None:
+                got = cards.cards(s, cand)
+                if all(dp.total <= dp.device.usable for dp in got):
+                    fewer = f", {slots - s} layer slot(s) fewer on the cards" if s < slots else ""
+                    return s, cand, got, (f"proportions {':'.join(map(str, cand))} ({what}{fewer}), not "
+                                          f"{':'.join(map(str, props))} by speed: "
+                                          + why.split(": ", 1)[1].split("; use")[0])
     raise InvalidOption(why, option="split_mode", value="tensor")

@@ -4,8 +4,7 @@ llama.cpp makes one meta device of the cards and cuts each tensor by `tensor_spl
 granularity, rotation, the mirrored tensors every card holds whole). What each card allocates, checked against
 real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accuracy.py's tensor section):
 
-- weights and KV: its cut of each offloaded tensor and cache (`tensor_split.CardBytes`), exact to the byte in the
-  loads tried (docs/accuracy-table.md);
+- weights and KV: its cut of each tensor and cache (`tensor_split.CardBytes`), to the byte (docs/accuracy-table.md);
 - compute: the meta device's buffer is sized on the whole tensors and allocated at that size on every card
   (ggml_backend_meta_buffer_type_alloc_buffer), so each card holds the compute buffer of one device holding every
   offloaded layer (97.125 MiB on each card for SmolLM2 at 4k and 8k): the search costs it with ctxq's rules, then the
@@ -275,10 +274,12 @@ def search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opt
         else:
             hi = mid - 1
     slots = max(lo, 0)
+    if best is None:
+        return None, cards.host(slots)
+    slots, props, plans, note = batch.settled(cards, slots, *best, [SCALE // len(devices)] * len(devices))
     host = cards.host(slots)
-    if best is None or host.total > host.device.usable:
+    if host.total > host.device.usable:
         return None, host
-    props, plans, note = batch.settled(cards, slots, *best, [SCALE // len(devices)] * len(devices))
     p = _make(c, g, path, opts, tk, tv, slots, props, plans, host)
     p.notes += [note] if note else []
     return p, host
