@@ -41,13 +41,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ctxq.children import lifeline
+
 MiB = 2**20
 MODELS = Path.home() / ".cache" / "ctxq" / "models"
 Q4_1 = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 F16 = MODELS / "SmolLM2-135M-Instruct.F16.gguf"
 GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
 KINDS = ("weights", "kv", "compute", "allreduce", "other")
-WORKER = ("import logging, sys; logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format='%(message)s');"
+# a loopback worker that ends with the process that started it (ctxq.children's lifeline: a child that llama.cpp
+# aborts leaves no worker behind)
+WORKER = ("import logging, sys; from ctxq.children import watch_parent; watch_parent();"
+          "logging.basicConfig(level=logging.DEBUG, stream=sys.stderr, format='%(message)s');"
           "from ctxq.rpc.server import serve_forever; serve_forever('127.0.0.1', int(sys.argv[1]), ['CPU'], 1)")
 RESULT = "TENSOR_TRUTH_RESULT "
 _KEEP: list = []  # the child's Llama, alive until os._exit
@@ -211,7 +216,7 @@ def probe(models, n_ctx: int = 2048, timeout: float = 300) -> dict[str, str | No
 def _probe_child(args: dict) -> None:
     ports = [_free_port() for _ in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(p)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for p in ports]
+                              stderr=subprocess.DEVNULL, **lifeline()) for p in ports]
     try:
         _connect(ports, procs)
         import llama_cpp
@@ -292,8 +297,8 @@ def _load(model: str, n_ctx: int, split: list[float], type_k: str, type_v: str, 
         ports.append(port)
         logs.append(logdir / f"w{i}.log")
         with open(logs[-1], "wb") as f:
-            procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(port)], env=env, stdout=f,
-                                          stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(port)], stdout=f,
+                                          stderr=subprocess.STDOUT, **lifeline(env)))
     try:
         _connect(ports, procs)
         import llama_cpp
