@@ -186,4 +186,3 @@ def test_whole_heads_that_do_not_hold_every_slot_keep_fewer_on_the_cards():
     assert (slots, props) == (full - 1, [1, 1])
     assert all(dp.total <= dp.device.usable for dp in plans)
     assert "(in whole heads, 1 layer slot(s) fewer on the cards), not 7:3 by speed" in note
-
