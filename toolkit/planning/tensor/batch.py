@@ -180,7 +180,7 @@ def at_proportions(ts: TensorSplit, info: ModelInfo, g, proportions, layers=None
 V_NORMED = frozenset(("gemma4",))
 
 
-def one_kv_head(info: ModelInfo, g) -> str | None:
+def one_kv_head(info: ModelInfo, g, heads) -> str | None:
     """Why this model's first one-token batch aborts tensor mode, or None: a layer with one K/V head whose heads are
     normalised one by one (a per-head attn_k_norm, or Gemma 4's V norm). With one token and one head, the projection
     [head_dim x 1] reshaped to [head_dim, 1, 1] keeps its cut on axis 0 (handle_reshape: the source's last axis of
@@ -189,7 +189,6 @@ def one_kv_head(info: ModelInfo, g) -> str | None:
     so does a model without such a norm (SmolLM3's layout with one KV head, tried)."""
     if _LOADS_ONLY.get():
         return None
-    heads = _Model(g, info, 1).head_dims
     for il, la in enumerate(info.layers):
         if not (la.attention and la.n_head_kv == 1 and not la.mtp and reused_layer(info, il) is None):
             continue
@@ -204,10 +203,10 @@ def one_kv_head(info: ModelInfo, g) -> str | None:
 def usable_pairs(pairs, info: ModelInfo, g, fixed) -> list:
     """The K/V type pairs tensor mode can run (`rotated_cache`); InvalidOption (one line) for a pair the user fixed,
     or for any (`one_kv_head`)."""
-    why = one_kv_head(info, g)
+    heads = _Model(g, info, 1).head_dims  # each layer's (K, V) head sizes, read once
+    why = one_kv_head(info, g, heads)
     if why:
         raise InvalidOption(why, option="split_mode", value="tensor")
-    heads = _Model(g, info, 1).head_dims
     if fixed:
         why = rotated_cache(info, heads, *fixed)
         if why:
@@ -217,7 +216,8 @@ def usable_pairs(pairs, info: ModelInfo, g, fixed) -> list:
 
 def pair_refused(info: ModelInfo, g, type_k: str, type_v: str) -> str | None:
     """`one_kv_head`, then `rotated_cache` for one pair, from the model's header."""
-    return one_kv_head(info, g) or rotated_cache(info, _Model(g, info, 1).head_dims, type_k, type_v)
+    heads = _Model(g, info, 1).head_dims
+    return one_kv_head(info, g, heads) or rotated_cache(info, heads, type_k, type_v)
 
 
 def granules(ts: TensorSplit, info: ModelInfo, g, layers) -> int | None:
