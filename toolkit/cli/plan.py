@@ -67,7 +67,7 @@ def render_plan(p, *, title: str | None = None) -> str:
     if (spilled := describe(p)) is not None:
         lines.append(spilled)
     lines += reading_lines(p.speed.get("read") or {})
-    if p.est_decode_tps:
+    if p.est_decode_tps and not (p.speed.get("read") or {}).get("decode_tps"):  # one decode rate: the reading's
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "
                      "(from memory bandwidth; an estimate, not a measurement)")
     for n in p.notes:
