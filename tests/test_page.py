@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+import playwright.sync_api as playwright  # the test extra installs it: a missing driver fails, never skips
 import pytest
 
 from .conftest import run_ctxq
@@ -28,7 +29,6 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
     pytest.skip("Debian's chromium is not installed (scripts/setup.sh installs it with EXTRAS=test where apt-get "
                 "runs as root)", allow_module_level=True)
-playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the test extra)")
 
 KEY = "page-key"
 N_CTX = 16384  # the document's server: a ~60k-character document is ~11.6k tokens
@@ -261,6 +261,25 @@ def test_questions_stream_and_read_only_their_own_tokens(reading, page):
     shot = os.environ.get("CTXQ_PAGE_SCREENSHOT")  # docs/page.png is made so (README)
     if shot:
         page.screenshot(path=shot, full_page=True)
+
+
+def test_two_tabs_ask_at_once(reading, page, browser, server):
+    other = browser.new_page()  # a tab of its own: sessionStorage is per tab, so it asks for the key again
+    other.goto(server + "/")
+    other.get_by_label("API key").fill(KEY)
+    other.get_by_role("button", name="Use key").click()
+    wait_until(other, "!document.getElementById('doc-shown').hidden")  # it found the document the server holds
+    for tab, q in ((page, "Who keeps a bicycle?"), (other, "Which city is named?")):
+        tab.get_by_label("Answer length").fill("8")
+        tab.get_by_label("Question", exact=True).fill(q)
+    n = page.locator("#answers article").count()
+    page.get_by_role("button", name="Ask").click()
+    other.get_by_role("button", name="Ask").click()
+    for tab, i in ((page, n), (other, 0)):
+        wait_until(tab, f"document.querySelectorAll('#answers .stats')[{i}]?.dataset.ttft !== undefined", 120)
+        stats = tab.locator("#answers .stats").nth(i)
+        assert 0 < int(stats.get_attribute("data-read")) < 64, stats.text_content()
+    other.close()
 
 
 def test_a_hostile_document_runs_nothing_and_shows_as_text(page, server):
