@@ -9,7 +9,6 @@ the document's reading time; a hostile document runs nothing; every request the 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -258,9 +257,6 @@ def test_questions_stream_and_read_only_their_own_tokens(reading, page):
         assert "time to first token" in a["stats"] and "tokens/s" in a["stats"], a
         assert 0 < a["read"] < 64, a  # the question's own tokens, not the document's
     assert second["ttft"] < 0.25 * read_s, (second, read_s)
-    shot = os.environ.get("CTXQ_PAGE_SCREENSHOT")  # docs/page.png is made so (README)
-    if shot:
-        page.screenshot(path=shot, full_page=True)
 
 
 def test_two_tabs_ask_at_once(reading, page, browser, server):
