@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import replace
 
-from .http_errors import reject
+from ..errors import CtxqError
+from .http_errors import INTERNAL, reject
 from .page_plan import page_file, page_files, view
 
 # the page's own files and fetches only: no inline script or style, nothing from another origin
@@ -31,6 +33,7 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
          ".css": "text/css; charset=utf-8"}
 FILES = "/page/files/"
+log = logging.getLogger(__name__)
 TICK_S = 0.25  # how often the progress stream looks at the job: a few updates a second, as a person reads them
 
 
@@ -103,7 +106,7 @@ async def _read_engine(backend, tokens: list[int], reading: Reading) -> None:
         reading.progress(req.prompt_done, held=req.cached_tokens)  # cached: shared from a resident sequence
         await asyncio.sleep(TICK_S / 2)
     if req.finish_reason not in ("length", "stop"):
-        raise RuntimeError(f"the engine ended the reading: {req.finish_reason}")
+        raise CtxqError(f"the engine ended the reading: {req.finish_reason}")
 
 
 def _read_llama(llm, tokens: list[int], reading: Reading, stopping) -> None:
@@ -116,7 +119,7 @@ def _read_llama(llm, tokens: list[int], reading: Reading, stopping) -> None:
     reading.progress(held, held=held)
     for i in range(held, len(tokens), llm.n_batch):  # the chunks Llama.eval would cut, one progress step each
         if stopping():
-            raise RuntimeError("the server is shutting down")
+            raise CtxqError("the server is shutting down")
         llm.eval(tokens[i:i + llm.n_batch])
         reading.progress(min(i + llm.n_batch, len(tokens)))
 
@@ -127,7 +130,6 @@ def install(app, service, plan, options, backend=None) -> None:
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse, Response, StreamingResponse
 
-    from ..errors import CtxqError
     from ..runtime.runner import make_plan
     from .openai_shapes import formatter
 
@@ -187,6 +189,8 @@ def install(app, service, plan, options, backend=None) -> None:
                          "(--ctx), with room needed for a question and its answer; send a shorter document or "
                          "serve a larger context", code="context_length_exceeded", prompt_tokens=len(tokens),
                          n_ctx=service.n_ctx)
+        if reading.state == "reading":  # another came in while this one was tokenized
+            raise reject(409, "a document is being read; wait for it to finish", code="busy")
         reading.begin(text, len(tokens))
         reading.task = asyncio.create_task(_job(tokens))
         return answer(reading.snapshot(), 202)
@@ -199,8 +203,11 @@ def install(app, service, plan, options, backend=None) -> None:
                 async with service.slot:  # between two generations, never during one
                     await run_in_threadpool(_read_llama, service.llm, tokens, reading,
                                             lambda: service.status == "stopping")
-        except Exception as e:  # told to the page; the server goes on
-            reading.end(str(e) or type(e).__name__)
+        except CtxqError as e:  # told to the page; the server goes on
+            reading.end(str(e))
+        except Exception:  # a real fault: logged with its traceback, the page told no library's text
+            log.exception("reading the page's document failed")
+            reading.end(INTERNAL)
         else:
             reading.end()
 
