@@ -114,6 +114,8 @@ def test_the_search_takes_whole_heads_where_speed_would_abort(name, expect, qwen
     assert p["tensor_split"] == expect, p["tensor_split"]
     assert any(n.startswith(f"proportions {expect[0]}:{expect[1]} (in whole heads), not 737:263 by speed")
                for n in p["notes"]), p["notes"]
+    # the reason says how these proportions were found, not "by speed" (issue 64)
+    assert "of each (the nearest llama.cpp runs, in whole heads)" in p["reason"] and "(by speed" not in p["reason"]
 
 
 @pytest.fixture(scope="module")

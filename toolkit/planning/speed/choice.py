@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 SpeedEstimate = Any  # planning/speed/model.SpeedEstimate (model.py imports this module, not the other way)
+
+
+def names(devices: list[str]) -> str:
+    """GPU0-GPU4 for a run of GPUn names, else the names joined: every card that lacks a fact, said once."""
+    devices = list(dict.fromkeys(devices))
+    if len(devices) > 2 and all(re.fullmatch(r"GPU\d+", n) for n in devices):
+        return f"{devices[0]}-{devices[-1]}"
+    return ", ".join(devices)
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Sequence
 from ...errors import InvalidOption
 from ..devices import GPU_BANDWIDTH_SHARE, GPU_COMPUTE_SHARE, Device
 from .allreduce import ACT_BYTES, ALLREDUCES, CUDA_CALL_S, allreduce_s  # noqa: F401 (speed.allreduce_s, CUDA_CALL_S)
-from .choice import Choice, choose  # noqa: F401 (speed.choose: the faster candidate, in words)
+from .choice import Choice, choose, names  # noqa: F401 (speed.choose: the faster candidate, in words)
 from .shape import LayerShape, ModelShape, model_shape  # noqa: F401 (speed.model_shape is the entry point)
 from ..options import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
 
@@ -134,8 +134,8 @@ class _Model:
         """(bandwidth, latency) of the slowest link among devs; None when unknown and not needed."""
         if any(d.link_bandwidth is None or d.link_latency is None for d in devs):
             if need:
-                bad = next(d for d in devs if d.link_bandwidth is None or d.link_latency is None)
-                raise _Unknown(f"unknown link between the cards ({bad.name}): give link_gbs in a --profile")
+                bad = [d.name for d in devs if d.link_bandwidth is None or d.link_latency is None]
+                raise _Unknown(f"unknown link between the cards ({names(bad)}): give link_gbs in a --profile")
             self.assumed.add("links")
             return None
         return min(d.link_bandwidth for d in devs), max(d.link_latency for d in devs)
@@ -313,6 +313,10 @@ class _Model:
         return done[-1][-1] + out, links
 
     def prefill(self, w: Workload) -> tuple[float, float]:
+        lacking = [c.device.name for c in self.cards if c.device.flops is None]
+        if lacking:  # every card that lacks it, said once (not the first one the arithmetic meets)
+            raise _Unknown(f"unknown compute throughput of {names(lacking)}: give --profile with tflops_f16 "
+                           "(a card described by --gpus or an RPC worker has none)")
         t = links = 0.0
         for i in range(0, w.prompt_tokens, w.n_batch):
             dt, dl = self.batch_s(min(w.n_batch, w.prompt_tokens - i), w.prompt_depth + i, w.n_ubatch)

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from ..options import PlanOptions
+from .choice import names
 from .model import DEFAULT_GEN_TOKENS
 
 
@@ -38,13 +39,6 @@ def timed(p, info, g, opts: PlanOptions, shape=None) -> Timed:
     return Timed(e.total_s, e.prefill_s, e.decode_tps, e.missing)
 
 
-def _names(names: list[str]) -> str:
-    """GPU0-GPU4 for a run of GPUn names, else the names joined."""
-    if len(names) > 2 and all(re.fullmatch(r"GPU\d+", n) for n in names):
-        return f"{names[0]}-{names[-1]}"
-    return ", ".join(names)
-
-
 def seconds(x: float) -> str:
     """Seconds as a plan prints them: 22,309 s, 36 s, 3.2 s, 0.05 s."""
     return f"{x:,.0f} s" if x >= 10 else f"{x:.1f} s" if x >= 0.1 else f"{x:.2f} s"
@@ -69,7 +63,7 @@ def reading(p, info, g, opts: PlanOptions) -> dict:
                    basis="estimated from each device's throughput, memory bandwidth and link", missing=t.missing)
         if t.prefill_s is None:  # said once for every card that lacks the facts, not once per card
             cards = [g.device.name for g in p.gpus if g.device.flops is None or g.device.link_bandwidth is None]
-            out["missing"] = [f"{_names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
+            out["missing"] = [f"{names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
                               "(sizes only): name the cards (--gpus 3x16=RTX 4060 Ti,2x8=RTX 4060) or give --profile "
                               "with tflops_f16 and link_gbs"] if cards else t.missing
     other = p.speed.get("offload")

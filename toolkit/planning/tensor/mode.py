@@ -16,11 +16,10 @@ real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accurac
   each card converts only its own heads);
 - the host: token embeddings, the layers left on the CPU with their KV, its compute buffer, as in layer mode.
 
-The proportions are searched: each card's share of the cut bytes follows its speed (memory bandwidth, else its
-memory) but never beyond what it can hold at the context after its whole part (mirrored tensors, compute
-buffer, reserve); the exact cut is then checked and a card over its room gives up share until every card fits.
-Layers the cards cannot hold go to the CPU, as in layer mode. Tensor mode over some of the cards (a weaker card
-left out, not given to llama.cpp) is a candidate beside every card: `search`, `subset.py`.
+The proportions are searched: each card's share of the cut bytes follows its speed (memory bandwidth, else its memory)
+but never beyond what it can hold at the context after its whole part (mirrored tensors, compute buffer, reserve);
+the exact cut is then checked and a card over its room gives up share until every card fits. Layers the cards cannot
+hold go to the CPU, as in layer mode. Tensor mode over some of the cards is a candidate too (`search`, `subset.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from ..memory.costs import Costs, costs, device_cost, host_cost
 from ..plan import DevicePlan, Plan
 from .split import TensorSplit, not_planned
 from . import batch
-from .subset import llama_name, mark_left_out, subsets
+from .subset import mark_left_out, subsets
 
 SCALE = 1000  # proportions passed to llama.cpp as integers out of SCALE (exact in its float32 scan)
 
@@ -280,7 +279,8 @@ def search_cards(c: Costs, g, path: str, devices: list[Device], cpu: Device, opt
     host = cards.host(slots)
     if host.total > host.device.usable:
         return None, host
-    p = _make(c, g, path, opts, tk, tv, slots, props, plans, host)
+    how = {"how": "the nearest llama.cpp runs, " + note.split(" (", 1)[1].split(")", 1)[0]} if note else {}
+    p = _make(c, g, path, opts, tk, tv, slots, props, plans, host, **how)
     p.notes += [note] if note else []
     return p, host
 
@@ -303,9 +303,9 @@ def evaluate(c: Costs, g, path: str, devices: list[Device], cpu: Device, opts, t
     return p
 
 
-def _make(c: Costs, g, path: str, opts, tk: str, tv: str, slots: int, props, plans, host) -> Plan:
+def _make(c: Costs, g, path: str, opts, tk: str, tv: str, slots: int, props, plans, host,
+          how: str = "by speed, within each card's memory") -> Plan:
     from ..speed import model as speed
-
     n = c.info.n_layer
     p = Plan(model=path, n_ctx=opts.n_ctx, n_batch=opts.n_batch, n_ubatch=opts.n_ubatch, type_k=tk, type_v=tv,
              flash_attn=True, n_gpu_layers=slots, tensor_split=[_num(x) for x in props], gpus=plans, host=host,
@@ -313,7 +313,7 @@ def _make(c: Costs, g, path: str, opts, tk: str, tv: str, slots: int, props, pla
     total = sum(p.tensor_split) or 1
     p.reason = (f"tensor mode: {'every layer' if slots == n + 1 else f'{max(slots - 1, 0)} of {n} layers'} cut "
                 f"across {len(plans)} cards, " + ":".join(f"{x / total:.0%}" for x in p.tensor_split)
-                + " of each (by speed, within each card's memory)")
+                + f" of each ({how})")
     est = speed.estimate(speed.model_shape(c.info, tk, tv, g), speed.placement_from_plan(p),
                          speed.Workload(opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch))
     p.est_decode_tps = est.decode_tps
