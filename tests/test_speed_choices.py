@@ -108,3 +108,17 @@ def test_no_mmap_pins_whole_host_layers_but_not_overridden_weights(rig):
     spilled = [_plan(rig, offload="weights", n_ubatch=1024, no_mmap=flag) for flag in (True, None)]
     assert spilled[0].cpu_ffn_layers and spilled[0].cpu_layers == 0
     assert spilled[0].speed["read"]["prefill_s"] == pytest.approx(spilled[1].speed["read"]["prefill_s"])
+
+
+def test_a_drafts_cost_curve_follows_the_plans_devices(rig, tmp_path):
+    """c(n), what verifying n drafted tokens costs in decode steps (speed.verify_cost), in the plan's JSON: flat on a
+    card that holds the whole model (decoding reads the weights once whatever n), so drafts up to 64 tokens pay;
+    on the spilled plan a batch of 32+ copies the host FFN to the first card, which its cost carries."""
+    small = write_synthetic_gguf(tmp_path / "8b.gguf", GEOMETRIES["llama3-8b"])
+    flat = plan(str(small), 32768, gpus="1x24=RTX 4090").speed["read"]["draft_cost"]
+    assert flat[1] == 1.0 and flat[16] < 1.05 and flat[64] < 1.5
+    p = _plan(rig, n_ubatch=2048)
+    cost, read = p.speed["read"]["draft_cost"], p.speed["read"]
+    one = 1 / read["decode_tps"]  # a decode step at the prompt's end, as c(1)
+    assert p.cpu_ffn_layers and cost[32] * one >= p.host.cpu_ffn_bytes / 24e9  # at least the copies at the link
+    assert cost[64] > 1.5

@@ -39,6 +39,14 @@ def timed(p, info, g, opts: PlanOptions, shape=None) -> Timed:
     return Timed(e.total_s, e.prefill_s, e.decode_tps, e.missing)
 
 
+def draft_cost(p, info, g, depth: int) -> dict[int, float] | None:
+    """c(n) for the plan's devices at `depth` (speed.verify_cost), rounded; None where they lack the facts."""
+    from . import model as speed
+
+    c = speed.verify_cost(speed.model_shape(info, p.type_k, p.type_v, g), speed.placement_from_plan(p), depth)
+    return {n: round(v, 3) for n, v in c.items()} if c else None
+
+
 def seconds(x: float) -> str:
     """Seconds as a plan prints them: 22,309 s, 36 s, 3.2 s, 0.05 s."""
     return f"{x:,.0f} s" if x >= 10 else f"{x:.1f} s" if x >= 0.1 else f"{x:.2f} s"
@@ -66,6 +74,9 @@ def reading(p, info, g, opts: PlanOptions) -> dict:
             out["missing"] = [f"{names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
                               "(sizes only): name the cards (--gpus 3x16=RTX 4060 Ti,2x8=RTX 4060) or give --profile "
                               "with tflops_f16 and link_gbs"] if cards else t.missing
+    cost = draft_cost(p, info, g, prompt)
+    if cost:  # what verifying a draft of n tokens costs in decode steps at the prompt's end (runtime/drafts)
+        out["draft_cost"] = cost
     other = p.speed.get("offload")
     if other:
         out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"],
