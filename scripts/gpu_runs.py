@@ -332,7 +332,7 @@ def spill(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     free = float(gpus[0]["free"])
     room = sum(la.weight_bytes for la in info.layers) * 0.8  # a fifth of the weights does not fit
     reserve = max(0.0, (free - room) / GiB)
-    common = [model, "-c", str(m.spill_ctx), "--reserve", f"{reserve:.2f}"]
+    common = [model, "-c", str(m.spill_ctx), "--reserve", f"{reserve:.2f}", "-sm", "layer"]
     ubs = ",".join(str(u) for u in m.spill_ubatches)
     result.update(model=m.spill_geometry, n_ctx=m.spill_ctx, reserve_gib=round(reserve, 2), ubatches=ubs)
     for how in ("weights", "layers"):
