@@ -108,7 +108,7 @@ def test_auto_times_the_modes_for_the_workload_given(smollm2, home):
     assert r.returncode == 0 and json.loads(r.stdout)["split_mode"] == "tensor", r.stderr[-1000:]
     r = run_ctxq("plan", str(smollm2), "--ctx", "1024", "--simulate", "0.3,0.2", "-sm", "auto", "--prompt-tokens",
                  "2000", env={"CTXQ_HOME": str(home)})
-    assert r.returncode != 0 and "prompt_tokens 2,000 is beyond the context (1,024 tokens)" in r.stderr
+    assert r.returncode != 0 and "--prompt-tokens 2,000 is beyond the context (1,024 tokens)" in r.stderr
     assert "Traceback" not in r.stderr
 
 

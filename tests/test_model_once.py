@@ -64,9 +64,10 @@ def test_convert_fit_parses_each_header_once(parses, tmp_path, capsys):
     src = upstream_models.build("smollm3")
     main(["convert", str(src), "fit", "--ctx", "4096", "--gpus", "1", "-o", str(tmp_path / "fit.gguf")])
     assert (tmp_path / "fit.gguf").is_file() and "fit" in capsys.readouterr().out
-    # the joint search writes each candidate mix's header to one probe file in turn (when not cached): a new file
-    # each time, read once
-    probes = {k for k in parses if os.path.basename(k[0]) == "probe.gguf"}
+    # the joint search writes each candidate mix's header to one probe file in turn, and the weights' scale each of
+    # its anchor mixes to one anchor file (both when not cached, so the count depends on what earlier tests left):
+    # a new file each time, read once
+    probes = {k for k in parses if os.path.basename(k[0]) in ("probe.gguf", "anchor.gguf")}
     _once({k: n for k, n in parses.items() if k not in probes}, src)
     assert parses[(os.path.realpath(src), False)] == 1  # the full parse, the only one of the source
 
