@@ -97,9 +97,6 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
                                       alias=alias, limits=limits, session=session,
                                       chat_format=chat_format, parallel=parallel, spec=spec)
         click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
-        if parallel is not None and spec not in (None, "off"):
-            click.echo("ctxq: --spec: the --parallel engine decodes one token per pass for each sequence (no drafts)",
-                       err=True)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
 
@@ -108,6 +105,9 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             click.echo(memory_table(memory), err=True)
             if n_seq is not None:
                 click.echo(f"ctxq: --parallel {n_seq}: {auto_why or why}", err=True)
+                drafts = app.state.ctxq_backend.engine.spec  # why the engine drafts nothing, when asked to
+                if drafts.note and spec not in (None, "off"):
+                    click.echo(f"ctxq: spec {drafts.mode}: {drafts.note}", err=True)
             click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
 
         if opts.rpc or p.split_mode == "tensor":  # llama.cpp aborts the process: one line instead
