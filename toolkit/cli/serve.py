@@ -56,8 +56,8 @@ def _parallel(value: str | None) -> int | None:
                    "requests share held once (auto: from the plan's free memory).  [default: one at a time]")
 @session_option(serve=True)
 @click.option("--spec", type=click.Choice(["ngram", "off", "auto"]), default=None,
-              help="Drafts taken from the context, verified in one batch (as `ctxq run --spec`); one request at a "
-                   "time only.")
+              help="Drafts taken from the context, verified in one batch (as `ctxq run --spec`); with --parallel "
+                   "each sequence's beside the others' tokens, auto deciding per sequence.")
 def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
               shutdown_timeout, chat_format, session, serve_parallel, spec):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
