@@ -1,6 +1,6 @@
 """Decode speed with and without drafts from the context (issue 55), in one run, on a long document.
 
-    .venv/bin/python scripts/bench_spec.py [--chars 16000] [-n 128] [--reps 2]
+    .venv/bin/python scripts/bench_spec.py [--chars 16000] [-n 128] [--reps 2] [--parallel 2 --parallel 4]
 
 Three workloads over the same document (the built-in licences text, the first --chars characters, a few thousand
 tokens): a verbatim quote, a summary, an answer in the model's own words. Each is generated greedily with --spec off,
@@ -10,6 +10,8 @@ logits first), and the best decode tok/s of each is kept. auto uses the cost of 
 the document's depth (`runtime.bench.spec_cost`, what `ctxq bench --spec` keeps). Prints decode tok/s, tokens per
 pass, acceptance and the ratios to off, and whether the text equals off's: where not, the first token that
 differs and how far apart the two tokens' logits are there (a near-tie under 1.0, the greedy test's bound).
+`--parallel P` (repeatable) adds P clients asking together on ctxq's engine, auto against off
+(`bench_spec_parallel.py`); `--no-single` leaves the one-sequence runs out.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), help="only these (default: all three)")
+    ap.add_argument("--parallel", type=int, action="append", default=[],
+                    help="also P clients together on the engine (repeatable: --parallel 2 --parallel 4)")
+    ap.add_argument("--no-single", action="store_true", help="only the --parallel runs")
     ap.add_argument("--default-cost", action="store_true",
                     help="auto drafts with speculative.DEFAULT_COST (a quiet machine's curve) instead of measuring one "
                          "first: on a loaded machine the measurement itself is noise")
@@ -68,7 +73,7 @@ def main() -> None:
     print(f"# a draft's batch of n tokens against one, at depth {depth} ({how}): "
           + ", ".join(f"{n}: {c:.2f}" for n, c in cost.items()))
     rows = []
-    for w, toks in prompts.items():
+    for w, toks in ({} if a.no_single else prompts).items():
         llm.reset()
         speculative.attach(llm, "off")
         llm.eval(toks[:-1])  # the document once; every run evaluates its last token alone, so all start alike
@@ -92,8 +97,18 @@ def main() -> None:
               + "; ".join(f"{m} " + " ".join(f"{x:.2f}" for x in v) + f" (median {statistics.median(v):.2f})"
                           for m, v in paired.items()), flush=True)
     speculative.detach(llm)
+    together = []
+    if a.parallel:
+        import bench_spec_parallel as par
+
+        together = par.run(llm, doc, cost, a.parallel, list(prompts), a.n_predict, a.reps)
     llm.close()
     print(f"# load average at the end {os.getloadavg()[0]:.1f}")
+    if together:
+        print()
+        par.table(together, TIE_BOUND)
+    if not rows:
+        return
     print()
     # "at c(n)": the ratio the passes made would give if each cost what the cost line says (`_modeled`): what the
     # drafts are worth, whatever else ran on the machine

@@ -107,7 +107,7 @@ def test_cache_after_a_rejection_equals_one_that_never_saw_the_draft(llm):
 def _filtered(logits: np.ndarray, top_k: int, temp: float) -> np.ndarray:
     """The target distribution of llama.cpp's chain top-k -> temperature -> dist (top_p 1, min_p 0)."""
     keep = np.argsort(logits)[::-1][:top_k]
-    z = logits[keep] / temp
+    z = logits[keep].astype(np.float64) / temp  # in float64: numpy's choice wants p to sum to 1 within 1e-8
     p = np.exp(z - z.max())
     out = np.zeros_like(logits, dtype=np.float64)
     out[keep] = p / p.sum()
@@ -194,11 +194,15 @@ def test_sampling_with_drafts_keeps_the_distribution(llm):
     print(f"chi-square p-values: second token {p_second:.3f} (n={sum(second.values())}, "
           f"p(draft)={p2[draft]:.3f}), third after acceptance {p_third:.3f} (n={sum(third.values())})")
     assert p_second > SIGNIFICANCE and p_third > SIGNIFICANCE
-    # the same test rejects the classic mistake (accept with p(x), else draw again from all of p) at this n
+    # the same test rejects the classic mistake (accept with p(x), else draw again from all of p) at this n: in most
+    # of 21 simulated samples (one seed alone can fall either side: seed 0 gave p = 0.0025)
     rng = np.random.default_rng(0)
     m = sum(second.values())
-    wrong = np.where(rng.random(m) < p2[draft], draft, rng.choice(len(p2), size=m, p=p2))
-    assert _chi2_p(dict(zip(*np.unique(wrong, return_counts=True))), p2) < SIGNIFICANCE
+    wrongs = []
+    for _ in range(21):
+        wrong = np.where(rng.random(m) < p2[draft], draft, rng.choice(len(p2), size=m, p=p2))
+        wrongs.append(_chi2_p(dict(zip(*np.unique(wrong, return_counts=True))), p2))
+    assert float(np.median(wrongs)) < SIGNIFICANCE, wrongs
 
 
 def test_json_schema_output_stays_valid_with_drafts(llm):
@@ -255,7 +259,6 @@ def test_chi_square_tail_matches_known_values():
 
 
 def test_a_cost_curve_and_agreement_steer_the_draft_length():
-    assert S.Policy(S.DEFAULT_COST, floor=0).length() in range(0, S.MAX_DRAFT + 1)
     cheap = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.3, 16: 1.6}
     linear = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0}
     p = S.Policy(cheap, floor=0)
@@ -280,13 +283,54 @@ def test_a_cost_curve_and_agreement_steer_the_draft_length():
     assert math.isclose(S.cost_at(linear, 3), 3.0)
 
 
+def _replay(prompt: list[int], out: list[int], draft) -> float:
+    """The single-token passes `out` takes plain against the cost (DEFAULT_COST) of the passes drafting takes, when
+    `draft(context)` drafts after each sampled token and a draft holds while it equals `out`."""
+    pos, cost = 0, 0.0
+    while pos < len(out):
+        d = list(draft(np.array(prompt + out[:pos + 1], dtype=np.intc)))
+        held = next((j for j, t in enumerate(d) if pos + 1 + j >= len(out) or out[pos + 1 + j] != t), len(d))
+        cost += S.cost_at(S.DEFAULT_COST, len(d) + 1)
+        pos += held + 1
+    return len(out) / cost
+
+
+def test_the_policy_replayed_on_real_answers_is_near_the_best_fixed_draft_length(llm):
+    """Greedy answers of the model (a copy, an answer in its own words) replayed: `auto`'s lengths against every
+    fixed length drafted from the same prediction, each pass at the measured curve's cost. On the 48-token copy auto
+    gives up at most a fifth to the best fixed length in hindsight (its first tokens go one per pass while agreement
+    builds: recorded 1.36x against 1.64x at 15); on prose, where long drafts lose (0.70x at 15), it stays near one
+    token per pass (recorded 0.97x)."""
+    from ctxq.runtime.ngram import ContextIndex
+
+    def fixed(k):
+        index = ContextIndex(S.N_GRAMS)
+        return lambda ctx: (index.update(ctx), index.predict(ctx, k))[1]
+
+    rates = {}
+    for name, doc, question in (("copy", ALICE * 2, "Repeat the text above exactly."),
+                                ("prose", ALICE, "What is the text above about? Answer in your own words.")):
+        toks, _ = input_tokens(llm.model_path, question, document=doc, chat=True)
+        S.attach(llm, "off")
+        out = generate(llm, toks, n_predict=48, temp=0).tokens
+        best = max(_replay(toks, out, fixed(k)) for k in (1, 2, 4, 8, 15))
+        worst = min(_replay(toks, out, fixed(k)) for k in (1, 2, 4, 8, 15))
+        rates[name] = (_replay(toks, out, S.Drafter("auto", S.DEFAULT_COST)), best, worst)
+    print(rates)
+    auto, best, _ = rates["copy"]
+    assert best > 1.3 and auto >= 0.8 * best and auto > 1.25
+    auto, best, worst = rates["prose"]
+    assert worst < 0.8 and auto >= 0.95 and auto >= best - 0.02
+
+
 def test_the_longest_indexed_match_gives_the_prediction():
     d = S.Drafter("ngram", S.DEFAULT_COST)
     head = list(range(1, 13))  # 12 tokens
     ctx = np.array(head + [100, 101] + [50, 10, 11, 12, 200, 201] + head, dtype=np.intc)
     # the 3-gram (10, 11, 12) last occurred before 200; the whole 12-gram only before 100
     assert list(d.predict(ctx)[:2]) == [100, 101]
-    assert list(d.indexes[-1].draft(ctx, 2)) == [200, 201]
+    three = d.index.layers[0][0].indexes[-1]  # the context's layer, its 3-gram table
+    assert list(three.draft(ctx, 2)) == [200, 201]
 
 
 def test_auto_starts_drafting_on_a_copy_from_what_it_generates(llm):

@@ -79,14 +79,12 @@ def run_cmd(model, hf_file, options, n_threads, seed, prompts, questions_file, f
 
         questions += read_questions(questions_file)
     if len(questions) > 1:
-        if spec not in (None, "off"):
-            click.echo("ctxq: --spec: the engine that answers several questions together decodes one token per "
-                       "pass for each (no drafts)", err=True)
         document, _ = _read_input(None, file)
         if document is None:
             raise click.UsageError("several questions are about a document: give it with -f FILE (or on stdin)")
         _run_many(model, document, questions, options=options, n_threads=n_threads, seed=seed, session=session,
-                 chat=chat, system=system, n_predict=n_predict, temp=temp, dry_run=dry_run, as_json=as_json)
+                 chat=chat, system=system, n_predict=n_predict, temp=temp, dry_run=dry_run, as_json=as_json,
+                 spec=spec)
         return
     if options.parallel is not None:  # a single prompt runs on a Llama's one-sequence context
         raise click.UsageError("--parallel is for several questions about a document (-f FILE -p Q1 -p Q2 ...)")
@@ -142,7 +140,7 @@ def _spec_line(r) -> str:
 
 
 def _run_many(model, document, questions, *, options, n_threads, seed, session, chat, system, n_predict, temp,
-              dry_run, as_json) -> None:
+              dry_run, as_json, spec=None) -> None:
     """Several questions about one document: the document evaluated once, the answers decoded together."""
     from ..errors import ReorderNeeded
     from ..runtime import many
@@ -175,7 +173,7 @@ def _run_many(model, document, questions, *, options, n_threads, seed, session, 
 
     try:
         r = many.ask_many(model, document, questions, max_tokens=n_predict, temperature=temp, seed=seed, chat=chat,
-                          system=system, session=session, n_threads=n_threads, options=options,
+                          system=system, session=session, n_threads=n_threads, options=options, spec=spec,
                           on_loaded=_loaded, on_answer=on_answer)
     except ReorderNeeded as e:
         reexec(e.value)
@@ -183,11 +181,15 @@ def _run_many(model, document, questions, *, options, n_threads, seed, session, 
     if as_json:
         echo_json([{**a.to_dict(), "n_document": r.n_document} for a in r.answers])
         return
+    if r.spec_note and spec not in (None, "off"):
+        click.echo(f"ctxq: spec {spec}: {r.spec_note}", err=True)
     restored = f", {r.n_cached:,} restored from the session" if r.n_cached else ""
+    drafts = (f"; drafts: {r.tokens_draft_accepted:,} of {r.tokens_drafted:,} drafted accepted"
+              if r.tokens_drafted else "")
     click.echo(f"document {r.n_document:,} tokens held once{restored} (read in {r.prefill_s:.2f} s); "
                f"{len(r.answers)} questions: {r.prompt_tokens_evaluated:,} prompt tokens evaluated, "
                f"{r.tokens_generated:,} generated, {r.cells_used:,} KV cells held; all answered in "
-               f"{r.total_s:.2f} s", err=True)
+               f"{r.total_s:.2f} s{drafts}", err=True)
     click.echo(memory_table(r.memory), err=True)
 
 

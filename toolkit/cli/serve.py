@@ -56,8 +56,8 @@ def _parallel(value: str | None) -> int | None:
                    "requests share held once (auto: from the plan's free memory).  [default: one at a time]")
 @session_option(serve=True)
 @click.option("--spec", type=click.Choice(["ngram", "off", "auto"]), default=None,
-              help="Drafts taken from the context, verified in one batch (as `ctxq run --spec`); one request at a "
-                   "time only.")
+              help="Drafts taken from the context, verified in one batch (as `ctxq run --spec`); with --parallel "
+                   "each sequence's beside the others' tokens, auto deciding per sequence.")
 def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, alias, max_body, max_queue, timeout,
               shutdown_timeout, chat_format, session, serve_parallel, spec):
     """Serve MODEL over an OpenAI-compatible HTTP API (llama-cpp-python's server), loaded as planned.
@@ -98,9 +98,6 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
                                       chat_format=chat_format, parallel=parallel, spec=spec,
                                       options=opts.updated(parallel=parallel or None))
         click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
-        if parallel is not None and spec not in (None, "off"):
-            click.echo("ctxq: --spec: the --parallel engine decodes one token per pass for each sequence (no drafts)",
-                       err=True)
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             click.echo(f"ctxq: warning: serving on {host} without --api-key", err=True)
 
@@ -109,6 +106,9 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             click.echo(memory_table(memory), err=True)
             if n_seq is not None:
                 click.echo(f"ctxq: --parallel {n_seq}: {auto_why or why}", err=True)
+                drafts = app.state.ctxq_backend.engine.spec  # why the engine drafts nothing, when asked to
+                if drafts.note and spec not in (None, "off"):
+                    click.echo(f"ctxq: spec {drafts.mode}: {drafts.note}", err=True)
             click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens); "
                        f"the page: http://{host}:{port}/", err=True)
 

@@ -25,41 +25,21 @@ from typing import Callable
 
 from ..errors import CtxqError, DoesNotFit, InvalidOption
 from ..llama import backend
+from . import engine_spec
 from .context import context_params
 from .prefix import PrefixStore
-from .request import Event, Request, Result  # noqa: F401 (the contract's names live here too)
+from .request import EngineStats, Event, Request, Result, _Counters  # noqa: F401 (the contract's names live here too)
 from .sampling import Chain, SamplingParams  # noqa: F401
 from .scheduler import Scheduler, Seq
 
 log = logging.getLogger(__name__)
 
-@dataclass
-class EngineStats:
-    sequences_active: int
-    queued: int
-    n_seq_max: int
-    cells_total: int
-    cells_used: int
-    cells_shared: int
-    prompt_tokens_evaluated: int
-    prompt_tokens_reused: int
-    tokens_generated: int
-    sequences_resident: int = 0  # idle sequences whose cells are kept for later requests
-    steps: int = 0  # llama_decode calls
-
-
-@dataclass
-class _Counters:
-    prompt_tokens_evaluated: int = 0
-    tokens_generated: int = 0
-    steps: int = 0
-
-
 class Engine:
     """Many sequences in one llama.cpp context made from `llm`'s model (see the module's docstring).
     Use as a context manager, or call `close()`: it stops the thread and frees the context."""
 
-    def __init__(self, llm, *, n_seq_max: int, n_ctx: int | None = None, own_llm: bool = False, **context_params_):
+    def __init__(self, llm, *, n_seq_max: int, n_ctx: int | None = None, own_llm: bool = False,
+                 spec: str | None = None, spec_cost: dict | None = None, **context_params_):
         lc = backend.llama_cpp()
         limit = lc.llama_max_parallel_sequences()
         if not 1 <= n_seq_max <= limit:  # LLAMA_MAX_SEQ (src/llama-cparams.h); the context refuses more
@@ -69,6 +49,11 @@ class Engine:
         model = llm._model.model
         self._vocab = llm._model.vocab
         self.n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        # drafts (`spec`: ngram, auto with `spec_cost`, off): verified in the batch, their logits need output rows
+        self.spec = engine_spec.configure(spec, spec_cost, bool(lc.llama_model_is_recurrent(model) or
+                                                                lc.llama_model_is_hybrid(model)))
+        if self.spec.active:
+            context_params_ = {"n_outputs_max": n_seq_max + engine_spec.DRAFT_OUTPUTS, **context_params_}
         cp = context_params(llm, n_seq_max, n_ctx, context_params_)
         with backend.capture_log() as lines:
             ctx = lc.llama_init_from_model(model, cp)
@@ -85,7 +70,8 @@ class Engine:
         self.recurrent = bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
         self._mem = lc.llama_get_memory(ctx)
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
-        self._store = PrefixStore(n_seq_max)
+        self._store = PrefixStore(n_seq_max, self.spec.grams)
+        self._outputs = cp.n_outputs_max
         self._sched = Scheduler(self._store, self.n_ctx, self.recurrent)
         self._counters = _Counters()
         self._lock = threading.Condition()
@@ -131,7 +117,8 @@ class Engine:
                     prepared.append((req, None))
                     continue
                 chain = Chain(self._vocab, self.n_vocab, params)  # bad grammar raises here, in the caller's thread
-                prepared.append((req, Seq(req, tokens, params, chain, share_limit=share_limit)))
+                prepared.append((req, Seq(req, tokens, params, chain, share_limit=share_limit,
+                                          drafter=self.spec.drafter(need, self.n_batch))))
             with self._lock:
                 if self._closed:
                     raise CtxqError("the engine is closed")
@@ -320,6 +307,9 @@ class Engine:
         """One llama_decode of every generating token and the prompt chunks that fit; False: nothing to do."""
         lc, b = self._lc, self._batch
         self._sched.fork_waiting(self._cp, self._rm)
+        if self.spec.active:  # the drafts take what the batch and the output rows leave after one token each
+            busy = sum(1 for s in self._sched.active if s.next_token is not None)
+            engine_spec.propose(self._sched.active, self._store, min(self.n_batch, self._outputs) - busy)
         plan = self._sched.build(self.n_batch)
         if not plan.entries:
             return False
@@ -336,8 +326,10 @@ class Engine:
         self._counters.prompt_tokens_evaluated += plan.n_prompt
         self._sched.evaluated(plan, self._rm)
         for i, seq in plan.outputs:
-            tok = seq.chain.sample(self._ctx, i)
-            self._token(seq, tok)
+            if seq.drafter is not None and seq.generated:  # decoding (not a prompt's last token)
+                engine_spec.verify(self, seq, i)
+            else:
+                self._token(seq, seq.chain.sample(self._ctx, i))
         return True
 
     def _token(self, s: Seq, tok: int) -> None:
@@ -348,6 +340,7 @@ class Engine:
             return
         self._counters.tokens_generated += 1
         s.generated.append(tok)
+        s.chain.accepted(len(s.generated))  # min_tokens: the end token is let through from here on
         s.req.completion_tokens = len(s.generated)
         s.req._emit(s.stream.feed(self._piece(tok)), tok)
         if s.stream.stopped:
@@ -373,13 +366,15 @@ class Engine:
                            prompt_tokens_evaluated=c.prompt_tokens_evaluated,
                            prompt_tokens_reused=self._sched.reused, tokens_generated=c.tokens_generated,
                            sequences_resident=sum(1 for sl in st.slots if sl.tokens and not sl.busy),
-                           steps=c.steps)
+                           steps=c.steps, tokens_drafted=c.drafted, tokens_draft_accepted=c.accepted)
 
 
-def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, **load_kwargs) -> Engine:
+def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, spec: str | None = None,
+              **load_kwargs) -> Engine:
     """An engine on `plan`'s model, loaded as `ctxq.runtime.runner.load_plan` loads it. The Llama's own
     context is freed at once (the engine's replaces it, so the plan's KV memory is held once). A parallel
-    plan (`Plan.context_settings`) gives n_seq_max and n_outputs_max; else n_seq_max is needed."""
+    plan (`Plan.context_settings`) gives n_seq_max and n_outputs_max; else n_seq_max is needed. `spec`: drafts
+    (ngram, off; auto, the default, where `ctxq bench --spec` measured their cost for this plan)."""
     if plan.parallel:
         n_seq_max = n_seq_max or plan.n_seq_max
         if n_seq_max != plan.n_seq_max:
@@ -392,7 +387,8 @@ def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, *
     llm, _, _ = load_plan(plan, **load_kwargs)
     llm._ctx.close()  # llama-cpp-python frees a closed context only once (LlamaContext.close)
     try:
-        e = Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True)
+        mode, cost, _ = engine_spec.for_plan(plan, spec)
+        e = Engine(llm, n_seq_max=n_seq_max, n_ctx=n_ctx or plan.n_ctx, own_llm=True, spec=mode, spec_cost=cost)
     except BaseException:
         llm.close()
         raise

@@ -257,7 +257,7 @@ def generate(llm, tokens: list[int], *, n_predict: int = 256, temp: float = 0.8,
     vocab = llm._model.vocab
     spec = getattr(llm, "ctxq_spec", None)  # drafts verified in one batch (speculative.attach)
     if spec is not None:
-        spec.start(len(tokens) + n_predict if n_predict > 0 else None)
+        spec.expect(n_predict)  # the end rule: no draft past the last token asked for
     if n_predict > 0:
         # The whole prompt is cached, so generate() samples from the prefill's logits at once.
         for tok in llm.generate(tokens, temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=1.0):

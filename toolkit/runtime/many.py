@@ -51,6 +51,9 @@ class ManyResult:
     prompt_tokens_evaluated: int
     tokens_generated: int
     cells_used: int  # KV cells held at the end (the document once, plus each question and answer)
+    tokens_drafted: int = 0  # draft tokens verified (spec), and of those accepted
+    tokens_draft_accepted: int = 0
+    spec_note: str | None = None  # why nothing was drafted, when drafts were asked for
     load_s: float = 0.0
     prefill_s: float = 0.0  # reading the document (or restoring it)
     total_s: float = 0.0  # from the document's start to the last answer
@@ -61,6 +64,7 @@ class ManyResult:
         return {"answers": [a.to_dict() for a in self.answers], "n_document": self.n_document,
                 "n_cached": self.n_cached, "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
                 "tokens_generated": self.tokens_generated, "cells_used": self.cells_used, "load_s": self.load_s,
+                "tokens_drafted": self.tokens_drafted, "tokens_draft_accepted": self.tokens_draft_accepted,
                 "prefill_s": self.prefill_s, "total_s": self.total_s,
                 "memory": [vars(m) for m in self.memory], "plan": self.plan.to_dict() if self.plan else None}
 
@@ -115,6 +119,7 @@ def answer_all(engine, questions: list[str], tokens: list[list[int]], keep: int,
             on_answer(i, a)
     st = engine.stats()
     return ManyResult(answers, keep, n_cached, st.prompt_tokens_evaluated, st.tokens_generated, st.cells_used,
+                      st.tokens_drafted, st.tokens_draft_accepted, engine.spec.note,
                       prefill_s=t1 - t0, total_s=time.perf_counter() - t0, plan=plan)
 
 
@@ -122,26 +127,30 @@ def answer_all(engine, questions: list[str], tokens: list[list[int]], keep: int,
 def ask(model_or_llm=None, document: str = "", questions: list[str] | None = None, *, n_ctx: int | None = None,
         max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None, chat: bool = True,
         system: str | None = None, session=None, n_threads: int | None = None,
-        options: PlanOptions | None = None, **settings) -> list[Answer]:
+        options: PlanOptions | None = None, spec: str | None = None, **settings) -> list[Answer]:
     """Answer every question about `document` together, the document evaluated and held once.
 
     `model_or_llm`: a model (path, Hub name, None for the default) planned and loaded for the call, or
     a `llama_cpp.Llama` from `ctxq.load()` (its model is shared; the engine makes its own context of
     `n_ctx` cells, default the Llama's). `n_ctx` defaults to what the document once plus every
     question and `max_tokens` answer need. Greedy by default (temperature 0). `settings` are
-    `PlanOptions` fields (kv, gpus, ...). Returns the answers in the order of the questions."""
+    `PlanOptions` fields (kv, gpus, ...). `spec`: drafts from the context (ngram, off, auto: `ctxq run --spec`).
+    Returns the answers in the order of the questions."""
     return ask_many(model_or_llm, document, questions or [], n_ctx=n_ctx, max_tokens=max_tokens,
                     temperature=temperature, seed=seed, chat=chat, system=system, session=session,
-                    n_threads=n_threads, options=options, **settings).answers
+                    n_threads=n_threads, options=options, spec=spec, **settings).answers
 
 
 def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | None = None,
              max_tokens: int = 256, temperature: float = 0.0, seed: int | None = None, chat: bool = False,
              system: str | None = None, session=None, n_threads: int | None = None,
-             options: PlanOptions | None = None, on_plan: Callable[[Plan, int], None] | None = None,
+             options: PlanOptions | None = None, spec: str | None = None,
+             on_plan: Callable[[Plan, int], None] | None = None,
              on_loaded: Callable[[Plan, float], None] | None = None,
              on_answer: Callable[[int, Answer], None] | None = None, **settings) -> ManyResult:
-    """`ask()` with the whole result (timings, tokens evaluated, memory) and callbacks for the CLI."""
+    """`ask()` with the whole result (timings, tokens evaluated, memory) and callbacks for the CLI. `spec`: drafts
+    from the context in the engine's batches (ngram, off; auto, the default: where `ctxq bench --spec` measured)."""
+    from . import engine_spec
     from .engine import Engine, SamplingParams, from_plan
 
     check_n_predict(max_tokens)
@@ -157,7 +166,9 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
         llm = model_or_llm
         document = document_text(document, llm.model_path, n_ctx or llm.n_ctx())
         tokens, keep = question_tokens(llm.model_path, document, questions, chat=chat, system=system)
-        with Engine(llm, n_seq_max=given or _n_seq(questions), n_ctx=n_ctx or llm.n_ctx()) as e:
+        mode, cost, _ = engine_spec.for_plan(getattr(llm, "ctxq_plan", None), spec)
+        with Engine(llm, n_seq_max=given or _n_seq(questions), n_ctx=n_ctx or llm.n_ctx(), spec=mode,
+                    spec_cost=cost) as e:
             _check_fits(tokens, keep, max_tokens, e.n_ctx)
             return answer_all(e, questions, tokens, keep, params, session=session,
                               plan=getattr(llm, "ctxq_plan", None), on_answer=on_answer)
@@ -179,7 +190,7 @@ def ask_many(model_or_llm, document: str, questions: list[str], *, n_ctx: int | 
         if on_plan:
             on_plan(plan, cells_needed(tokens, keep, max_tokens))
         t0 = time.perf_counter()
-        with from_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed) as e:
+        with from_plan(plan, rpc=opts.rpc, n_threads=n_threads, seed=seed, spec=spec) as e:
             load_s = time.perf_counter() - t0
             if on_loaded:
                 on_loaded(plan, load_s)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from .ngram import ContextIndex
+
 
 @dataclass(eq=False)
 class Run:
@@ -30,13 +32,15 @@ class Slot:
     busy: bool = False  # a request is using it (never evicted)
     last_used: int = 0  # the store's clock at the last use
     _own: Run | None = None  # the run this slot writes at the tip of, while it may still grow
+    index: ContextIndex | None = None  # its n-gram view, when the engine drafts (forked as its cells are)
 
 
 class PrefixStore:
     """Resident token runs of `n_seq` sequence ids, least recently used first out."""
 
-    def __init__(self, n_seq: int):
+    def __init__(self, n_seq: int, grams: tuple[int, ...] | None = None):
         self.slots = [Slot(i) for i in range(n_seq)]
+        self.grams = grams  # n-gram sizes each slot's tokens are indexed by (None: no index)
         self._clock = itertools.count()
 
     # --- what is resident ------------------------------------------------------------------------
@@ -103,6 +107,9 @@ class PrefixStore:
         d.tokens = s.tokens[:n]
         d.segments = _cut(s.segments, n)
         d._own = None
+        if s.index is not None:  # the shared tokens' n-grams are shared too, indexed once
+            s.index.update(s.tokens, n)
+            d.index = s.index.fork(n)
 
     def append(self, seq_id: int, tokens: list[int]) -> None:
         """`seq_id` wrote `tokens` into new cells after its last one."""
@@ -110,6 +117,8 @@ class PrefixStore:
             return
         s = self.slots[seq_id]
         s.tokens.extend(tokens)
+        if self.grams is not None and s.index is None:
+            s.index = ContextIndex(self.grams)
         last = s.segments[-1] if s.segments else None
         if last is not None and last[0] is s._own and last[1] == s._own.length:
             last[1] += len(tokens)  # still the tip of its own run: the run grows
@@ -124,11 +133,22 @@ class PrefixStore:
         s = self.slots[seq_id]
         s.tokens = s.tokens[:n]
         s.segments = _cut(s.segments, n)
+        if s.index is not None:
+            s.index = s.index.fork(n)
+
+    def rollback(self, seq_id: int, n: int) -> None:
+        """`seq_id` keeps its first `n` cells, the tip of its own run (a rejected draft, which nobody shares):
+        the run ends there and grows on from there."""
+        s = self.slots[seq_id]
+        s.tokens = s.tokens[:n]
+        s.segments = _cut(s.segments, n)
+        if s.segments and s.segments[-1][0] is s._own:
+            s._own.length = s.segments[-1][1]
 
     def clear(self, seq_id: int) -> None:
         """`seq_id` holds nothing (llama_memory_seq_rm(seq_id, -1, -1))."""
         s = self.slots[seq_id]
-        s.tokens, s.segments, s._own, s.busy = [], [], None, False
+        s.tokens, s.segments, s._own, s.busy, s.index = [], [], None, False, None
 
 
 def _common(a: list[int], b: list[int], limit: int) -> int:

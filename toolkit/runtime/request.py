@@ -30,6 +30,8 @@ class Result:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens shared with a resident sequence, not evaluated
     completion_tokens: int
+    draft_n: int = 0  # draft tokens verified (llama-server's timings.draft_n)
+    draft_n_accepted: int = 0  # of those, accepted (timings.draft_n_accepted)
 
 
 class Request:
@@ -46,6 +48,7 @@ class Request:
         self.cached_tokens = 0
         self.prompt_done = 0  # prompt tokens in its cells so far (shared or evaluated): a prefill's progress
         self.completion_tokens = 0
+        self.draft_n = self.draft_n_accepted = 0  # drafted and accepted tokens (engine_spec.verify)
         self.error: Exception | None = None
         self.cancelled = False  # asked for; finish_reason says when it took effect
 
@@ -81,7 +84,7 @@ class Request:
         """Waits for the end; the whole text."""
         self._done.wait()
         return Result("".join(self._parts), self.finish_reason or "error", self.prompt_tokens,
-                      self.cached_tokens, self.completion_tokens)
+                      self.cached_tokens, self.completion_tokens, self.draft_n, self.draft_n_accepted)
 
     @property
     def done(self) -> bool:
@@ -100,3 +103,29 @@ class Request:
         self.finish_reason, self.error = reason, error
         self._done.set()
         self._events.put(_END)
+
+
+@dataclass
+class EngineStats:
+    sequences_active: int
+    queued: int
+    n_seq_max: int
+    cells_total: int
+    cells_used: int
+    cells_shared: int
+    prompt_tokens_evaluated: int
+    prompt_tokens_reused: int
+    tokens_generated: int
+    sequences_resident: int = 0  # idle sequences whose cells are kept for later requests
+    steps: int = 0  # llama_decode calls
+    tokens_drafted: int = 0  # draft tokens verified (engine_spec.py)
+    tokens_draft_accepted: int = 0  # of those, accepted
+
+
+@dataclass
+class _Counters:
+    prompt_tokens_evaluated: int = 0
+    tokens_generated: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0

@@ -36,6 +36,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: str | None = None  # GBNF text (structured output, tool calls)
     stop: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # the end-of-sequence token is refused before this many (llama-cpp-python's MinTokens...)
 
     def check(self, n_vocab: int) -> None:
         """Refuse values llama.cpp's samplers cannot take, with the setting's name."""
@@ -48,6 +49,9 @@ class SamplingParams:
         if bad:
             raise InvalidOption(f"logit_bias names token {bad[0]}, outside the vocabulary of {n_vocab}",
                                 option="logit_bias", value=bad[0], limit=n_vocab)
+        if self.min_tokens < 0:
+            raise InvalidOption(f"min_tokens must be 0 or more, got {self.min_tokens}", option="min_tokens",
+                                value=self.min_tokens)
         if any(not s for s in self.stop):
             raise InvalidOption("a stop string is empty", option="stop", value="")
 
@@ -59,7 +63,12 @@ class Chain:
         lc = backend.llama_cpp()
         self._lc = lc
         self.ptr = lc.llama_sampler_chain_init(lc.llama_sampler_chain_default_params())
+        self.min_tokens = p.min_tokens
         try:
+            if p.min_tokens > 0:  # first in the chain, as llama-cpp-python's logits processor is (Llama._init_sampler)
+                eos = (lc.llama_logit_bias * 1)()
+                eos[0].token, eos[0].bias = lc.llama_vocab_eos(vocab), float("-inf")
+                lc.llama_sampler_chain_add(self.ptr, lc.llama_sampler_init_logit_bias(n_vocab, 1, eos))
             self._build(lc, vocab, n_vocab, p)
         except BaseException:
             self.close()
@@ -98,6 +107,13 @@ class Chain:
     def sample(self, ctx, i: int) -> int:
         """The token drawn from output row `i` of the last decode (accepted into the chain)."""
         return self._lc.llama_sampler_sample(self.ptr, ctx, ctypes.c_int32(i))
+
+    def accepted(self, n_generated: int) -> None:
+        """`n_generated` tokens are out: at min_tokens the end token's refusal leaves the chain. llama-cpp-python's
+        MinTokensLogitsProcessor refuses token_eos (only) while fewer than min_tokens were generated."""
+        if self.min_tokens and n_generated >= self.min_tokens:
+            self._lc.llama_sampler_free(self._lc.llama_sampler_chain_remove(self.ptr, 0))
+            self.min_tokens = 0
 
     def close(self) -> None:
         if self.ptr:

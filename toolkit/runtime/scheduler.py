@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .drafts import SeqDrafter
 from .prefix import PrefixStore, _common
 from .request import Request
 from .sampling import Chain, SamplingParams
@@ -38,6 +39,8 @@ class Seq:
     zombie: bool = False  # its client has gone; it evaluates on only for those waiting on it
     share_limit: int | None = None  # share at most this many of its first tokens
     keep_cells: bool = False  # once released, its cells stay resident for later requests
+    drafter: SeqDrafter | None = None  # drafts from its context (engine_spec.py)
+    draft: list[int] = field(default_factory=list)  # verified after next_token in the next step
     stream: TextStream = None  # type: ignore[assignment]
 
     def __post_init__(self):
@@ -191,12 +194,15 @@ class Scheduler:
                 self._release(p, keep=p.keep_cells, rm=rm)
 
     def build(self, n_batch: int) -> BatchPlan:
-        """The next batch: every generating sequence's token first, then prompt chunks in admission order."""
+        """The next batch: every generating sequence's token (and its draft, `engine_spec.propose`) first, then
+        prompt chunks in admission order."""
         plan = BatchPlan()
         for s in self.active:
             if s.next_token is not None:
                 plan.outputs.append((len(plan.entries), s))
-                plan.entries.append((s, s.next_token, self._held(s), True))
+                pos = self._held(s)
+                for j, tok in enumerate([s.next_token] + s.draft):  # logits at each: the draft is verified
+                    plan.entries.append((s, tok, pos + j, True))
                 s.next_token = None
         for s in self.active:
             budget = n_batch - len(plan.entries)
@@ -224,6 +230,11 @@ class Scheduler:
             self.store.append(s.seq_id, toks)
             if s.prefilling:
                 s.n_done = s.req.prompt_done = min(len(s.tokens), s.n_done + len(toks))
+                index = self.store.slots[s.seq_id].index
+                if index is not None:  # the n-grams of a document are indexed as it is read
+                    index.update(s.tokens, s.n_done)
+                    if s.n_done in s.breaks or not s.prefilling:
+                        index.seal()  # those who fork here (or later) share it as it is
                 if not s.prefilling and s.chain is None and not s.zombie:
                     self.finish(s, "length", rm)
 

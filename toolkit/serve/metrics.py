@@ -42,7 +42,8 @@ class Metrics:
             "(a stream's last event), for requests let in to the model.", buckets=DURATION_BUCKETS, registry=r)
         # token counts and times: summed here under one lock, so that a throughput is read consistently
         self._lock = threading.Lock()
-        self._tokens = dict.fromkeys(("prompt", "reused", "predicted", "prompt_s", "predicted_s"), 0)
+        self._tokens = dict.fromkeys(("prompt", "reused", "predicted", "prompt_s", "predicted_s", "drafted",
+                                      "draft_accepted"), 0)
         r.register(_Tokens(self))
 
     def answered(self, status: int) -> None:
@@ -56,6 +57,12 @@ class Metrics:
             t["predicted"] += predicted
             t["prompt_s"] += prompt_s
             t["predicted_s"] += predicted_s
+
+    def drafted(self, drafted: int, accepted: int) -> None:
+        """A request's draft tokens verified, and of those accepted (`--spec`)."""
+        with self._lock:
+            self._tokens["drafted"] += drafted
+            self._tokens["draft_accepted"] += accepted
 
     def tokens(self) -> dict:
         with self._lock:
@@ -89,7 +96,10 @@ class _Tokens:
                  "Prompt tokens found in the KV cache (prefix reuse), not evaluated again.", t["reused"]),
                 ("ctxq_tokens_predicted", "Generated tokens.", t["predicted"]),
                 ("ctxq_prompt_seconds", "Time spent evaluating prompts.", t["prompt_s"]),
-                ("ctxq_tokens_predicted_seconds", "Time spent generating.", t["predicted_s"])):
+                ("ctxq_tokens_predicted_seconds", "Time spent generating.", t["predicted_s"]),
+                # summed over requests; each response says its own (timings.draft_n, timings.draft_n_accepted)
+                ("ctxq_draft_tokens", "Draft tokens verified (--spec).", t["drafted"]),
+                ("ctxq_draft_accepted_tokens", "Draft tokens accepted (--spec).", t["draft_accepted"])):
             yield CounterMetricFamily(name, text, value=value)
         yield GaugeMetricFamily("ctxq_prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
                                 value=_rate(t["prompt"] - t["reused"], t["prompt_s"]))
@@ -174,5 +184,8 @@ def metered(llm, metrics: Metrics, current):
         finally:
             if not prompt_counted:
                 metrics.generated(len(tokens), reused, 0, time.perf_counter() - last, 0.0)
+            stats = getattr(getattr(llm, "ctxq_spec", None), "stats", None)  # this request's drafts
+            if stats is not None:
+                metrics.drafted(stats.drafted, stats.accepted)
 
     return wrapper

@@ -105,7 +105,7 @@ def read(llm, fmt, data: dict, path: str, n_ctx: int, seed: int | None) -> Promp
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         repeat_penalty=req.repeat_penalty, presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0, seed=req.seed if req.seed is not None else seed,
-        logit_bias=_logit_bias(llm, data), grammar=grammar, stop=stops)
+        logit_bias=_logit_bias(llm, data), grammar=grammar, stop=stops, min_tokens=req.min_tokens or 0)
     usage = (data.get("stream_options") or {}).get("include_usage") is True
     return Prompt(tokens, params, chat, bool(req.stream), usage, tool=tool, echo=echo)
 
@@ -114,6 +114,11 @@ def usage(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> dic
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def timings(req) -> dict:
+    """What drafting did for a request, in llama-server's names (its response's `timings`)."""
+    return {"draft_n": req.draft_n, "draft_n_accepted": req.draft_n_accepted}
 
 
 def finish(p: Prompt, reason: str) -> str:
@@ -126,25 +131,28 @@ def _call(p: Prompt, arguments: str | None) -> dict:
             "function": {"name": p.tool, "arguments": arguments}}
 
 
-def answer(p: Prompt, alias: str, text: str, reason: str, use: dict) -> dict:
-    """The whole answer (not streamed)."""
+def answer(p: Prompt, alias: str, text: str, reason: str, use: dict, times: dict | None = None) -> dict:
+    """The whole answer (not streamed); `times`: llama-server's `timings` (drafts), when the engine drafts."""
+    extra = {"timings": times} if times is not None else {}
     if not p.chat:
         return {"id": p.id, "object": "text_completion", "created": p.created, "model": alias,
                 "choices": [{"text": p.echo + text, "index": 0, "logprobs": None, "finish_reason": reason}],
-                "usage": use}
+                "usage": use, **extra}
     message = {"role": "assistant", "content": text} if p.tool is None else \
         {"role": "assistant", "content": None, "tool_calls": [_call(p, text)]}
     return {"id": p.id, "object": "chat.completion", "created": p.created, "model": alias,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish(p, reason)}],
-            "usage": use}
+            "usage": use, **extra}
 
 
 def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def chunk(p: Prompt, alias: str, piece: str | None, reason: str | None = None, first: bool = False) -> bytes:
-    """One stream event: a piece of text (None: only the finish_reason, or the opening role)."""
+def chunk(p: Prompt, alias: str, piece: str | None, reason: str | None = None, first: bool = False,
+          times: dict | None = None) -> bytes:
+    """One stream event: a piece of text (None: only the finish_reason, or the opening role); `times` on the last
+    (llama-server's `timings`)."""
     if not p.chat:
         body = {"id": p.id, "object": "text_completion", "created": p.created, "model": alias,
                 "choices": [{"text": piece or "", "index": 0, "logprobs": None, "finish_reason": reason}]}
@@ -163,6 +171,8 @@ def chunk(p: Prompt, alias: str, piece: str | None, reason: str | None = None, f
                              "finish_reason": finish(p, reason) if reason else None}]}
     if p.include_usage:
         body["usage"] = None  # OpenAI's streams: null on every chunk but the last
+    if times is not None:
+        body["timings"] = times
     return _event(body)
 
 

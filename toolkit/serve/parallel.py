@@ -67,8 +67,8 @@ def default_parallel(p, n_vocab: int, state_per_seq: int = 0) -> tuple[int, str]
 class Backend:
     """The engine and what the routes need from the model (its tokenizer and chat template)."""
 
-    def __init__(self, service, seed: int | None = None):
-        self.service, self.seed = service, seed
+    def __init__(self, service, seed: int | None = None, spec: str | None = None):
+        self.service, self.seed, self.spec = service, seed, spec
         self.engine = self.llm = self.fmt = None  # set by `ready`, before the gate lets a request in
         self._count = 0
 
@@ -77,6 +77,14 @@ class Backend:
 
         self.engine, self.llm, self.fmt = engine, llm, oa.formatter(llm)
         self.limiter = anyio.CapacityLimiter(engine.n_seq_max + self.service.limits.max_queue + 8)
+
+    def spec_settings(self, plan) -> dict:
+        """The engine's drafting (`Engine(spec=, spec_cost=)`) for `--spec` on `plan`: `auto` with the cost `ctxq
+        bench --spec` measured there, and it decides per sequence."""
+        from ..runtime import engine_spec
+
+        mode, cost, _ = engine_spec.for_plan(plan, self.spec)
+        return {"spec": mode, "spec_cost": cost}
 
     def next_seed(self) -> int | None:
         """The server's --seed, a different one per request (as one Llama's RNG would move on)."""
@@ -156,7 +164,7 @@ def endpoint(backend: Backend, path: str):
         reason = _reason(req)
         _count(svc, req, start, first)
         use = oa.usage(req.prompt_tokens, req.cached_tokens, req.completion_tokens)
-        return JSONResponse(oa.answer(prompt, svc.alias, "".join(parts), reason, use))
+        return JSONResponse(oa.answer(prompt, svc.alias, "".join(parts), reason, use, _timings(backend, req)))
 
     return complete
 
@@ -170,13 +178,18 @@ async def _stream(backend: Backend, prompt: oa.Prompt, req, run, start: float):
             first = first or _first(run)
             if ev.text:
                 yield oa.chunk(prompt, svc.alias, ev.text)
-        yield oa.chunk(prompt, svc.alias, None, _reason(req))
+        yield oa.chunk(prompt, svc.alias, None, _reason(req), times=_timings(backend, req))
         if prompt.include_usage:
             yield oa.usage_chunk(prompt, svc.alias, oa.usage(req.prompt_tokens, req.cached_tokens,
                                                              req.completion_tokens))
         yield oa.DONE
     finally:
         _count(svc, req, start, first)
+
+
+def _timings(backend: Backend, req) -> dict | None:
+    """The response's `timings` (drafted and accepted tokens) when the engine drafts."""
+    return oa.timings(req) if backend.engine.spec.active else None
 
 
 def _first(run) -> float:
@@ -191,6 +204,7 @@ def _count(svc, req, start: float, first: float | None) -> None:
     first = first or now
     svc.metrics.generated(req.prompt_tokens or 0, req.cached_tokens or 0, req.completion_tokens or 0,
                           first - start, now - first)
+    svc.metrics.drafted(req.draft_n, req.draft_n_accepted)
 
 
 def install(app, backend: Backend) -> None:

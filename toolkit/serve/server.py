@@ -134,8 +134,8 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     `chat_format`: llama-cpp-python's chat format to answer chat with instead of the model's template
     (e.g. "chatml-function-calling", for tool_choice "auto"); `parallel`: serve completions on ctxq's
     engine, that many sequences decoded together (0: the default from the plan, `parallel.py`);
-    `load()` then returns (memory, the number of sequences, why). `spec`: drafts from the context for the
-    one-at-a-time path (`runtime.speculative`; the engine decodes without them). `options`: the PlanOptions `p`
+    `load()` then returns (memory, the number of sequences, why). `spec`: drafts from the context, verified
+    in one batch (`runtime.speculative`; with `parallel`, `runtime.engine_spec`). `options`: the PlanOptions `p`
     was made with, which the page's re-plan starts from (`page_routes.py`; default: `p`'s context alone)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
@@ -169,7 +169,7 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     if parallel is not None:  # the engine's completion routes come first: they answer those paths
         from .parallel import Backend, install
 
-        backend = Backend(service, seed)
+        backend = Backend(service, seed, spec)
         install(app, backend)
     _routes(app, service, p.llama_flags())
     from ..planning.options import PlanOptions
@@ -229,7 +229,7 @@ def _load_engine(p: Plan, parallel: int, backend, alias: str, **load_kwargs):
         # the engine's context replaces the Llama's, so the plan's KV memory is held once (as
         # engine.from_plan does; the model, its tokenizer and template stay in `llm`)
         llm._ctx.close()
-        engine = engine_mod.Engine(llm, n_seq_max=n, n_ctx=p.n_ctx, own_llm=True)
+        engine = engine_mod.Engine(llm, n_seq_max=n, n_ctx=p.n_ctx, own_llm=True, **backend.spec_settings(p))
         memory = engine_memory(p, llm, engine)  # the engine's context replaced the one load_plan measured
     except BaseException:
         llm.close()
