@@ -23,9 +23,24 @@
    file), beside llama.cpp's Q2_K and Q3_K_M quantized with and without the same matrix: bytes, the held-out mean
    KL, p99, top-1, seconds.
 
-    .venv/bin/python scripts/bench_fit.py [--sizes Q3_K_M,Q4_K_M,Q5_K_M] [--skip-70b]
+5. A fixed cache pair (`fit --ctx --kv`, issue 45): the default model (SmolLM2-135M-Instruct Q4_1) at 512 tokens on
+   one simulated card of 0.25 GiB, `--method error`: without `--kv` (the planner's pair for llama.cpp's Q4_K_M) and
+   with each of `--kv q8_0` and `--kv q4_0`, each through the real `ctxq convert ... fit` command. Per pair: the
+   rows the search kept (one where --kv fixes it), the KV MiB, the mix's bytes against the written file's, the
+   layers the plan of the file leaves on the CPU, the measured KL with that cache and its ratio to the planner's
+   pair's row, top-1, seconds (the suite's `--kv q4_0` run took 200 s on 2 shared cores: the error table with a
+   one-chunk matrix, the bisection, the quantization, the measurement).
+
+    .venv/bin/python scripts/bench_fit.py [--sizes Q3_K_M,Q4_K_M,Q5_K_M] [--methods kl,error] [--skip-70b]
     .venv/bin/python scripts/bench_fit.py --joint-only [--joint-ctx 4096]
     .venv/bin/python scripts/bench_fit.py --imatrix-rows [--imatrix-sizes Q2_K,Q3_K_M] [--imatrix-methods kl,error]
+    .venv/bin/python scripts/bench_fit.py --kv-rows [--kv-pairs q8_0,q4_0]
+
+What tests/test_fit.py's and tests/test_fit_joint.py's slowest tests hold (minutes each), as one run each:
+    .venv/bin/python scripts/bench_fit.py --sizes Q3_K_M,Q4_K_M --methods error --skip-70b --skip-joint
+        (the mix by the weights' error alone loses at most 0.85x llama.cpp's KL at Q3_K_M's and Q4_K_M's sizes)
+    .venv/bin/python scripts/bench_fit.py --kv-rows --kv-pairs q4_0
+        (--kv q4_0 keeps one row, the mix's bytes are the file's, every layer on the card, measured with q4_0/q4_0)
 
 The KL table of SmolLM2 (69 quantizer runs and 62 measured probes) takes about 10 minutes on 2 cores the first time;
 it is cached under ctxq's cache (fit/).
@@ -40,7 +55,7 @@ import time
 from pathlib import Path
 
 
-def smollm2(tmp: Path, sizes: list[str]) -> None:
+def smollm2(tmp: Path, sizes: list[str], methods: list[str]) -> None:
     from ctxq.conversion import fit as F
     from ctxq.conversion.convert import convert
     from ctxq.conversion.quantize import quantize_gguf
@@ -48,7 +63,7 @@ def smollm2(tmp: Path, sizes: list[str]) -> None:
 
     src = convert(rebuild_smollm2_hf(), "f16").path  # in the models folder: the KL table cached with it
     tables = {}
-    for method in ("kl", "error"):
+    for method in methods:
         t0 = time.perf_counter()
         tables[method] = F.table_for(src, method, progress=_dots)
         print(f"\n{method} table: {time.perf_counter() - t0:.1f} s (cached after the first run)", file=sys.stderr)
@@ -176,6 +191,44 @@ def joint(tmp: Path, n_ctx: int, src: str | None) -> None:
             f"{r.pair} {'%.4f' % r.total if r.total is not None else r.skipped}" for r in j.rows) + ") |", flush=True)
 
 
+def kv_rows(pairs: list[str], n_ctx: int = 512, simulate: str = "0.25") -> None:
+    """Section 5: `ctxq convert SRC fit --ctx N --simulate G --method error [--kv PAIR]`, the planner's pair first."""
+    import json
+    import os
+    import subprocess
+
+    from ctxq.models import fetch_default_model
+
+    src = fetch_default_model()
+    exe = str(Path(sys.executable).with_name("ctxq"))
+    env = {**os.environ, "CTXQ_IMATRIX_CHUNKS": os.environ.get("CTXQ_IMATRIX_CHUNKS", "1")}
+    print(f"\n{src.name}, `fit --ctx {n_ctx} --simulate {simulate} --method error`, one chunk of the importance "
+          f"matrix; KL against the source with an f16 cache, held-out half\n")
+    print("| --kv | pair | rows kept | KV MiB | mix bytes | file bytes | CPU layers | measured KL | KL vs planner's "
+          "| top-1 | seconds |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = None
+    for kv in [None, *pairs]:
+        with tempfile.TemporaryDirectory(prefix="ctxq-bench-kv-") as tmp:
+            out = Path(tmp) / "kv.gguf"
+            cmd = [exe, "convert", str(src), "fit", "--ctx", str(n_ctx), "--simulate", simulate, "--method", "error",
+                   "--no-check", "-o", str(out), "--json"] + (["--kv", kv] if kv else [])
+            t0 = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            seconds = time.perf_counter() - t0
+            if r.returncode != 0:
+                print(f"| {kv or '-'} | refused: {r.stderr.strip()[-200:]} | | | | | | | | | {seconds:.0f} |", flush=True)
+                continue
+            d = json.loads(r.stdout)
+            row = next(p for p in d["pairs"] if p["pair"] == f"{d['type_k']}/{d['type_v']}")
+            q = d["quality"]
+            base = base if base is not None else q["mean_kl"]
+            print(f"| {kv or '- (planner)'} | {d['type_k']}/{d['type_v']} | {len(d['pairs'])} "
+                  f"| {row['kv_bytes'] / 2**20:.1f} | {d['size']:,} | {out.stat().st_size:,} | {d['plan']['cpu_layers']} "
+                  f"| {q['mean_kl']:.5f} ({q['type_k']}/{q['type_v']}, {q['n_ctx']:,} tokens) | {q['mean_kl'] / base:.2f}x "
+                  f"| {100 * q['top1_agreement']:.1f} % | {seconds:.0f} |", flush=True)
+
+
 def imatrix_rows(tmp: Path, src: str | None, sizes: list[str], methods: list[str], full: bool = False) -> None:
     from ctxq.conversion import fit as F
     from ctxq.conversion.convert import convert
@@ -260,6 +313,7 @@ def _imrow(qt, name, matrix, size, q, seconds):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="Q3_K_M,Q4_K_M,Q5_K_M")
+    ap.add_argument("--methods", default="kl,error", help="fit's methods for section 1 (kl, error)")
     ap.add_argument("--skip-70b", action="store_true")
     ap.add_argument("--skip-smollm2", action="store_true")
     ap.add_argument("--joint-only", action="store_true", help="only section 3 (the pair and the mix together)")
@@ -272,14 +326,19 @@ def main() -> int:
     ap.add_argument("--imatrix-methods", default="kl", help="fit's methods for section 4 (kl, error)")
     ap.add_argument("--imatrix-full", action="store_true",
                     help="measure the kl table without the matrix again rather than from the same probes")
+    ap.add_argument("--kv-rows", action="store_true", help="only section 5: a fixed cache pair (--kv)")
+    ap.add_argument("--kv-pairs", default="q8_0,q4_0", help="the --kv values of section 5 (the planner's row first)")
     a = ap.parse_args()
+    if a.kv_rows:
+        kv_rows(a.kv_pairs.split(","))
+        return 0
     with tempfile.TemporaryDirectory(prefix="ctxq-bench-fit-") as tmp:
         if a.imatrix_rows:
             imatrix_rows(Path(tmp), a.joint_src, a.imatrix_sizes.split(","), a.imatrix_methods.split(","),
                          a.imatrix_full)
             return 0
         if not a.skip_smollm2 and not a.joint_only:
-            smollm2(Path(tmp), a.sizes.split(","))
+            smollm2(Path(tmp), a.sizes.split(","), a.methods.split(","))
         if not a.skip_70b and not a.joint_only:
             llama70b(Path(tmp))
         if not a.skip_joint:
