@@ -51,6 +51,9 @@ class Device:
     flops: float | None = None  # FLOP/s: dense FP16 tensor throughput with FP32 accumulate
     link_bandwidth: float | None = None  # bytes/s, one direction, to the other cards (PCIe, NVLink)
     link_latency: float | None = None  # seconds per exchange step between cards (see LINK_LATENCY_*)
+    # the host only: pageable (mmap'd or malloc'd) host memory to a card, bytes/s; None: a share of the card's link
+    # (planning/speed/model.PAGEABLE_SHARE)
+    pageable_bandwidth: float | None = None
 
     def __post_init__(self):
         if not self.backend:
@@ -97,7 +100,7 @@ def list_profiles() -> list[str]:
 _PROFILE_KEYS = {"name", "description", "device", "cpu"}
 _DEVICE_KEYS = {"name", "memory_gib", "usable_gib", "bandwidth_gbs", "count", "backend", "reserve_gib",
                 "tflops_f16", "link_gbs", "link_latency_us"}
-_CPU_KEYS = {"memory_gib", "bandwidth_gbs"}
+_CPU_KEYS = {"memory_gib", "bandwidth_gbs", "tflops", "pageable_gbs"}
 
 
 def load_profile(name_or_path: str) -> tuple[list[Device], dict]:

@@ -53,6 +53,7 @@ class Matrix:
     spill_geometry: str = "llama3-8b"
     spill_ctx: int = 32768
     spill_prompt: int = 32768 - 64
+    spill_ubatches: tuple[int, ...] = (512, 2048)  # issue 61: the copies of host weights per micro-batch
     reader: Callable = nvml_or_fake  # () -> (read, why-not-NVML or None)
 
 
@@ -314,10 +315,12 @@ def split(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
 
 @keeps_partial
 def spill(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
-    """Issue 53 on a real card declared smaller than the model (`--reserve`: the card's free memory less the model's
-    weights and half its cache): `ctxq plan` of both placements (FFN weights in host memory; whole layers on the
-    CPU) with their estimated times, then `ctxq bench` of each at -p spill_prompt -n 32: measured prefill and decode
-    beside the estimate."""
+    """Issues 53 and 61 on a real card declared smaller than the model (`--reserve`: the card's free memory less
+    four fifths of the weights): for each placement (FFN weights in host memory; whole layers on the CPU), the
+    prefill of spill_prompt tokens at each of spill_ubatches (`ctxq bench -ub 512,2048`: the copies of host weights
+    per micro-batch), then decoding at a short and at a spill_prompt-token depth; each measurement beside the plan's
+    own estimate for the same workload (`ctxq plan --prompt-tokens --gen-tokens`). mmap'd (pageable) weights: ctxq
+    plans load with mmap, as llama.cpp's tools do by default."""
     from ctxq.gguf.info import model_info
     from ctxq.units import GiB
 
@@ -330,16 +333,23 @@ def spill(stage: Stage, out: Path, result: dict, m: Matrix) -> dict:
     room = sum(la.weight_bytes for la in info.layers) * 0.8  # a fifth of the weights does not fit
     reserve = max(0.0, (free - room) / GiB)
     common = [model, "-c", str(m.spill_ctx), "--reserve", f"{reserve:.2f}"]
-    result.update(model=m.spill_geometry, n_ctx=m.spill_ctx, reserve_gib=round(reserve, 2))
+    ubs = ",".join(str(u) for u in m.spill_ubatches)
+    result.update(model=m.spill_geometry, n_ctx=m.spill_ctx, reserve_gib=round(reserve, 2), ubatches=ubs)
     for how in ("weights", "layers"):
+        row = result[how] = {"estimate": {}, "bench": {}}
+        for ub in m.spill_ubatches:  # the plan's own estimate of each measured setting
+            stage.check(10)
+            p = _ctxq_json(["plan", *common, "--offload", how, "-ub", str(ub), "-b", str(max(ub, 2048)),
+                            "--prompt-tokens", str(m.spill_prompt), "--gen-tokens", "32"], stage.left())
+            row["estimate"][ub] = {"cpu_layers": p["cpu_layers"], "cpu_ffn_layers": len(p["cpu_ffn_layers"]),
+                                   **{k: p["speed"]["read"].get(k) for k in ("prefill_s", "decode_tps")}}
         stage.check(15)
-        p = _ctxq_json(["plan", *common, "--offload", how], stage.left())
-        row = {"cpu_layers": p["cpu_layers"], "cpu_ffn_layers": len(p["cpu_ffn_layers"]),
-               "estimate": p["speed"].get("read")}
-        result[how] = row
-        b = _ctxq_json(["bench", *common, "--offload", how, "-p", str(m.spill_prompt), "-n", "32", "-r", "1"],
-                       stage.left())
-        row["bench"] = b
+        row["bench"]["prefill"] = _ctxq_json(["bench", *common, "--offload", how, "-ub", ubs, "-b", "2048",
+                                              "-p", str(m.spill_prompt), "-n", "0", "-r", "1"], stage.left())
+        for depth in (0, m.spill_prompt):  # decoding: at a short and at a long depth
+            stage.check(10)
+            row["bench"][f"decode_d{depth}"] = _ctxq_json(["bench", *common, "--offload", how, "-p", "0", "-n",
+                                                           "32", "-d", str(depth), "-r", "1"], stage.left())
     return result
 
 

@@ -99,5 +99,22 @@ if [ "$(cat "$VENV/.ctxq-key" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$VENV/.ctxq-key"
 fi
 
+# --- a browser for the page's tests ----------------------------------------------------------
+# tests/test_page.py drives `ctxq serve`'s page in Debian's Chromium (playwright's own browser download needs a
+# host this project does not reach). Quiet; where apt cannot install it, say why: those tests then skip saying so.
+if [[ ",$EXTRAS," == *",test,"* ]] && [ ! -x /usr/bin/chromium ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "ctxq setup: installing Debian's chromium for the page's tests"
+        if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+                >/tmp/ctxq-chromium.log 2>&1; then
+            echo "ctxq setup: chromium was not installed (apt-get failed: $(tail -1 /tmp/ctxq-chromium.log));" \
+                 "tests/test_page.py will skip"
+        fi
+    else
+        echo "ctxq setup: chromium is missing and apt-get cannot install it here (not root, or no apt);" \
+             "tests/test_page.py will skip"
+    fi
+fi
+
 # --- the default model ------------------------------------------------------------------
 "$VENV/bin/python" scripts/fetch_default_model.py

@@ -58,7 +58,7 @@ def test_run_without_flags_leaves_every_option_unset(record):
     assert calls[0][1]["options"] == PlanOptions()  # "not given": the library's defaults apply
     assert PlanOptions().resolved() == PlanOptions(n_ctx=4096, n_batch=2048, n_ubatch=512, kv="auto",
                                                    prefer="quality", flash_attn=True, reorder=True, split_mode="layer",
-                                                   offload="auto", prefer_given=False)
+                                                   offload="auto")
 
 
 def test_serve_flags_reach_the_plan(record):

@@ -8,6 +8,9 @@ import re
 
 import pytest
 
+from ctxq.gguf.info import model_info
+from ctxq.planning.memory.costs import estimate_tps
+
 import ctxq
 
 _CARDS = """
@@ -55,8 +58,10 @@ def test_layers_move_to_the_faster_card_while_every_card_holds_its_part(llama8b,
     assert note is not None, fast.notes
     assert fast.tensor_split[0] > even.tensor_split[0] and fast.tensor_split[1] < even.tensor_split[1]
     assert sum(fast.tensor_split) == sum(even.tensor_split) and fast.cpu_layers == even.cpu_layers == 0
-    before, after = map(float, re.search(r"decode estimate ([\d.]+) -> ([\d.]+) tokens/s", note).groups())
-    assert after > before and fast.est_decode_tps == pytest.approx(after, rel=1e-3)
+    before, after = map(float, re.search(r"memory-bandwidth bound ([\d.]+) -> ([\d.]+) tokens/s", note).groups())
+    info = model_info(llama8b)
+    assert after > before and estimate_tps(fast.gpus, fast.host, info.token_embd_bytes) == pytest.approx(after, rel=1e-3)
+    assert fast.est_decode_tps == fast.speed["read"]["decode_tps"]  # the plan's one decode rate: the reading's
     for g in fast.gpus:  # the planner's own rows: weights, KV, compute, CUDA terms and reserve within the card
         assert g.total <= g.device.usable, (g.device.name, g.total / 2**30, g.device.usable / 2**30)
     assert fast.gpus[0].free < even.gpus[0].free  # the memory left over is what the layers took

@@ -51,11 +51,16 @@ def _fits(model, kv):
 
 
 def test_default_order_takes_the_least_lossy_pair_that_fits(smollm2, home):
-    """No measurement: the first pair of ctxq's default table (kvpairs.DEFAULT_KL) that holds every layer."""
-    p = plan(smollm2, N_CTX, simulate=TIGHT)
+    """No measurement: prefer=speed takes the first pair of ctxq's default table (kvpairs.DEFAULT_KL) that holds
+    every layer and weight on the devices; the default (prefer=quality) holds q8_0/q8_0's floor, the room from
+    FFN weights in host memory (issue 61), never whole layers."""
+    p = plan(smollm2, N_CTX, simulate=TIGHT, prefer="speed")
     order = kvpairs.ranked(kvpairs.at_speed(False), {})
     expected = next(c for c in order if _fits(smollm2, f"{c.type_k}/{c.type_v}"))
     assert (p.type_k, p.type_v) == expected.pair and p.cpu_layers == 0
+    floor = plan(smollm2, N_CTX, simulate=TIGHT)
+    assert (floor.type_k, floor.type_v) == ("q8_0", "q8_0") and floor.cpu_layers == 0 and floor.cpu_ffn_layers
+    assert floor.host.kv == 0 and expected.pair != ("q8_0", "q8_0")
     assert not _fits(smollm2, "q8_0")  # the old ladder's q8_0 needs the CPU here: the choice is a new pair
     assert p.kv_quality["measured"] is False
     assert f"ctxq quality {smollm2} --ctx {N_CTX}" in kvpairs.describe(p.kv_quality, p.model, p.n_ctx)
@@ -64,12 +69,12 @@ def test_default_order_takes_the_least_lossy_pair_that_fits(smollm2, home):
 def test_a_measurement_changes_the_choice(smollm2, home):
     assert _fits(smollm2, "q4_0") and _fits(smollm2, "iq4_nl")
     _record(smollm2, {"q8_0/q8_0": 0.004, "q4_0/q4_0": 0.010, "iq4_nl/iq4_nl": 0.050})
-    a = plan(smollm2, N_CTX, simulate=TIGHT)
+    a = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.02)  # the floor where the user puts it
     assert (a.type_k, a.type_v) == ("q4_0", "q4_0")
     assert kvpairs.describe(a.kv_quality, a.model, a.n_ctx) == (
         "KV q4_0/q4_0: mean KL 0.0100, top-1 99.0 % vs f16, measured on contract.txt at 65,536 tokens")
     _record(smollm2, {"q4_0/q4_0": 0.050, "iq4_nl/iq4_nl": 0.010})  # a model whose keys suffer at q4_0
-    b = plan(smollm2, N_CTX, simulate=TIGHT)
+    b = plan(smollm2, N_CTX, simulate=TIGHT, max_kl=0.02)
     assert (b.type_k, b.type_v) == ("iq4_nl", "iq4_nl") and b.kv_quality["mean_kl"] == 0.010
     # the same measurement of another file (or the file changed since) is not this model's
     smollm2_copy = home / "copy.gguf"
@@ -99,10 +104,11 @@ def test_max_kl_holds_moves_layers_or_refuses(smollm2, home):
 def test_cli_prints_the_cost_and_refuses_in_one_line(smollm2, home):
     _record(smollm2, {"q8_0/q8_0": 0.004, "iq4_nl/iq4_nl": 0.010})
     env = {"CTXQ_HOME": str(home)}
-    r = run_ctxq("plan", str(smollm2), "--ctx", str(N_CTX), "--simulate", TIGHT, env=env)
+    r = run_ctxq("plan", str(smollm2), "--ctx", str(N_CTX), "--simulate", TIGHT, "--max-kl", "0.02", env=env)
     assert r.returncode == 0, r.stderr
     assert "quality: KV iq4_nl/iq4_nl: mean KL 0.0100" in r.stdout and "-ctk iq4_nl -ctv iq4_nl" in r.stdout
-    j = json.loads(run_ctxq("plan", str(smollm2), "--ctx", str(N_CTX), "--simulate", TIGHT, "--json", env=env).stdout)
+    j = json.loads(run_ctxq("plan", str(smollm2), "--ctx", str(N_CTX), "--simulate", TIGHT, "--max-kl", "0.02",
+                            "--json", env=env).stdout)
     assert j["kv_quality"]["mean_kl"] == 0.010 and j["type_k"] == "iq4_nl"
     bad = run_ctxq("plan", str(smollm2), "--ctx", str(N_CTX), "--kv", "q8_0/q3_K", env=env)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--kv" in bad.stderr

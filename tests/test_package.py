@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"ctxq": ROOT / "toolkit", "ctxq/converters": ROOT / "converters", "ctxq/profiles": ROOT / "profiles"}
 
 pytestmark = pytest.mark.slow
+SHIPPED = (".py", ".toml", ".html", ".css", ".js")  # modules, profiles, the page of `ctxq serve`
 
 
 def _run(cmd, *, cwd, env=None, timeout=300, check=True) -> subprocess.CompletedProcess:
@@ -61,10 +62,12 @@ def dist(tmp_path_factory) -> dict[str, Path]:
 def test_wheel_holds_every_module_and_data_file(dist):
     names = set(zipfile.ZipFile(dist["wheel"]).namelist())
     want = {f"{pkg}/{f.relative_to(src)}" for pkg, src in SOURCES.items()
-            for f in src.rglob("*") if f.suffix in (".py", ".toml") and "__pycache__" not in f.parts}
+            for f in src.rglob("*") if f.suffix in SHIPPED and "__pycache__" not in f.parts}
     assert want, "no sources found"
     assert not want - names, f"missing from the wheel: {sorted(want - names)}"
     assert "ctxq/py.typed" in names and "ctxq/hub/__init__.py" in names
+    # the page of `ctxq serve` (issue 62): package data, no build step
+    assert {f"ctxq/serve/page/{n}" for n in ("index.html", "page.css", "main.js", "api.js", "plan.js")} <= names
     assert not {n for n in names if n.startswith(("toolkit/", "tests/", "converters/"))}, "a folder under its own name"
     with tarfile.open(dist["sdist"]) as t:
         members = {m.split("/", 1)[1] for m in t.getnames() if "/" in m}

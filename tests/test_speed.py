@@ -9,11 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from gguf import GGMLQuantizationType as T
 
 from ctxq.errors import InvalidOption
 from ctxq.gguf.info import model_info
-from ctxq.gguf.writer import write_sparse_gguf
 from ctxq.llama import doctor
 from ctxq.planning.speed import model as speed
 from ctxq.planning import devices
@@ -21,55 +19,19 @@ from ctxq.planning.devices import KNOWN_CARDS, Device, card_facts, gpu_speed_fac
 from ctxq.planning.memory.costs import estimate_tps
 from ctxq.planning.planner import plan
 from ctxq.planning.speed.model import LayerShape, ModelShape, Placement, Share, Workload, estimate
-from ctxq.testing.hybrid import HybridGeometry
-from ctxq.testing.synthetic import GEOMETRIES, Geometry, model_keys, write_synthetic_gguf
+from ctxq.testing.hybrid import GPT_OSS_120B, write_gpt_oss_released
+from ctxq.testing.synthetic import GEOMETRIES, Geometry, write_synthetic_gguf
 
 GiB = 1024**3
 
-# gpt-oss-120b's config.json: 36 layers, hidden 2880, 64 heads of 64, 8 KV heads, 128 experts of 2880 (4 used),
-# a 128-token window on every other layer, vocabulary 201088.
-GPT_OSS_120B = HybridGeometry(n_layer=36, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, head_dim=64,
-                              n_vocab=201088, n_expert=128, n_expert_used=4, n_swa=128, n_ctx_train=131072)
 # Llama-3.2-1B's config.json: 16 layers, hidden 2048, 32 heads / 8 KV of 64, FFN 8192, tied embeddings.
 LLAMA_32_1B = Geometry("Llama-3.2-1B", "llama", 16, 2048, 32, 8, 64, 8192, 128256, 131072, tied=True)
-
-
-def write_gpt_oss_120b(path):
-    """gpt-oss-120b as ggml-org ships it: MXFP4 experts, Q8_0 attention, embeddings and head, f32 norms, biases
-    and router. Its size, 59.02 GiB, is llama-bench's for that file (llama.cpp PR 19922's tables)."""
-    g, f32 = GPT_OSS_120B, (lambda *shape: (shape, T.F32))
-    e, ff, q, kv, E = g.n_embd, g.n_ff, g.n_head * g.head_dim, g.n_head_kv * g.head_dim, g.n_expert
-    specs = [("token_embd.weight", (e, g.n_vocab), T.Q8_0), ("output_norm.weight", (e,), T.F32),
-             ("output.weight", (e, g.n_vocab), T.Q8_0)]
-    for il in range(g.n_layer):
-        block = {"attn_norm.weight": f32(e), "post_attention_norm.weight": f32(e), "attn_q.weight": ((e, q), T.Q8_0),
-                 "attn_k.weight": ((e, kv), T.Q8_0), "attn_v.weight": ((e, kv), T.Q8_0),
-                 "attn_output.weight": ((q, e), T.Q8_0), "attn_q.bias": f32(q), "attn_k.bias": f32(kv),
-                 "attn_v.bias": f32(kv), "attn_output.bias": f32(e), "attn_sinks.weight": f32(g.n_head),
-                 "ffn_gate_inp.weight": f32(e, E), "ffn_gate_inp.bias": f32(E),
-                 "ffn_gate_exps.weight": ((e, ff, E), T.MXFP4), "ffn_up_exps.weight": ((e, ff, E), T.MXFP4),
-                 "ffn_down_exps.weight": ((ff, e, E), T.MXFP4), "ffn_gate_exps.bias": f32(ff, E),
-                 "ffn_up_exps.bias": f32(ff, E), "ffn_down_exps.bias": f32(e, E)}
-        specs += [(f"blk.{il}.{name}", *st) for name, st in block.items()]
-
-    def metadata(w):
-        model_keys(w, g, "gpt-oss-120b", 38, 1e-5)  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE
-        w.add_tokenizer_model("none")
-        w.add_feed_forward_length(ff)
-        w.add_head_count_kv(g.n_head_kv)
-        w.add_rope_dimension_count(g.head_dim)
-        w.add_expert_count(E)
-        w.add_expert_used_count(g.n_expert_used)
-        w.add_expert_feed_forward_length(ff)
-        w.add_sliding_window(g.n_swa)
-
-    return write_sparse_gguf(path, "gpt-oss", specs, metadata)
 
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     d = tmp_path_factory.mktemp("speed_models")
-    oss = model_info(write_gpt_oss_120b(d / "gpt-oss-120b.gguf"))
+    oss = model_info(write_gpt_oss_released(d / "gpt-oss-120b.gguf", GPT_OSS_120B))
     assert round(oss.file_size / GiB, 2) == 59.02  # the published file's size: the shape is that model's
     return {"gpt-oss-120b": speed.model_shape(oss),
             "llama-3.2-1b": speed.model_shape(model_info(write_synthetic_gguf(d / "l1b.gguf", LLAMA_32_1B)))}
@@ -117,9 +79,9 @@ def test_tensor_against_layer_mode_matches_pr_19378_within_30_percent(shapes, mo
 
 def test_the_all_reduce_follows_the_meta_backends_steps():
     # ggml-backend-meta.cpp's allreduce_fallback: log2 of the largest power of two <= n exchange steps, plus a
-    # fold-in and a copy-back step for the rest; each step moves the whole f32 tensor
-    step = 1e-5 + 1000 * 4 / 24e9
+    # fold-in and a copy-back step for the rest; each step moves the whole f32 tensor, its copies issued card by card
     for n, steps in ((1, 0), (2, 1), (3, 3), (4, 2), (5, 4), (8, 3)):
+        step = 1e-5 + n * speed.CUDA_CALL_S + 1000 * 4 / 24e9
         assert speed.allreduce_s(1000, n, 24e9, 1e-5) == pytest.approx(steps * step)
     # NCCL reduces bf16 above 262,144 elements on 4 cards: half the bytes of f32 just below that
     big = speed.allreduce_s(262144, 4, 24e9, 0, "nccl")

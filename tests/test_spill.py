@@ -133,16 +133,19 @@ def test_a_spilled_load_gives_plain_llama_cpps_tokens(smollm2):
 
 def test_the_default_keeps_the_cache_on_the_cards_and_reads_faster(llama70b):
     """Llama-3-70B Q4_K_M at 64k on three 12 GB and two 6 GB cards: every layer's KV on the cards, FFN weights on
-    the host, and an estimated time to read the context far below whole layers on the CPU (issue 53's row:
-    15,458 s)."""
+    the host. Both placements copy their host weights to the first card at prefill and a whole layer's attention
+    follows them there (issue 61: not the CPU, as issue 53's 15,458 s assumed), so the prefills come out close;
+    decoding is where they part: the host reads whole layers' weights and cache from RAM at every token."""
     p = plan(llama70b, 65536, gpus=CARDS, cpu_memory=HOST)
     layers = plan(llama70b, 65536, gpus=CARDS, offload="layers", cpu_memory=HOST)
     assert p.cpu_layers == 0 and p.host.kv == 0 and p.cpu_ffn_layers
     assert layers.cpu_layers > 0 and layers.host.kv > 0
     read, other = p.speed["read"], layers.speed["read"]
     assert read["measured"] is False and read["prefill_s"] and other["prefill_s"]
-    assert read["prefill_s"] * 10 < other["prefill_s"]
-    assert read["other"]["placement"] == "layers" and read["other"]["prefill_s"] > read["prefill_s"]
+    assert 0.75 < read["prefill_s"] / other["prefill_s"] < 1.33  # the host weights' copies make both
+    assert read["decode_tps"] > 1.2 * other["decode_tps"]  # a whole host layer decodes on the CPU
+    total = read["prefill_s"] + read["gen_tokens"] / read["decode_tps"]
+    assert read["other"]["placement"] == "layers" and read["other"]["total_s"] > total
     for g in p.gpus:  # every card within its capacity
         assert g.total <= g.device.usable
     words = shlex.split(p.llama_flags())
@@ -153,10 +156,11 @@ def test_the_default_keeps_the_cache_on_the_cards_and_reads_faster(llama70b):
 def test_the_plan_prints_the_time_to_read_the_context(llama70b):
     r = run_ctxq("plan", str(llama70b), "--ctx", "65536", "--gpus", CARDS, "--cpu-memory", "64")
     assert r.returncode == 0, r.stderr
-    m = re.search(r"^reading 65,536 tokens: ~([\d,.]+) s \(whole layers on the CPU: ~([\d,.]+) s\), estimated",
-                  r.stdout, re.M)
+    m = re.search(r"^reading 65,536 tokens: ~[\d,.]+ s, then ~[\d.]+ tokens/s for 128 tokens: ~([\d,.]+) s in all, "
+                  r"estimated \(whole layers on the CPU: ~[\d,.]+ s, ~([\d,.]+) s in all\)", r.stdout, re.M)
     assert m, r.stdout
     assert float(m.group(1).replace(",", "")) < float(m.group(2).replace(",", ""))
+    assert r.stdout.count("tokens/s") == 1  # one decode rate per plan
     assert re.search(r"^weights in host memory: the FFN of \d+ of 80 layers", r.stdout, re.M)
     sizes_only = run_ctxq("plan", str(llama70b), "--ctx", "65536", "--gpus", "12,12,12,6,6", "--cpu-memory", "64")
     said = [ln for ln in sizes_only.stdout.splitlines() if "no compute throughput" in ln]

@@ -22,9 +22,10 @@ FLAGS = {
     "timeout": "--timeout", "shutdown_timeout": "--shutdown-timeout", "session": "--session",
     "cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe", "max_kl": "--max-kl", "against": "--against",
     "n_prompt": "-p", "n_gen": "-n", "depth": "-d", "reps": "-r", "offload": "--offload",
+    "prompt_tokens": "--prompt-tokens", "gen_tokens": "--gen-tokens", "no_mmap": "--no-mmap",
 }
 # flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
-_SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure", "cpu_moe"}
+_SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure", "cpu_moe", "no_mmap"}
 _INVERTED = {"check"}
 _ON_OFF = {"flash_attn"}  # booleans that the command line spells on/off
 

@@ -75,9 +75,10 @@ def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False
                      "llama.cpp marks experimental; -ts takes proportions); auto: both planned and estimated, the "
                      "faster taken where `ctxq bench` measured both on these devices, else layer.  [default: layer]"),
         click.option("--prompt-tokens", "prompt_tokens", type=click.IntRange(min=0), default=None, metavar="N",
-                     help="-sm auto: the prompt each mode is timed for (prefill).  [default: the context]"),
+                     help="The prompt the plan's speed is estimated for, and its choices made by (micro-batch, "
+                          "K/V pair, placement, -sm auto).  [default: the context]"),
         click.option("--gen-tokens", "gen_tokens", type=click.IntRange(min=0), default=None, metavar="N",
-                     help="-sm auto: the tokens generated after it.  [default: 128]"),
+                     help="The tokens generated after it.  [default: 128]"),
         device_options,
         click.option("--simulate", default=None, metavar="GiB,…", help=simulate_help),
         click.option("--kv", default=None, metavar="auto|TYPE|K/V",
@@ -92,7 +93,9 @@ def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False
                      callback=lambda ctx, param, v: _ON_OFF[v] if v else None,
                      help="Flash attention (auto: on; a quantized V cache needs it).  [default: auto]"),
         click.option("--prefer", type=click.Choice(["quality", "speed"]), default=None,
-                     help="quality: keep KV at q8_0 or better, offload layers instead; speed: the reverse.  "
+                     help="quality: keep KV at q8_0 or better (or --max-kl), the room from weights in host memory "
+                          "or layers on the CPU, the pair estimated fastest among those; speed: trade loss for "
+                          "estimated time, both stated.  "
                           f"[default: {DEFAULT_PREFER}]"),
         click.option("-ub", "--ubatch", "n_ubatches", default=None, callback=_ubatch_list, metavar="N,…",
                      help="Micro-batches to measure, tokens per graph evaluation, as llama-bench takes them: "
@@ -107,6 +110,9 @@ def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False
                           "chosen layers in host memory, -ot; attention and the whole KV cache stay on the cards), "
                           "layers (whole layers with their KV cache on the CPU, -ngl), or auto (the one estimated "
                           "faster to read the context; weights when that cannot be estimated).  [default: auto]"),
+        click.option("--no-mmap", "no_mmap", is_flag=True, default=None, callback=lambda ctx, param, v: v or None,
+                     help="Load the weights instead of mapping the file (llama.cpp's --no-mmap): whole layers left "
+                          "on the CPU then sit in pinned memory, which copies to the card at the link's full rate."),
         click.option("-cmoe", "--cpu-moe", "cpu_moe", is_flag=True, default=None,
                      callback=lambda ctx, param, v: v or None,
                      help="Keep the expert weights of a mixture-of-experts model in CPU memory (llama.cpp's "

@@ -67,7 +67,7 @@ def render_plan(p, *, title: str | None = None) -> str:
     if (spilled := describe(p)) is not None:
         lines.append(spilled)
     lines += reading_lines(p.speed.get("read") or {})
-    if p.est_decode_tps:
+    if p.est_decode_tps and not (p.speed.get("read") or {}).get("decode_tps"):  # one decode rate: the reading's
         lines.append(f"decode estimate: ~{p.est_decode_tps:.1f} tokens/s at a full context "
                      "(from memory bandwidth; an estimate, not a measurement)")
     for n in p.notes:
@@ -136,7 +136,10 @@ def svg(p) -> str:
 @hf_file_option
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--svg", "svg_path", type=click.Path(dir_okay=False), default=None, help="Write per-device bars to FILE.")
-def plan_cmd(model, options, hf_file, as_json, svg_path):
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None,
+              help="Write the plan drawn per device to FILE: one HTML file that opens with no server or network "
+                   "(the plan part of `ctxq serve`'s page).")
+def plan_cmd(model, options, hf_file, as_json, svg_path, html_path):
     """Plan MODEL (a GGUF; default: the embedded SmolLM2) for a context of --ctx tokens.
 
     Chooses the KV-cache type, flash attention and the layers per device so that the whole context
@@ -150,11 +153,17 @@ def plan_cmd(model, options, hf_file, as_json, svg_path):
     model = with_file(model, hf_file) if hf_file else model
     ref = parse_ref(model) if model is not None and not Path(model).exists() else None
     if model is not None and (Path(model).is_dir() or (ref is not None and not ref.is_gguf)):
+        if html_path:  # one drawing per plan; a table of candidates has several
+            raise click.ClickException("--html draws one plan; plan the converted GGUF with it")
         return _plan_hf(model, options, as_json, svg_path)
     p = planner.plan(model, options=options)
     read = hub_read(model) if ref is not None else None
     if svg_path:
         Path(svg_path).write_text(svg(p))
+    if html_path:
+        from ..serve.page_plan import standalone_html
+
+        Path(html_path).write_text(standalone_html(p), encoding="utf-8")
     if as_json:
         echo_json(p.to_dict() | ({"hub_bytes_read": read[0]} if read else {}))
     else:

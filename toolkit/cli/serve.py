@@ -95,7 +95,8 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             p = runner.make_plan(model, options=opts.updated(parallel=parallel))
         app, load = server.create_app(p, api_key=api_key, rpc=opts.rpc, n_threads=n_threads, seed=seed,
                                       alias=alias, limits=limits, session=session,
-                                      chat_format=chat_format, parallel=parallel, spec=spec)
+                                      chat_format=chat_format, parallel=parallel, spec=spec,
+                                      options=opts.updated(parallel=parallel or None))
         click.echo(f"ctxq: {p.llama_flags()} ({p.reason})", err=True)
         if parallel is not None and spec not in (None, "off"):
             click.echo("ctxq: --spec: the --parallel engine decodes one token per pass for each sequence (no drafts)",
@@ -108,7 +109,8 @@ def serve_cmd(model, hf_file, options, n_threads, seed, host, port, api_key, ali
             click.echo(memory_table(memory), err=True)
             if n_seq is not None:
                 click.echo(f"ctxq: --parallel {n_seq}: {auto_why or why}", err=True)
-            click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens)", err=True)
+            click.echo(f"ctxq: serving on http://{host}:{port}/v1 (context {p.n_ctx:,} tokens); "
+                       f"the page: http://{host}:{port}/", err=True)
 
         if opts.rpc or p.split_mode == "tensor":  # llama.cpp aborts the process: one line instead
             one_line_on_abort(p.split_mode == "tensor")

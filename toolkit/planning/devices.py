@@ -26,6 +26,13 @@ log = logging.getLogger(__name__)
 # CPU RAM bandwidth assumed for the estimate: dual-channel DDR4-3200 (51.2 GB/s), at the
 # ~60 % a decode loop reaches.
 DEFAULT_CPU_BANDWIDTH = 30e9
+# What llama.cpp's GPU kernels reach of a card's peak figures, one pair for every card (few and physical):
+# token generation reads the weights at 50-70 % of the peak memory bandwidth (llmfit PR #137's survey of measured
+# cards, 2026-03-02), the upper end for llama.cpp's MMVQ; prompt processing runs its matmuls at about 80 % of the
+# FP16 tensor rate (llama.cpp PR 7676's and 8062's tables: an RTX 3090 at 3.65k t/s pp512 of Llama 8B Q5_0, 82 % of
+# 71 TFLOPS' 4.4k; an RTX 4090 at 10.4k t/s of Q4_0, 89 %). docs/speed-truth.md holds them to published runs.
+GPU_BANDWIDTH_SHARE = 0.7
+GPU_COMPUTE_SHARE = 0.8
 # CPU compute assumed for the speed estimate, per physical core: one AVX2 FMA unit of 8 f32 lanes (16 FLOP per
 # cycle, half of the two units recent x86 cores have) at 2.5 GHz. Conservative on purpose: only host layers use it.
 CPU_FLOPS_PER_CORE = 16 * 2.5e9
@@ -127,11 +134,14 @@ def default_cpu_flops() -> float:
     return (psutil.cpu_count(logical=False) or os.cpu_count() or 1) * CPU_FLOPS_PER_CORE
 
 
-def cpu_device(memory: int | None = None, bandwidth: float | None = None) -> Device:
-    """Host RAM: available memory now (psutil) unless given."""
+def cpu_device(memory: int | None = None, bandwidth: float | None = None, flops: float | None = None,
+               pageable: float | None = None) -> Device:
+    """Host RAM: available memory now (psutil) unless given; its compute this machine's unless a profile describes
+    the host it plans for (`[cpu] tflops`), and its pageable copy rate to a card (`[cpu] pageable_gbs`)."""
     vm = psutil.virtual_memory()
     return Device(name="CPU", kind="cpu", total=memory or vm.total, usable=memory or vm.available,
-                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH, flops=default_cpu_flops())
+                  bandwidth=bandwidth or DEFAULT_CPU_BANDWIDTH, flops=flops or default_cpu_flops(),
+                  pageable_bandwidth=pageable)
 
 
 def detect_gpus() -> list[Device]:
@@ -208,7 +218,7 @@ def resolve_devices(opts: PlanOptions) -> tuple[list[Device], Device]:
     """(devices in llama.cpp's order, the host) for a plan, once: `simulate`, else `gpus`, else the
     `profile`'s devices, with `rpc` workers first (llama.cpp puts RPC devices first); none of these
     given: the devices llama.cpp sees. Host memory: `cpu_memory`, else the profile's, else available now."""
-    cpu_memory, cpu_bw = opts.cpu_memory, None
+    cpu_memory, cpu_bw, cpu_flops, pageable = opts.cpu_memory, None, None, None
     devices: list[Device] = []
     if opts.simulate is not None:
         devices = simulated_devices(opts.simulate)
@@ -217,10 +227,12 @@ def resolve_devices(opts: PlanOptions) -> tuple[list[Device], Device]:
     elif opts.profile is not None:
         devices, cpu_cfg = load_profile(opts.profile)
         cpu_bw = float(cpu_cfg["bandwidth_gbs"]) * 1e9 if "bandwidth_gbs" in cpu_cfg else None
+        cpu_flops = float(cpu_cfg["tflops"]) * 1e12 if "tflops" in cpu_cfg else None
+        pageable = float(cpu_cfg["pageable_gbs"]) * 1e9 if "pageable_gbs" in cpu_cfg else None
         if cpu_memory is None and "memory_gib" in cpu_cfg:
             cpu_memory = int(float(cpu_cfg["memory_gib"]) * GiB)
     if opts.rpc:
         devices = rpc_devices(opts.rpc) + devices
     elif opts.simulate is None and opts.gpus is None and opts.profile is None:
         devices = detect_gpus()
-    return devices, cpu_device(cpu_memory, cpu_bw)
+    return devices, cpu_device(cpu_memory, cpu_bw, cpu_flops, pageable)

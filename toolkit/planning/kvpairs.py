@@ -181,9 +181,10 @@ def search(cands: list[Candidate], find, kv_bytes, past_full: bool = False) -> l
 
 
 def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, max_kl: float | None,
-           cands: list[Candidate], timed=None, prefer_given: bool = False):
-    """(candidate, plan) the policy keeps and the reason. Every layer on the GPUs: the fewest experts in CPU memory,
-    then the least loss. Otherwise prefer="quality" keeps the loss within q8_0/q8_0's (or max_kl) and moves layers
+           cands: list[Candidate], timed=None):
+    """(candidate, plan) the policy keeps and the reason. Every layer on the GPUs: prefer="quality" (the default)
+    keeps the pairs within q8_0/q8_0's loss (or max_kl); where some of them keep weights in host memory, the one the
+    estimate times fastest (`by_time`), else the fewest weights in host memory, then the least loss. Otherwise prefer="quality" keeps the loss within q8_0/q8_0's (or max_kl) and moves layers
     to the CPU; "speed" the most layers on the GPUs, then the least loss. prefer="speed" with `timed(plan)` (the
     workload's estimated seconds, or None): the fastest plan where that is faster than the least loss's
     (`fastest`)."""
@@ -194,11 +195,15 @@ def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, ma
     rank = {id(c): i for i, (c, _) in enumerate(found)}
     full = [(c, p) for c, p in found if p.cpu_layers == 0 or not devices]
     if full:
-        # a pair that spills FFN weights never replaces a smaller cache that fits without (planning/spill/placement.py),
-        # unless quality was asked for
-        spill = 0 if prefer == "quality" and prefer_given else 1
-        c, p = min(full, key=lambda cp: (len(cp[1].cpu_expert_layers), spill * bool(cp[1].cpu_ffn_layers),
-                                         rank[id(cp[0])]))
+        held = lambda p: (len(p.cpu_expert_layers), len(p.cpu_ffn_layers))  # noqa: E731 (weights in host memory)
+        if prefer == "quality":  # the floor holds whether the room comes from spilling weights or from moving layers
+            floor = max_kl if max_kl is not None else next((x.loss for x in cands if x.pair == QUALITY_FLOOR), 0.0)
+            full = [(c, p) for c, p in full if c.loss <= floor] or full
+        timed_choice = by_time(full, timed) if devices and any(held(p) != (0, 0) for _, p in full) else None
+        if timed_choice is not None:
+            return timed_choice
+        # untimed: the fewest weights in host memory, then the least loss
+        c, p = min(full, key=lambda cp: (*held(cp[1]), rank[id(cp[0])]))
         why = "all layers on the GPUs" if devices else "no GPUs: everything on the CPU"
         if devices and p.cpu_expert_layers:
             why += f", the experts of {len(p.cpu_expert_layers)} in CPU memory"
@@ -212,6 +217,30 @@ def choose(found: list[tuple[Candidate, object]], devices: list, prefer: str, ma
         return c, p, f"{p.cpu_layers} layers on the CPU; KV kept at {c.name} for quality"
     c, p = max(found, key=lambda cp: (cp[1].n_gpu_layers, -rank[id(cp[0])]))
     return c, p, f"{p.cpu_layers} layers on the CPU with the KV pair that minimises them"
+
+
+def by_time(full: list[tuple[Candidate, object]], timed):
+    """(candidate, plan, why) of the pair, among those the quality setting allows that hold every layer on the
+    cards, whose plan the estimate times fastest for the workload, where some keep weights in host memory: their
+    copies to the card make the time, not the cache's size. None where a plan cannot be timed."""
+    if timed is None or len(full) < 2:
+        return None
+    secs = [timed(p) for _, p in full]
+    if any(t is None for t in secs):
+        return None
+    i = min(range(len(full)), key=lambda j: (secs[j], j))  # a tie keeps the smaller loss
+    c, p = full[i]
+    p.speed = {**p.speed, "kv": {o.name: secs[j] for j, (o, _) in enumerate(full)}}
+    why = "all layers on the GPUs"
+    if p.cpu_expert_layers:
+        why += f", the experts of {len(p.cpu_expert_layers)} in CPU memory"
+    if p.cpu_ffn_layers:
+        why += f", the FFN weights of {len(p.cpu_ffn_layers)} in host memory"
+    others = "; ".join(f"{o.name} {secs[j]:.0f} s" + (f" (FFN of {len(q.cpu_ffn_layers)} layers in host memory)"
+                                                      if q.cpu_ffn_layers else "")
+                       for j, (o, q) in enumerate(full) if j != i)
+    return c, p, (f"{why}; KV {c.name} estimated fastest for the workload at -ub {p.n_ubatch}: {secs[i]:.0f} s "
+                  f"against {others}")
 
 
 SPEED_MARGIN = 0.05  # prefer="speed" trades quality only for 5 % or more of estimated time: less is within its error

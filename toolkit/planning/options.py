@@ -91,7 +91,7 @@ class PlanOptions:
     gen_tokens: int | None = None
     tensor_cards: tuple | list | None = None
     offload: str | None = None
-    prefer_given: bool | None = None  # set by resolved(): `prefer` was given, not the default (planning/spill/)
+    no_mmap: bool | None = None  # llama.cpp's --no-mmap: whole host layers' weights in the first GPU's pinned buffer
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -120,8 +120,7 @@ class PlanOptions:
                     split=None if self.split in (None, "auto") else self.split,
                     reorder=True if self.reorder is None else self.reorder,
                     split_mode=str(self.split_mode or DEFAULT_SPLIT_MODE).lower(),
-                    offload=str(self.offload or "auto").lower(),
-                    prefer_given=self.prefer is not None if self.prefer_given is None else self.prefer_given)
+                    offload=str(self.offload or "auto").lower())
         if r.offload not in OFFLOADS:
             raise InvalidOption(f"`offload` {self.offload!r}: choose weights, layers or auto", option="offload",
                                 value=self.offload)

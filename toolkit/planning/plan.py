@@ -80,6 +80,7 @@ class Plan:
     host: DevicePlan
     n_layer: int
     swa_full: bool = False  # sliding-window layers keep only their window (llama.cpp defaults to full)
+    use_mmap: bool = True  # False: --no-mmap (whole host layers in the GPU backend's pinned host buffer)
     device_order: list[int] | None = None  # indices into the given devices when reordered
     reason: str = ""
     est_decode_tps: float | None = None  # an estimate from memory bandwidth, not a measurement
@@ -152,7 +153,7 @@ class Plan:
                   split_mode=llama_cpp.LLAMA_SPLIT_MODE_TENSOR if self.split_mode == "tensor"
                   else llama_cpp.LLAMA_SPLIT_MODE_LAYER,
                   type_k=int(T[self.type_k.upper()]), type_v=int(T[self.type_v.upper()]),
-                  flash_attn=self.flash_attn, offload_kqv=True, swa_full=self.swa_full)
+                  flash_attn=self.flash_attn, offload_kqv=True, swa_full=self.swa_full, use_mmap=self.use_mmap)
         if self.gpus:
             kw["tensor_split"] = [float(c) for c in self.tensor_split]
             kw["main_gpu"] = 0
@@ -166,6 +167,8 @@ class Plan:
         if self.llama_devices:  # tensor mode over some of the cards: llama.cpp is given only those
             flags += " -dev " + ",".join(self.llama_devices)
         flags += f" -ctk {self.type_k} -ctv {self.type_v} -fa {'on' if self.flash_attn else 'off'}"
+        if not self.use_mmap:
+            flags += " --no-mmap"
         if self.swa_full:  # llama.cpp's tools default to the window; its C API to the full size
             flags += " --swa-full"
         if self.parallel:  # llama-server's -np; -kvu: one pool of n_ctx cells (common/arg.cpp)

@@ -57,7 +57,10 @@ def plan(model: str | os.PathLike | None = None, n_ctx: int | None = None, *, de
     p = plan_for(model, devices, cpu, opts)
     if given.n_ubatch is not None:  # never over a micro-batch the user gave
         return p
-    return ubatch.chosen(p, opts, lambda ub: plan_for(model, devices, cpu, replace(opts, n_ubatch=ub)))
+    def replan(ub: int, nb: int, kv: str | None = None) -> Plan:
+        return plan_for(model, devices, cpu, replace(opts, n_ubatch=ub, n_batch=nb, kv=kv or opts.kv))
+
+    return ubatch.chosen(p, opts, replan, batch_given=given.n_batch is not None)
 
 
 def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
@@ -148,9 +151,8 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
                                     opts.n_ctx)
         raise does_not_fit(cpu, hosts, opts.n_ctx)
     chosen, p, why = kvpairs.choose(found, devices, opts.prefer, opts.max_kl, cands,
-                                    (lambda q: ubatch.estimated_s(q, info, src, opts)) if for_speed else None,
-                                    prefer_given=bool(opts.prefer_given))
-    traded = why.startswith("KV ") and " for speed" in why
+                                    (lambda q: ubatch.estimated_s(q, info, src, opts)) if devices else None)
+    traded = (why.startswith("KV ") and " for speed" in why) or " estimated fastest for the workload" in why
     p.reason = (p.reason + "; " if tensor else "") + why + ("" if traded else _kv_why(
         chosen, found, fixed is None and len(pairs) > 1, kv_size, opts.n_ctx))
     if p.speed.get("layers_moved"):  # fast_layers: the note has the figures
@@ -179,6 +181,8 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
 def _read(p: Plan, info: ModelInfo, src, opts: PlanOptions) -> Plan:
     """The plan with its time to read the context (`speed["read"]`, planning/speed/reading.py)."""
     p.speed = {**p.speed, "read": reading(p, info, src, opts)}
+    if p.speed["read"].get("decode_tps"):  # one decode rate per plan: the workload's, at its depth
+        p.est_decode_tps = p.speed["read"]["decode_tps"]
     return p
 
 
@@ -192,6 +196,9 @@ def _kv_why(chosen, found, searched: bool, kv_size, n_ctx: int) -> str:
         return (f"; f16 KV ({kv_size('f16', 'f16') / GiB:.1f} GiB) fits only with the FFN weights of "
                 f"{len(f16.cpu_ffn_layers)} layers in host memory, {chosen.name} ({kv_size(*chosen.pair) / GiB:.1f} "
                 "GiB) with every weight on the cards")
+    if f16 is not None and f16.cpu_layers == 0 and (f16.cpu_ffn_layers or p.cpu_ffn_layers):
+        return (f"; f16 KV would keep the FFN weights of {len(f16.cpu_ffn_layers)} layers in host memory, "
+                f"{chosen.name} of {len(p.cpu_ffn_layers)}")
     if f16 is not None and f16.cpu_layers == 0:
         return (f"; f16 KV would keep the experts of {len(f16.cpu_expert_layers)} layers in CPU memory, "
                 f"{chosen.name} of {len(p.cpu_expert_layers)}")
@@ -203,6 +210,7 @@ def _settle(p: Plan, opts: PlanOptions) -> Plan:
     """The plan with its context's sequence settings (PlanOptions.context_settings)."""
     for k, v in opts.context_settings().items():
         setattr(p, k, v)
+    p.use_mmap = not opts.no_mmap
     return p
 
 

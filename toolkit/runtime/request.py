@@ -44,6 +44,7 @@ class Request:
         self.finish_reason: str | None = None
         self.prompt_tokens = n_prompt
         self.cached_tokens = 0
+        self.prompt_done = 0  # prompt tokens in its cells so far (shared or evaluated): a prefill's progress
         self.completion_tokens = 0
         self.error: Exception | None = None
         self.cancelled = False  # asked for; finish_reason says when it took effect

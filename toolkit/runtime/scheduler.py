@@ -146,7 +146,7 @@ class Scheduler:
             st.fork(src, dst, n)
             st.touch(src)
         if parent is None:
-            s.n_done = n
+            s.n_done = s.req.prompt_done = n
             self.reused += n
         s.req.cached_tokens = shared
         self.active.append(s)
@@ -182,6 +182,7 @@ class Scheduler:
             cp(p.seq_id, s.seq_id, s.wait_n)
             self.store.fork(p.seq_id, s.seq_id, s.wait_n)
             s.n_done, s.wait_for = s.wait_n, None
+            s.req.prompt_done = s.wait_n
             self.reused += s.wait_n
             p.children.remove(s)
             if not any(c.wait_n == s.wait_n for c in p.children):
@@ -222,7 +223,7 @@ class Scheduler:
         for s, toks in by_seq.items():
             self.store.append(s.seq_id, toks)
             if s.prefilling:
-                s.n_done = min(len(s.tokens), s.n_done + len(toks))
+                s.n_done = s.req.prompt_done = min(len(s.tokens), s.n_done + len(toks))
                 if not s.prefilling and s.chain is None and not s.zombie:
                     self.finish(s, "length", rm)
 

@@ -24,8 +24,12 @@ from .tools import check_tools
 
 log = logging.getLogger(__name__)
 
-PUBLIC = ("/health",)  # answered without the API key (a load balancer's probe has none)
-ALWAYS = ("/metrics", "/v1/models")  # answered while the model loads and while the server stops
+# answered without the API key: a load balancer's probe has none, nor does a browser loading the page's files (the
+# page then asks for the key and sends it on every call: page_routes.py)
+PUBLIC = ("/health", "/")
+PUBLIC_PREFIX = "/page/files/"
+# answered while the model loads and while the server stops (the page draws the plan before the model is loaded)
+ALWAYS = ("/metrics", "/v1/models", "/page/plan")
 GENERATE = (checks.CHAT, *checks.COMPLETIONS)
 # every route that reads a JSON body: it is parsed here first (nesting, surrogates), never by a route
 BODIES = (*GENERATE, "/extras/tokenize", "/extras/tokenize/count", "/extras/detokenize")
@@ -160,7 +164,7 @@ class Gate:
         from starlette.exceptions import HTTPException
 
         svc = self.service
-        if scope["path"] in PUBLIC:
+        if scope["path"] in PUBLIC or scope["path"].startswith(PUBLIC_PREFIX):
             return await self.app(scope, receive, send)
         if not self._authorized(scope):
             return await send_error(send, 401, "missing or wrong API key (send it as `Authorization: Bearer KEY`)",

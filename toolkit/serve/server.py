@@ -125,7 +125,8 @@ def _routes(app, service: Service, plan_flags: str) -> None:
 
 def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int | None = None,
                seed: int | None = None, alias: str | None = None, limits: ServeLimits | None = None,
-               session=None, chat_format: str | None = None, parallel: int | None = None, spec: str | None = None):
+               session=None, chat_format: str | None = None, parallel: int | None = None, spec: str | None = None,
+               options=None):
     """(app, load): the app answers at once (`/health` "loading", the API 503 with Retry-After) and
     serves the plan's model once `load()` has run; `load()` loads it as `ctxq run` does and returns
     the memory report. One app per process: llama-cpp-python keeps the model in a module global.
@@ -134,7 +135,8 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
     (e.g. "chatml-function-calling", for tool_choice "auto"); `parallel`: serve completions on ctxq's
     engine, that many sequences decoded together (0: the default from the plan, `parallel.py`);
     `load()` then returns (memory, the number of sequences, why). `spec`: drafts from the context for the
-    one-at-a-time path (`runtime.speculative`; the engine decodes without them)."""
+    one-at-a-time path (`runtime.speculative`; the engine decodes without them). `options`: the PlanOptions `p`
+    was made with, which the page's re-plan starts from (`page_routes.py`; default: `p`'s context alone)."""
     from fastapi import FastAPI
     from fastapi.middleware import Middleware
     from llama_cpp.server import app as server_app
@@ -170,6 +172,10 @@ def create_app(p: Plan, *, api_key: str | None = None, rpc=None, n_threads: int 
         backend = Backend(service, seed)
         install(app, backend)
     _routes(app, service, p.llama_flags())
+    from ..planning.options import PlanOptions
+    from .page_routes import install as install_page
+
+    install_page(app, service, p, options or PlanOptions(n_ctx=p.n_ctx), backend)
     app.add_middleware(Gate, service=service, api_key=api_key)
     app.state.ctxq = service
     app.state.ctxq_backend = backend

@@ -325,3 +325,43 @@ REALISTIC: dict[str, Callable[..., Path]] = {
     "lfm2-2.6b-6l": lambda path: write_lfm2(path, LFM2_2_6B_6L),
     "gpt-oss-20b-4l": lambda path: write_gpt_oss(path, GPT_OSS_20B_4L, expert_type=T.MXFP4),
 }
+
+
+# gpt-oss-120b's and gpt-oss-20b's config.json: 36 / 24 layers, hidden 2880, 64 heads of 64, 8 KV heads, 128 / 32
+# experts of 2880 (4 used), a 128-token window on every other layer, vocabulary 201088.
+GPT_OSS_120B = HybridGeometry(n_layer=36, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, head_dim=64,
+                              n_vocab=201088, n_expert=128, n_expert_used=4, n_swa=128, n_ctx_train=131072)
+GPT_OSS_20B = HybridGeometry(n_layer=24, n_embd=2880, n_ff=2880, n_head=64, n_head_kv=8, head_dim=64,
+                             n_vocab=201088, n_expert=32, n_expert_used=4, n_swa=128, n_ctx_train=131072)
+
+
+def write_gpt_oss_released(path: str | os.PathLike, g: HybridGeometry = GPT_OSS_120B) -> Path:
+    """gpt-oss as ggml-org ships it: MXFP4 experts, Q8_0 attention, embeddings and head, f32 norms, biases
+    and router. The 120b's size, 59.02 GiB, is llama-bench's for that file (llama.cpp PR 19922's tables)."""
+    f32 = lambda *shape: (shape, T.F32)  # noqa: E731
+    e, ff, q, kv, E = g.n_embd, g.n_ff, g.n_head * g.head_dim, g.n_head_kv * g.head_dim, g.n_expert
+    specs = [("token_embd.weight", (e, g.n_vocab), T.Q8_0), ("output_norm.weight", (e,), T.F32),
+             ("output.weight", (e, g.n_vocab), T.Q8_0)]
+    for il in range(g.n_layer):
+        block = {"attn_norm.weight": f32(e), "post_attention_norm.weight": f32(e), "attn_q.weight": ((e, q), T.Q8_0),
+                 "attn_k.weight": ((e, kv), T.Q8_0), "attn_v.weight": ((e, kv), T.Q8_0),
+                 "attn_output.weight": ((q, e), T.Q8_0), "attn_q.bias": f32(q), "attn_k.bias": f32(kv),
+                 "attn_v.bias": f32(kv), "attn_output.bias": f32(e), "attn_sinks.weight": f32(g.n_head),
+                 "ffn_gate_inp.weight": f32(e, E), "ffn_gate_inp.bias": f32(E),
+                 "ffn_gate_exps.weight": ((e, ff, E), T.MXFP4), "ffn_up_exps.weight": ((e, ff, E), T.MXFP4),
+                 "ffn_down_exps.weight": ((ff, e, E), T.MXFP4), "ffn_gate_exps.bias": f32(ff, E),
+                 "ffn_up_exps.bias": f32(ff, E), "ffn_down_exps.bias": f32(e, E)}
+        specs += [(f"blk.{il}.{name}", *st) for name, st in block.items()]
+
+    def metadata(w: gguf.GGUFWriter) -> None:
+        model_keys(w, g, "gpt-oss", 38, 1e-5)  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+        w.add_tokenizer_model("none")
+        w.add_feed_forward_length(ff)
+        w.add_head_count_kv(g.n_head_kv)
+        w.add_rope_dimension_count(g.head_dim)
+        w.add_expert_count(E)
+        w.add_expert_used_count(g.n_expert_used)
+        w.add_expert_feed_forward_length(ff)
+        w.add_sliding_window(g.n_swa)
+
+    return write_sparse_gguf(path, "gpt-oss", specs, metadata)

@@ -86,8 +86,12 @@ def _q4_k_m(name: str, il: int, n_layer: int, ne0: int) -> T:
 def tensor_specs(g: Geometry, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], T]]:
     """(name, ggml shape, type) for every tensor of the model."""
     def typ(name, il, ne0):
-        if mix == "F16":
-            return T.F32 if name.endswith("norm.weight") or name.endswith(".bias") else T.F16
+        if name.endswith("norm.weight") or name.endswith(".bias"):
+            return T.F32 if mix in ("F16", "Q8_0", "Q4_0") else _q4_k_m(name, il, g.n_layer, ne0)
+        if mix in ("F16", "Q8_0"):
+            return T[mix]
+        if mix == "Q4_0":  # llama_tensor_get_type: the output head of a Q4_0 file is Q6_K
+            return T.Q6_K if name == "output.weight" and ne0 % 256 == 0 else T.Q4_0
         return _q4_k_m(name, il, g.n_layer, ne0)
 
     q, kv = g.n_head * g.head_dim, g.n_head_kv * g.head_dim
@@ -142,7 +146,8 @@ def write_synthetic_gguf(path: str | os.PathLike, g: Geometry, mix: str = "Q4_K_
     """Write a loadable GGUF of geometry g whose data region is a sparse hole."""
 
     def metadata(w: gguf.GGUFWriter) -> None:
-        model_keys(w, g, g.name, 15 if mix == "Q4_K_M" else 1, 1e-5)  # LLAMA_FTYPE_MOSTLY_Q4_K_M / F16
+        # LLAMA_FTYPE_MOSTLY_Q4_K_M / F16 / Q8_0 / Q4_0
+        model_keys(w, g, g.name, {"Q4_K_M": 15, "F16": 1, "Q8_0": 7, "Q4_0": 2}[mix], 1e-5)
         w.add_feed_forward_length(g.n_ff)
         w.add_head_count_kv(g.n_head_kv)
         w.add_rope_dimension_count(g.head_dim)

@@ -74,6 +74,6 @@ def faster(c: Costs, devs: list[Device], counts: list[int], host_of: Callable[[l
             for i in range(len(devs)) if best[i] < counts[i]]
     took = [f"{best[i] - counts[i]} to {devs[i].name} ({bw[i] / 1e9:.0f} GB/s)"
             for i in range(len(devs)) if best[i] > counts[i]]
-    return best, (f"layers moved where they run fastest: {', '.join(gave)}, {', '.join(took)}; decode estimate "
-                  f"{start:.1f} -> {cur:.1f} tokens/s (memory bandwidth){workload}; every card still holds its part "
-                  "at the context")
+    return best, (f"layers moved where they run fastest: {', '.join(gave)}, {', '.join(took)}; the cards' "
+                  f"memory-bandwidth bound {start:.1f} -> {cur:.1f} tokens/s{workload}; every card still holds its "
+                  "part at the context")

@@ -28,7 +28,7 @@ from typing import Callable
 from . import compute as compute_mod
 from . import cuda as cuda_mod
 from . import inputs as inputs_mod
-from ..devices import Device
+from ..devices import GPU_BANDWIDTH_SHARE, Device
 from ..options import PlanOptions
 from ..plan import DevicePlan
 from .split import (SCHED_COPIES, device_compute, moe_split_peaks, recurrent_split, recurrent_tails, shared_kv_reads,
@@ -379,5 +379,5 @@ def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int, expe
             continue
         if not dp.device.bandwidth:
             return None
-        secs += read / dp.device.bandwidth
+        secs += read / (dp.device.bandwidth * (GPU_BANDWIDTH_SHARE if dp.device.kind == "gpu" else 1.0))
     return 1.0 / secs if secs > 0 else None

@@ -13,23 +13,25 @@ and micro-batch each part of a layer takes max(FLOPs / throughput, bytes / bandw
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 from ...errors import InvalidOption
-from ..devices import Device
+from ..devices import GPU_BANDWIDTH_SHARE, GPU_COMPUTE_SHARE, Device
+from .allreduce import ACT_BYTES, ALLREDUCES, CUDA_CALL_S, allreduce_s  # noqa: F401 (speed.allreduce_s, CUDA_CALL_S)
+from .choice import Choice, choose  # noqa: F401 (speed.choose: the faster candidate, in words)
 from .shape import LayerShape, ModelShape, model_shape  # noqa: F401 (speed.model_shape is the entry point)
 from ..options import DEFAULT_N_BATCH, DEFAULT_N_UBATCH
 
 GGML_SCHED_MAX_COPIES = 4  # micro-batches in flight with pipeline parallelism (ggml/src/ggml-backend.cpp)
 OP_OFFLOAD_MIN_BATCH = 32  # weights in CPU memory go to the GPU for batches of 32+ tokens (ggml-cuda.cu)
-ACT_BYTES = 4  # activations between layers and in the generic all-reduce are f32 (ggml's residual stream)
+# Host memory the driver must stage (pageable: an mmap'd model, `-ot ...=CPU` weights, a host layer's KV cache)
+# copies to a card below pinned memory's rate (the card's link): published shares 0.30 (9.6 against 32.4 GB/s for
+# one expert, kekzl/imp PR #1409, 2026-08-13, WSL2), 0.5 (a copy-bound 26k prefill at 166 pageable against 330 t/s
+# pinned, llama.cpp PR 28223, 2026-09-02) and about 0.8 (pinning gave +21 % to a copy-bound prefill, llama.cpp
+# #25859). The middle one; a profile's [cpu] pageable_gbs replaces it.
+PAGEABLE_SHARE = 0.5
 DEFAULT_GEN_TOKENS = 128  # llama-bench's tg128: the generation figure the published rows use
-# NCCL's path reduces f32 below these element counts and bf16 above them, by the number of cards
-# (ggml_backend_cuda_comm_allreduce_nccl, ggml-cuda.cu; tuned there on RTX 4090s over PCIe 4.0 x16).
-NCCL_F32_BELOW = {2: 32768, 3: 131072, 4: 262144}
-ALLREDUCES = ("butterfly", "nccl")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Placement:
     mode: str  # "layer" or "tensor"
     cards: tuple[Share, ...]  # GPUs and RPC workers in llama.cpp's order (layer mode: the order a token passes)
     host: Share | None = None  # layers, experts or the head left in CPU memory
+    # whole host layers' weights in the first GPU's pinned host buffer (`--no-mmap`: llama_model_loader puts them in
+    # ggml_backend_dev_host_buffer_type unless mmap'd); `-ot ...=CPU` names the CPU's own, pageable buffer type
+    host_pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,22 +106,6 @@ class _Unknown(Exception):
     """A fact this figure needs is missing; the message says which and how to give it."""
 
 
-def allreduce_s(elements: int, n_cards: int, link_bandwidth: float, link_latency: float,
-                algorithm: str = "butterfly") -> float:
-    """Seconds to all-reduce `elements` f32 values over n_cards. "butterfly": the meta backend's generic
-    all-reduce (allreduce_fallback): log2(p) exchange steps of the whole tensor among the largest power of two
-    p <= n, plus a fold-in and a copy-back step for the rest. "nccl": a ring (2 (n-1)/n of the bytes per card, bf16
-    above NCCL_F32_BELOW) with ceil(log2 n) latencies."""
-    if n_cards < 2:
-        return 0.0
-    if algorithm == "nccl":
-        nbytes = elements * (4 if elements < NCCL_F32_BELOW[min(n_cards, 4)] else 2)
-        return math.ceil(math.log2(n_cards)) * link_latency + 2 * (n_cards - 1) / n_cards * nbytes / link_bandwidth
-    p = 1 << (n_cards.bit_length() - 1)
-    steps = p.bit_length() - 1 + (2 if n_cards > p else 0)
-    return steps * (link_latency + elements * ACT_BYTES / link_bandwidth)
-
-
 class _Model:
     """The arithmetic of one placement; `strict` False lets a missing throughput count as memory-bound."""
 
@@ -131,13 +120,15 @@ class _Model:
     def roof(self, dev: Device, flops: float, nbytes: float) -> float:
         if not dev.bandwidth:
             raise _Unknown(f"unknown memory bandwidth of {dev.name}: give bandwidth_gbs in a --profile")
+        gpu = dev.kind == "gpu"
+        bw, fl = (GPU_BANDWIDTH_SHARE, GPU_COMPUTE_SHARE) if gpu else (1.0, 1.0)
         if dev.flops is None:
             if self.strict and flops:
                 raise _Unknown(f"unknown compute throughput of {dev.name}: give --profile with tflops_f16 "
                                "(a card described by --gpus or an RPC worker has none)")
             self.assumed.add(dev.name)
-            return nbytes / dev.bandwidth
-        return max(flops / dev.flops, nbytes / dev.bandwidth)
+            return nbytes / (dev.bandwidth * bw)
+        return max(flops / (dev.flops * fl), nbytes / (dev.bandwidth * bw))
 
     def link(self, devs: Sequence[Device], need: bool) -> tuple[float, float] | None:
         """(bandwidth, latency) of the slowest link among devs; None when unknown and not needed."""
@@ -177,15 +168,47 @@ class _Model:
         touched = 1 - (1 - self.s.used_fraction) ** T  # the experts some token of T routes to (uniform routing)
         return self.roof(dev, 2 * la.expert_params * self.s.used_fraction * T * f, la.expert_bytes * touched * f)
 
+    @property
+    def offload_card(self) -> Device | None:
+        """The card llama.cpp copies host weights to for a batch of 32+ tokens: the first backend whose device has
+        `offload_op` (ggml_backend_sched_backend_id_from_cur, cause "1.off"): CUDA's and the other GPU backends';
+        ggml's RPC devices have none (ggml-rpc.cpp), so over RPC workers the host computes its own weights."""
+        return next((c.device for c in self.p.cards if c.device.kind == "gpu"), None)
+
+    def host_copy_s(self, nbytes: float, pinned: bool, calls: int = 1) -> float:
+        """Host memory to the offload card, at its link (pinned) or at the staged pageable rate."""
+        gpu = self.offload_card
+        link = self.link([gpu], need=True)[0]
+        h = self.host.device if self.host else None
+        pageable = h.pageable_bandwidth if h is not None and h.pageable_bandwidth else link * PAGEABLE_SHARE
+        return calls * CUDA_CALL_S + nbytes / (link if pinned else min(link, pageable))
+
     def streamed(self, il: int, T: int, experts_only: bool, ffn_only: bool = False) -> float:
-        """Weights in CPU memory for a batch of 32+ tokens: copied to the first card over its link and
-        multiplied there (op offload copies whole tensors, every expert). `ffn_only`: the layer's dense FFN alone."""
-        la, gpu = self.s.layers[il], self.cards[0].device
-        nbytes = la.ffn_bytes if ffn_only else la.expert_bytes + (0 if experts_only else la.mixer_bytes + la.ffn_bytes)
+        """Weights in host memory for a batch of 32+ tokens: copied to the offload card, then multiplied there. In
+        mainline llama.cpp the two add: ggml_backend_sched_compute_splits copies a split's inputs on the card's
+        stream, then computes the split on it (no prefetch). Of an expert tensor only the experts some token of the
+        batch routes to are copied (the same function, MUL_MAT_ID); a dense tensor is copied whole."""
+        la, gpu = self.s.layers[il], self.offload_card
+        touched = 1 - (1 - self.s.used_fraction) ** T
+        nbytes = la.ffn_bytes if ffn_only else la.expert_bytes * touched + (
+            0 if experts_only else la.mixer_bytes + la.ffn_bytes)
         flops = 2 * T * (la.ffn_params if ffn_only else la.expert_params * self.s.used_fraction
                          + (0 if experts_only else la.mixer_params + la.ffn_params))
-        lk = self.link([gpu], need=True)
-        return max(nbytes / lk[0], self.roof(gpu, flops, 0.0))
+        pinned = bool(self.p.host_pinned) and not ffn_only and not experts_only
+        return self.host_copy_s(nbytes, pinned, 3) + self.roof(gpu, flops, nbytes)
+
+    def host_attention_offloaded(self, il: int, T: int, d0: int) -> float:
+        """A host layer's attention at a batch of 32+ tokens: FLASH_ATTN_EXT is not placed by a weight
+        (ggml_backend_sched_backend_id_from_cur skips it), so pass 2 expands the offloaded projections' card to it;
+        the layer's K and V views (the cells in use) cross from the host's plain CPU buffer (llama_kv_cache uses
+        ggml_backend_cpu_buffer_type for a layer not offloaded: pageable) every micro-batch, and the new rows go
+        back to the host cache (set_rows on the CPU, where the cache's buffer is)."""
+        la, gpu = self.s.layers[il], self.offload_card
+        if not la.attn_flops_per_key:
+            return 0.0
+        cached = d0 + T if not la.window else min(d0 + T, la.window + T)
+        back = self.copy_s(gpu, self.host.device, T * la.kv_bytes_per_key)
+        return self.host_copy_s(la.kv_bytes_per_key * cached, False, 2) + self.attention(gpu, il, T, d0, 1.0) + back
 
     def card_s(self, c: Share, il: int, T: int, d0: int) -> tuple[float, float]:
         """(mixer, ffn) seconds of card c's share of layer il: the two stretches between tensor mode's syncs."""
@@ -195,15 +218,19 @@ class _Model:
         return self.weights(d, il, T, f, "mixer") + self.attention(d, il, T, d0, f), ffn
 
     def host_s(self, T: int, d0: int) -> float:
-        """The host's share of one micro-batch: its layers and the experts it keeps for the cards' layers."""
+        """The host's share of one micro-batch: its layers and the experts or FFN it keeps for the cards' layers.
+        At 32+ tokens with a card that offloads, the whole host layer runs on that card (its weights and K/V copied
+        in); below that, or over RPC workers only, the CPU computes it from host memory."""
         if not self.host:
             return 0.0
         h, t = self.host.device, 0.0
-        offload = bool(self.cards) and T >= OP_OFFLOAD_MIN_BATCH
-        for il in self.host.layers:  # attention runs where the KV cache is: CPU memory
-            t += self.attention(h, il, T, d0, 1.0)
-            t += self.streamed(il, T, False) if offload else \
-                self.weights(h, il, T, 1.0, "mixer") + self.weights(h, il, T, 1.0, "ffn") + self.experts(h, il, T, 1.0)
+        offload = self.offload_card is not None and T >= OP_OFFLOAD_MIN_BATCH
+        for il in self.host.layers:
+            if offload:
+                t += self.streamed(il, T, False) + self.host_attention_offloaded(il, T, d0)
+            else:
+                t += self.attention(h, il, T, d0, 1.0) + self.weights(h, il, T, 1.0, "mixer") \
+                    + self.weights(h, il, T, 1.0, "ffn") + self.experts(h, il, T, 1.0)
         for il in self.host.experts:
             if il not in self.host.layers:
                 t += self.streamed(il, T, True) if offload else self.experts(h, il, T, 1.0)
@@ -344,57 +371,16 @@ def placement_from_plan(plan) -> Placement:
     host_layers = tuple(il for il in plan.host.layers if il < n)
     host = Share(plan.host.device, host_layers, expert_layers=tuple(sorted(set(host_layers) | cpu_exp)),
                  output=n in plan.host.layers, ffn_layers=tuple(sorted(set(host_layers) | cpu_ffn)))
+    pinned = not getattr(plan, "use_mmap", True)  # --no-mmap: llama_model_loader keeps the GPU's host buffer type
     if getattr(plan, "split_mode", "layer") == "tensor":
         on_cards = tuple(il for il in range(n) if il not in host_layers)
         total = sum(plan.tensor_split)
         cards = tuple(Share(dp.device, on_cards, plan.tensor_split[i] / total if total else 1 / len(plan.gpus),
                             tuple(il for il in on_cards if il not in cpu_exp), output=not host.output)
                       for i, dp in enumerate(plan.gpus))
-        return Placement("tensor", cards, host)
+        return Placement("tensor", cards, host, host_pinned=pinned)
     cards = tuple(Share(dp.device, tuple(il for il in dp.layers if il < n),
                         expert_layers=tuple(il for il in dp.layers if il < n and il not in cpu_exp),
                         output=n in dp.layers, ffn_layers=tuple(il for il in dp.layers if il < n and il not in cpu_ffn))
                   for dp in plan.gpus)
-    return Placement("layer", cards, host)
-
-
-@dataclass
-class Choice:
-    """The faster candidate for a workload (None when none can be estimated) and why, in words."""
-
-    best: SpeedEstimate | None
-    reason: str
-
-
-def choose(candidates: Sequence[SpeedEstimate]) -> Choice:
-    """The candidate with the least total time for its workload, and a sentence saying why (estimates)."""
-    known = [c for c in candidates if c.total_s is not None]
-    unknown = [c for c in candidates if c.total_s is None]
-    why_not = "; ".join(dict.fromkeys(m.split(": ", 1)[-1] for c in unknown for m in c.missing))
-    if not known:
-        return Choice(None, f"cannot compare the candidates' speed: {why_not or 'none given'}")
-    best = min(known, key=lambda c: c.total_s)
-    w = best.workload
-    text = (f"{best.mode} mode is estimated fastest for {w.prompt_tokens:,} prompt and {w.gen_tokens:,} generated "
-            f"tokens: {best.total_s:.1f} s")
-    for o in known:
-        if o is not best:
-            text += (f"; {o.mode} mode {o.total_s:.1f} s ({best.mode} mode's prefill "
-                     f"{_ratio(o.prefill_s, best.prefill_s)} as fast, its decode "
-                     f"{_ratio(best.decode_tps, o.decode_tps)}{_why(best, o)})")
-    if unknown:
-        text += f"; {', '.join(sorted({c.mode for c in unknown}))} mode not compared: {why_not}"
-    return Choice(best, text + " (estimates, not measurements)")
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "?"
-
-
-def _why(best: SpeedEstimate, other: SpeedEstimate) -> str:
-    """What tips it: tensor mode's all-reduces, or its cards working at once."""
-    tensor = best if best.mode == "tensor" else other if other.mode == "tensor" else None
-    if tensor is None or not tensor.prefill_s or tensor.prefill_links_s is None:
-        return ""
-    share = f"all-reduces take {tensor.prefill_links_s / tensor.prefill_s:.0%} of tensor mode's prefill"
-    return f"; every card works on every layer at once, {share}" if tensor is best else f"; {share}"
+    return Placement("layer", cards, host, host_pinned=pinned)

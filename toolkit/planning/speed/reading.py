@@ -5,7 +5,7 @@ was (`store`), else estimated (`model`); `timed` is a placement's estimate for t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..options import PlanOptions
 from .model import DEFAULT_GEN_TOKENS
@@ -51,20 +51,22 @@ def seconds(x: float) -> str:
 
 
 def reading(p, info, g, opts: PlanOptions) -> dict:
-    """The time to read the whole context (prefill of n_ctx tokens) and the decode rate after it: measured where
-    `ctxq bench` measured this plan on these devices (`speed_store`), else estimated (planning/speed/model.py); with the
-    other placement's estimate where the plan spills weights or layers (`chosen`). Kept as `plan.speed["read"]`."""
+    """The time to read the workload's prompt (`--prompt-tokens`, else the whole context) and the decode rate after
+    it, at that depth: measured where `ctxq bench` measured this plan on these devices (`speed_store`), else estimated
+    (planning/speed/model.py); with the other placement's estimate where the plan spills weights or layers
+    (`chosen`). Kept as `plan.speed["read"]`; the plan's one decode rate."""
     from . import store as speed_store
 
-    out = {"prompt_tokens": p.n_ctx}
+    prompt, gen = workload(opts)
+    out = {"prompt_tokens": prompt, "gen_tokens": gen}
     m = speed_store.lookup(p) if p.gpus else None
     if m is not None and m.pp > 0 and m.tg > 0:
-        out.update(prefill_s=p.n_ctx / m.pp, decode_tps=m.tg, measured=True,
+        out.update(prefill_s=prompt / m.pp, decode_tps=m.tg, measured=True,
                    basis=f"measured by ctxq bench (-p {m.n_prompt} -n {m.n_gen} -d {m.depth}, -ub {m.n_ubatch})")
     else:
-        t = timed(p, info, g, replace(opts, prompt_tokens=None))
+        t = timed(p, info, g, opts)
         out.update(prefill_s=t.prefill_s, decode_tps=t.decode_tps, measured=False,
-                   basis="estimated from each device's throughput and memory bandwidth", missing=t.missing)
+                   basis="estimated from each device's throughput, memory bandwidth and link", missing=t.missing)
         if t.prefill_s is None:  # said once for every card that lacks the facts, not once per card
             cards = [g.device.name for g in p.gpus if g.device.flops is None or g.device.link_bandwidth is None]
             out["missing"] = [f"{_names(cards)} {'has' if len(cards) == 1 else 'have'} no compute throughput or link "
@@ -72,25 +74,33 @@ def reading(p, info, g, opts: PlanOptions) -> dict:
                               "with tflops_f16 and link_gbs"] if cards else t.missing
     other = p.speed.get("offload")
     if other:
-        out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"]}
+        out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"],
+                        "total_s": other.get("other_total_s")}
     return out
 
 
 def reading_lines(r: dict) -> list[str]:
-    """`reading 65,536 tokens: ~N s (whole layers on the CPU: ~M s)` and the decode rate, marked measured or
-    estimated; where the devices lack the facts, one line saying which."""
+    """`reading 65,536 tokens: ~N s, then ~R tokens/s for 128 tokens: ~T s in all (whole layers on the CPU: ~M s,
+    ~U s in all)`, marked measured or estimated; where the devices lack the facts, one line saying which."""
     if not r:
         return []
     how = "measured" if r.get("measured") else "estimated"
-    other = r.get("other")
-    alt = ""
-    if other and other.get("prefill_s"):
-        name = "whole layers on the CPU" if other["placement"] == "layers" else "FFN weights in host memory"
-        alt = f" ({name}: ~{seconds(other['prefill_s'])})"
     if r.get("prefill_s") is None:
         missing = sorted({re.sub(r"^(prefill|decode): ", "", m) for m in r.get("missing", [])})
-        return [f"reading {r['prompt_tokens']:,} tokens: not estimated ({'; '.join(missing) or 'device facts missing'})"]
-    line = f"reading {r['prompt_tokens']:,} tokens: ~{seconds(r['prefill_s'])}{alt}, {how}"
+        line = f"reading {r['prompt_tokens']:,} tokens: not estimated ({'; '.join(missing) or 'device facts missing'})"
+        if r.get("decode_tps"):  # decoding reads far more bytes than it does FLOPs: bandwidth alone will do
+            line += f"; decoding ~{r['decode_tps']:.1f} tokens/s (memory bandwidth alone), {how}"
+        return [line]
+    line = f"reading {r['prompt_tokens']:,} tokens: ~{seconds(r['prefill_s'])}"
+    gen = r.get("gen_tokens")
     if r.get("decode_tps"):
-        line += f"; then ~{r['decode_tps']:.1f} tokens/s"
+        line += f", then ~{r['decode_tps']:.1f} tokens/s"
+        if gen:
+            line += f" for {gen:,} tokens: ~{seconds(r['prefill_s'] + gen / r['decode_tps'])} in all"
+    line += f", {how}"
+    other = r.get("other")
+    if other and other.get("prefill_s"):
+        name = "whole layers on the CPU" if other["placement"] == "layers" else "FFN weights in host memory"
+        total = f", ~{seconds(other['total_s'])} in all" if gen and other.get("total_s") else ""
+        line += f" ({name}: ~{seconds(other['prefill_s'])}{total})"
     return [line]

@@ -21,7 +21,7 @@ from ..devices import Device
 from ..layers.search import best_split, layout, least_held, take_back
 from ..memory.costs import Costs, host_cost
 from ..options import PlanOptions
-from ..speed.reading import seconds, timed, workload
+from ..speed.reading import timed, workload
 
 
 def spillable(c: Costs) -> list[int]:
@@ -139,9 +139,9 @@ def nothing_to_spill(p) -> None:
 
 
 def better_pair_note(p, chosen_cand, found, info, g, opts: PlanOptions) -> None:
-    """Where a pair losing less than the chosen one would fit only by keeping FFN weights in host memory, a note
-    with both times (the chosen plan keeps every weight on the cards)."""
-    if p.cpu_ffn_layers or p.cpu_layers:
+    """Where a pair losing less than the chosen one would fit only by keeping FFN weights in host memory and the
+    choice could not weigh the copies by time (kvpairs.by_time: the devices lack speed facts), a note saying so."""
+    if p.cpu_ffn_layers or p.cpu_layers or "kv" in p.speed:
         return
     rank = [c for c, _ in found]
     better = [(c, q) for c, q in found if rank.index(c) < rank.index(chosen_cand) and q.cpu_ffn_layers
@@ -149,8 +149,6 @@ def better_pair_note(p, chosen_cand, found, info, g, opts: PlanOptions) -> None:
     if not better:
         return
     c, q = better[0]
-    tq, tp = timed(q, info, g, opts), timed(p, info, g, opts)
-    times = (f" (reading {p.n_ctx:,} tokens: ~{seconds(tq.prefill_s)} against ~{seconds(tp.prefill_s)})"
-             if tq.prefill_s and tp.prefill_s else "")
-    p.notes.append(f"KV {c.name} would fit with the FFN weights of {len(q.cpu_ffn_layers)} layers in host memory"
-                   f"{times}; prefer=quality takes it")
+    p.notes.append(f"KV {c.name} would fit with the FFN weights of {len(q.cpu_ffn_layers)} layers in host memory; "
+                   "kept every weight on the cards, as their copies to the card cannot be timed without the cards' "
+                   "speed facts (--profile with tflops_f16 and link_gbs, or named cards)")
