@@ -122,3 +122,18 @@ def test_a_drafts_cost_curve_follows_the_plans_devices(rig, tmp_path):
     one = 1 / read["decode_tps"]  # a decode step at the prompt's end, as c(1)
     assert p.cpu_ffn_layers and cost[32] * one >= p.host.cpu_ffn_bytes / 24e9  # at least the copies at the link
     assert cost[64] > 1.5
+
+
+def test_drafts_follow_the_plans_cost_curve(rig, tmp_path):
+    """Issue 63 item 4: without a `ctxq bench --spec` measurement, drafts on a plan for GPUs take the plan's own
+    c(n): up to 64 tokens where it is flat (one RTX 4090 holding an 8B), the curve dearer from 32 tokens where the
+    host weights cross (the spilled 70B); a plan without GPUs keeps the measured CPU default."""
+    from ctxq.runtime.drafts import DEFAULT_COST, LONGEST_DRAFT, draft_cap, plan_cost
+
+    small = write_synthetic_gguf(tmp_path / "8b.gguf", GEOMETRIES["llama3-8b"])
+    flat, source = plan_cost(plan(str(small), 32768, gpus="1x24=RTX 4090"))
+    assert source == "estimated for the plan's GPUs" and draft_cap(flat) == LONGEST_DRAFT
+    spilled, _ = plan_cost(_plan(rig, n_ubatch=2048))
+    assert spilled[64] > 1.5 > flat[64] - 0.3  # a batch of 64 copies the host FFN in: dearer than a decode step
+    cpu = plan(str(small), 4096, devices=[])
+    assert plan_cost(cpu) == (None, "default") and draft_cap(DEFAULT_COST) < LONGEST_DRAFT

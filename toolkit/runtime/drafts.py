@@ -34,6 +34,21 @@ STREAK = 4  # tokens agreeing in a row that halve the expected miss rate (a copy
 PRIOR = (1.6, 0.4)  # pseudo-counts of agreeing tokens and of misses, 0.8 before any evidence, worth two tokens
 
 
+def plan_cost(plan) -> tuple[dict[int, float] | None, str]:
+    """(c(n), its source) for drafts on `plan`: what `ctxq bench --spec` measured on these devices, else the plan's own
+    estimate for its GPUs (speed.verify_cost, `speed.read.draft_cost`: flat on a card that holds the model, dear from
+    32 tokens where weights sit in host memory), else None (DEFAULT_COST, measured on a 2-core CPU, is the caller's)."""
+    from ..planning.speed import store as speed_store
+
+    cost = speed_store.spec_cost(plan)
+    if cost:
+        return cost, "measured"
+    estimated = ((plan.speed or {}).get("read") or {}).get("draft_cost")
+    if estimated and any(g.device.kind == "gpu" for g in plan.gpus):
+        return {int(n): float(c) for n, c in estimated.items()}, "estimated for the plan's GPUs"
+    return None, "default"
+
+
 def check_mode(spec: str | None) -> str:
     mode = "auto" if spec is None else spec
     if mode not in MODES:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .drafts import DEFAULT_COST, LONGEST_DRAFT, N_GRAMS, SeqDrafter, check_mode, draft_cap
+from .drafts import DEFAULT_COST, LONGEST_DRAFT, N_GRAMS, SeqDrafter, check_mode, draft_cap, plan_cost
 
 DRAFT_OUTPUTS = LONGEST_DRAFT  # output rows for drafts, shared by the sequences of one step
 
@@ -72,10 +72,7 @@ def for_plan(plan, spec: str | None) -> tuple[str, dict | None, str]:
     mode = check_mode(spec)
     if mode == "off" or plan is None:
         return mode, None, ""
-    from ..planning.speed import store as speed_store
-
-    cost = speed_store.spec_cost(plan)
-    return mode, cost, "measured" if cost else "default"
+    return (mode, *plan_cost(plan))
 
 
 def propose(active, store, room: int) -> int:

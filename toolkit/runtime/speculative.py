@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import InvalidOption
 from .drafts import (DEFAULT_COST, DECAY, LONGEST_DRAFT, MAX_DRAFT, MODES, N_GRAMS, PRIOR, STREAK,  # noqa: F401
-                     Policy, SeqDrafter, Stats, check_mode, cost_at, draft_cap)
+                     Policy, SeqDrafter, Stats, check_mode, cost_at, draft_cap, plan_cost)
 from .ngram import ContextIndex
 
 log = logging.getLogger(__name__)
@@ -206,9 +206,8 @@ def detach(llm) -> None:
 
 
 def for_plan(llm, plan, spec: str | None) -> Speculation:
-    """`attach` with the cost `ctxq bench --spec` measured for `plan` on these devices (None: not measured)."""
-    from ..planning.speed import store as speed_store
-
+    """`attach` with the plan's cost curve (`drafts.plan_cost`: measured by `ctxq bench --spec`, else estimated for
+    its GPUs, else none)."""
     mode = check_mode(spec)
-    cost = speed_store.spec_cost(plan) if mode != "off" and plan is not None else None
-    return attach(llm, mode, cost, cost_source="measured" if cost else "default")
+    cost, source = plan_cost(plan) if mode != "off" and plan is not None else (None, "default")
+    return attach(llm, mode, cost, cost_source=source)
