@@ -49,6 +49,17 @@ def plan_cost(plan) -> tuple[dict[int, float] | None, str]:
     return None, "default"
 
 
+def no_drafts(mode: str, cost, recurrent: bool) -> str | None:
+    """Why `mode` drafts nothing here, in one line (run and serve print it), or None."""
+    if recurrent:
+        return ("no drafts: this model's recurrent state cannot drop rejected tokens (llama_memory_seq_rm "
+                "removes only whole sequences there); decoding one token per pass")
+    if mode == "auto" and not cost:
+        return ("no drafts: `ctxq bench --spec` has not measured a draft's cost for this model on these devices "
+                "(a plan for GPUs estimates its own); decoding one token per pass")
+    return None
+
+
 def check_mode(spec: str | None) -> str:
     mode = "auto" if spec is None else spec
     if mode not in MODES:

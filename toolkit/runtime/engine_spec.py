@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .drafts import DEFAULT_COST, LONGEST_DRAFT, N_GRAMS, SeqDrafter, check_mode, draft_cap, plan_cost
+from .drafts import DEFAULT_COST, LONGEST_DRAFT, N_GRAMS, SeqDrafter, check_mode, draft_cap, no_drafts, plan_cost
 
 DRAFT_OUTPUTS = LONGEST_DRAFT  # output rows for drafts, shared by the sequences of one step
 
@@ -56,13 +56,8 @@ def configure(spec: str | None, cost: dict | None, recurrent: bool, cost_source:
     s = EngineSpec(mode, cost_source=cost_source)
     if mode == "off":
         return s
-    if recurrent:
-        s.note = ("no drafts: this model's recurrent state cannot drop rejected tokens (llama_memory_seq_rm "
-                  "removes only whole sequences there); decoding one token per pass")
-    elif mode == "auto" and not cost:
-        s.note = ("no drafts: `ctxq bench --spec` has not measured a draft's cost for this model on these devices; "
-                  "decoding one token per pass")
-    else:
+    s.note = no_drafts(mode, cost, recurrent)
+    if s.note is None:
         s.cost = cost or DEFAULT_COST
     return s
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import InvalidOption
 from .drafts import (DEFAULT_COST, DECAY, LONGEST_DRAFT, MAX_DRAFT, MODES, N_GRAMS, PRIOR, STREAK,  # noqa: F401
-                     Policy, SeqDrafter, Stats, check_mode, cost_at, draft_cap, plan_cost)
+                     Policy, SeqDrafter, Stats, check_mode, cost_at, draft_cap, no_drafts, plan_cost)
 from .ngram import ContextIndex
 
 log = logging.getLogger(__name__)
@@ -171,15 +171,8 @@ def attach(llm, spec: str | None, cost: dict[int, float] | None = None, *, cost_
     mode = check_mode(spec)
     detach(llm)
     s = Speculation(mode, cost_source=cost_source)
-    if mode == "off":
-        pass
-    elif not partial_rollback(llm):
-        s.note = ("no drafts: this model's recurrent state cannot drop rejected tokens (llama_memory_seq_rm "
-                  "removes only whole sequences there); decoding one token per pass")
-    elif mode == "auto" and not cost:
-        s.note = ("no drafts: `ctxq bench --spec` has not measured a draft's cost for this model on these devices; "
-                  "decoding one token per pass")
-    else:
+    s.note = None if mode == "off" else no_drafts(mode, cost, not partial_rollback(llm))
+    if mode != "off" and s.note is None:
         if llm.n_batch < 2:
             raise InvalidOption("speculative decoding verifies a draft in one batch: n_batch must be 2 or more",
                                 option="n_batch", value=llm.n_batch)
