@@ -106,7 +106,8 @@ async function follow() {
     for (let tries = 0; tries < 30; tries++) {
       let last = null;
       try {
-        await stream("/page/document/events", { onData: (s) => { last = s; showReading(s); } });
+        // the final state is shown by loadDocument, with the text it holds: "read" never shows before the text is held
+        await stream("/page/document/events", { onData: (s) => { last = s; if (s.state === "reading") showReading(s); } });
       } catch (e) {
         if (e instanceof NeedKey || e instanceof HttpError) throw e;
         await new Promise((r) => setTimeout(r, 1000));
