@@ -112,8 +112,10 @@ def server(tmp_path_factory):
 
     model = tiny_chat_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf")
     log = tmp_path_factory.mktemp("page") / "serve.log"
-    with serving(model, log, "-c", str(N_CTX), "--parallel", "2", "--api-key", KEY, "--max-body", "0.25") \
-            as (base, _):
+    # -b/-ub 256: the engine reads the document in ~46 steps, each one a progress event, so that a reload lands
+    # in the middle of the read on a fast machine too
+    with serving(model, log, "-c", str(N_CTX), "--parallel", "2", "--api-key", KEY, "--max-body", "0.25",
+                 "-b", "256", "-ub", "256") as (base, _):
         yield base
 
 
@@ -208,10 +210,10 @@ def reading(page, tmp_path_factory):
         samples.append(s)
         if s["state"] == "read":
             break
-        if not reloaded and s["state"] == "reading" and 0 < s["value"] < s["max"] / 2:
+        if not reloaded and s["state"] == "reading" and 0 < s["value"] < s["max"]:
             page.reload()  # the server keeps the job: the page finds it and follows it again
             reloaded = True
-        time.sleep(0.1)
+        time.sleep(0.02)
     assert samples[-1]["state"] == "read", samples[-3:]
     assert reloaded, "the reading ended before the page could reload in its middle"
     return {"samples": samples, "path": path}

@@ -136,7 +136,7 @@ $("doc-form").addEventListener("submit", (ev) => {
     }
     hold(null);
     const s = await call("/page/document", { method: "POST", body: text, type: "text/plain; charset=utf-8" });
-    showReading(s);
+    if (s.state === "reading") showReading(s); // an ended read is shown by follow's loadDocument, its text held
     follow();
   });
 });
