@@ -89,8 +89,8 @@ def chosen(base: Plan, opts: PlanOptions, replan: Callable[..., Plan], batch_giv
     """`base` (planned at the options' micro-batch) or the plan at another measured micro-batch that is faster for
     the workload by `ctxq bench`'s measurements; the plan's note (and its reason, where the micro-batch changes)
     says which and why, `speed["ubatch"]` carries the figures. `replan(n_ubatch, n_batch, kv=None)` plans the same
-    options at `-ub n_ubatch -b n_batch` (and that K/V pair). Unmeasured, a plan with weights in host memory is searched by estimate
-    (`by_estimate`)."""
+    options at `-ub n_ubatch -b n_batch` (and that K/V pair). Unmeasured, a plan with weights in host memory is
+    searched by estimate (`by_estimate`)."""
     prompt, gen = workload(opts)
     local = speed_store.key(base) is not None  # not a local file (a Hub plan): nothing can have been measured yet
     cands = sorted({u for u in (speed_store.ubatches(base) if local else []) if u <= opts.n_batch} | {base.n_ubatch})
@@ -108,8 +108,9 @@ def chosen(base: Plan, opts: PlanOptions, replan: Callable[..., Plan], batch_giv
         if t is not None and not any(g.total > g.device.usable for g in p.gpus):
             totals[ub] = t
     if len(totals) < 2:
-        if _holds_host_weights(base) and _estimated_total(base) is not None:
-            return by_estimate(base, opts, replan, batch_given)
+        searched = by_estimate(base, opts, replan, batch_given)  # the plan itself where it holds no host weights
+        if searched is not base or "ubatch" in base.speed:
+            return searched
         base.notes.append(_unmeasured_note(base, totals, cands))
         base.speed = {**base.speed, "ubatch": {"n_ubatch": base.n_ubatch, "measured": totals, "basis": "default"}}
         return base
