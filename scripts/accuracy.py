@@ -67,6 +67,14 @@ every layer and its cache need, lowered until the plan keeps FFN weights on the 
 against the real load with the plan's overrides:
 
     .venv/bin/python scripts/accuracy.py --spill --out docs/accuracy-table.md
+
+`--spill --mixed` (section mixed, issue 64) takes cards too small to keep every layer's cache even with the FFN on the
+host: SmolLM2, Llama-4-Scout's widths (4 layers) and OLMo-3-7B's (4 layers, sliding window) at 16k, f16/q8_0, on 2 RPC
+cards swept down from what every layer needs. At every size `--offload weights` must plan wherever `--offload layers`
+does, with no more KV cache on the host and less wherever it mixes (exit 1 otherwise); at the first mixed size both
+plans against the real load, without mmap:
+
+    .venv/bin/python scripts/accuracy.py --spill --mixed --out docs/accuracy-table.md
 """
 
 from __future__ import annotations
@@ -134,7 +142,11 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the table as a Markdown section of this file")
     ap.add_argument("--section", default=None, help="the section of --out (default: by the matrix)")
     ap.add_argument("--spill", action="store_true", help="plans with FFN weights in host memory (section spill)")
+    ap.add_argument("--mixed", action="store_true", help="with --spill: cards too small for every layer's cache, "
+                    "--offload weights (FFN out first, then whole layers) against --offload layers (section mixed)")
     a = ap.parse_args()
+    if a.spill and a.mixed:
+        return _mixed(a, ap)
     if a.tensor:
         return _tensor(a)
     if a.spill:
@@ -514,6 +526,95 @@ def _spill(a, ap) -> int:
     bad = sum(1 for r in rows if r[8] != "ok" or r[9] != "yes")
     print(f"{len(rows)} device rows, {bad} outside the target, {time.time() - t0:.0f} s")
     return 1 if bad else 0
+
+MIXED = dict(models="smollm2,llama4-scout-4l,olmo3-7b-4l", devices="rpc2", ctx="16384", kv="f16,q8_0")
+
+
+def _offload_plans(model: str, n: int, ctx: int, kv: str, gib: float):
+    """(--offload weights' plan or None, --offload layers' plan or None) on n equal RPC devices of `gib` GiB."""
+    from ctxq.planning.devices import Device
+    from ctxq.planning.planner import plan
+
+    devs = [Device(name=f"RPC{i}", kind="rpc", total=int(gib * GiB), usable=int(gib * GiB)) for i in range(n)]
+    got = []
+    for offload in ("weights", "layers"):
+        try:
+            got.append(plan(model, ctx, devices=devs, kv=kv, offload=offload))
+        except CtxqError:
+            got.append(None)
+    return got
+
+
+def _compute_base(model: str, ctx: int, kv: str) -> int:
+    """What one card holding every layer needs beyond the weights and cache (compute, margins), in bytes."""
+    from ctxq.planning.devices import Device
+    from ctxq.planning.planner import plan
+
+    p = plan(model, ctx, devices=[Device(name="RPC0", kind="rpc", total=64 * GiB, usable=64 * GiB)], kv=kv,
+             offload="layers")
+    g = p.gpus[0]
+    return g.total - g.weights - g.kv - g.state
+
+
+def _mixed(a, ap) -> int:
+    """Cards too small to keep every layer's cache, whole layers unavoidable: on equal RPC devices from what every layer
+    and its cache need down by 4 % a step, `--offload weights` must plan wherever `--offload layers` does with no more
+    KV cache on the host, and less wherever it mixes (FFN out of the cards first, then the fewest whole layers); at the
+    first mixed size each device and the host of both plans against llama.cpp's real load with the plans' overrides."""
+    for k, v in MIXED.items():
+        if getattr(a, k) == ap.get_default(k):
+            setattr(a, k, v)
+    target, tmp = Target(TARGET_REL, TARGET_ABS), Path(tempfile.mkdtemp(prefix="ctxq-accuracy-"))
+    target.tiny = Target(TINY_REL, TINY_ABS)
+    rows, claims, t0 = [], [], time.time()
+    for name in a.models.split(","):
+        model = _spill_model(a, name, tmp)
+        info = model_info(model)
+        for dev in a.devices.split(","):
+            n = len(DEVICE_SETS[dev])
+            for ctx in map(int, a.ctx.split(",")):
+                for kv in a.kv.split(","):
+                    need = sum(la.weight_bytes for la in info.layers) + _kv_per_token(info, kv) * ctx
+                    base = _compute_base(model, ctx, kv)  # a card's compute and margins: a tiny model's most
+                    mixed_at = None
+                    for i in range(26):
+                        gib = round((base + need * (1.0 - 0.04 * i) / n) / GiB, 3)
+                        w, lay = _offload_plans(model, n, ctx, kv, gib)
+                        if w is None and lay is None:
+                            break
+                        nothing = lay is not None and lay.cpu_layers == 0  # --offload weights: "nothing to spill"
+                        ok = nothing or (w is not None and (lay is None or w.host.kv <= lay.host.kv))
+                        less = w is not None and bool(w.cpu_ffn_layers) and w.cpu_layers > 0
+                        claims.append(ok and (not less or lay is None or w.host.kv < lay.host.kv))
+                        say = (lambda q: "-" if q is None else f"{q.cpu_layers} CPU layers + FFN of "
+                               f"{len(q.cpu_ffn_layers)}, host KV {q.host.kv / MiB:.1f} MiB")
+                        print(f"{name} {dev} {ctx} {kv} {gib:g} GiB x {n}: weights {say(w)}; layers {say(lay)}"
+                              f"{'' if claims[-1] else '  <- CLAIM FAILS'}", flush=True)
+                        if less and mixed_at is None:
+                            mixed_at = gib
+                    if mixed_at is None:
+                        print(f"skip {name} {dev} {ctx} {kv}: no size gives a mixed placement", flush=True)
+                        continue
+                    for offload in ("weights", "layers"):
+                        with start_workers(n) as wk:
+                            r = check_cell(model, ctx, kv, [mixed_at] * n, workers=wk, search=True, offload=offload,
+                                           use_mmap=False, label=f"{name} {dev} {ctx} {kv} --offload {offload}")
+                        for d in r.devices:
+                            status = "UNDER" if d.under else "ok" if target.of(name).holds(d) else "OVER"
+                            rows.append([name, dev, ctx, f"{kv}, {mixed_at:g} GiB x {n}, --offload {offload}", d.name,
+                                         d.planned_total / MiB, d.real_total / MiB, d.shown_error / MiB, status,
+                                         "yes" if r.layers_match else "NO"])
+                            print(f"{r.label} {d.name}: planned {d.planned_total / MiB:.2f} MiB, llama.cpp "
+                                  f"{d.real_total / MiB:.2f}, {status}", flush=True)
+                    if a.out:
+                        _write(a.out, a.section or "mixed", rows, target, sys.argv[1:], done=False)
+    if a.out:
+        _write(a.out, a.section or "mixed", rows, target, sys.argv[1:], done=True)
+    bad = sum(1 for r in rows if r[8] != "ok" or r[9] != "yes")
+    print(f"{len(rows)} device rows, {bad} outside the target; {len(claims)} sizes, {claims.count(False)} where "
+          f"--offload weights failed to plan or kept more cache on the host; {time.time() - t0:.0f} s")
+    return 1 if bad or not all(claims) else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

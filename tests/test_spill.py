@@ -233,3 +233,82 @@ def test_bench_measures_both_placements_and_the_plan_takes_the_measurement(smoll
     read = p["speed"]["read"]
     assert read["measured"] is True and read["basis"].startswith("measured by ctxq bench"), read
     assert read["prefill_s"] > 0
+
+
+# --- the cache leaves the cards last (issue 64): weights first, then the fewest whole layers ---------------------------
+
+def test_a_mixed_placement_keeps_less_cache_on_the_host_as_llama_cpp_allocates(smollm2):
+    """Two cards too small for SmolLM2's f16 cache at 16k even with every FFN on the host: `--offload weights` takes
+    the FFN off the cards first and only then whole layers, so fewer layers' cache go to the host than with
+    `--offload layers`; each card and the host as a real load over RPC workers allocates it (without mmap, so the host
+    buffers hold exactly its tensors). About 10 s."""
+    gib = [0.207, 0.207]  # scripts/accuracy.py --spill --mixed's first size for SmolLM2 at 16k f16
+    with rpc.start_workers(len(gib)) as w:
+        r = check_cell(str(smollm2), 16384, "f16", gib, workers=w, search=True, offload="weights", use_mmap=False)
+        spec = ",".join(f"{e}={s}" for e, s in zip(w.endpoints, gib))
+        mixed = plan(smollm2, 16384, kv="f16", rpc=spec, offload="weights")
+        layers = plan(smollm2, 16384, kv="f16", rpc=spec, offload="layers")
+    assert 0 < mixed.cpu_layers < layers.cpu_layers and mixed.cpu_ffn_layers, mixed.llama_flags()
+    assert 0 < mixed.host.kv < layers.host.kv
+    first_card = mixed.n_layer - (mixed.n_gpu_layers - 1)  # llama.cpp keeps the first layers on the CPU
+    assert min(mixed.cpu_ffn_layers) >= first_card  # no override for a layer the CPU holds whole
+    assert r.layers_match, r.layer_mismatch
+    for d in r.devices:
+        assert d.ok_tiny and d.error >= -16 * 1024, (d.name, d.planned, d.real)
+
+
+def test_offload_weights_plans_wherever_whole_layers_do(smollm2):
+    """Swept over small described cards: wherever `--offload layers` plans, `--offload weights` plans too (or says every
+    layer fits), never with more cache on the host, and the plan's line says what went where."""
+    from ctxq.errors import CtxqError
+    from ctxq.planning.spill.placement import describe
+
+    seen_mixed = 0
+    for sizes in ("0.2,0.15", "0.17,0.12", "0.3,0.1", "0.15,0.15,0.1"):
+        layers = plan(smollm2, 8192, kv="f16", simulate=sizes, offload="layers")
+        try:
+            weights = plan(smollm2, 8192, kv="f16", simulate=sizes, offload="weights")
+        except CtxqError as e:
+            assert layers.cpu_layers == 0 and "nothing to keep in host memory" in str(e), (sizes, str(e))
+            continue
+        assert weights.host.kv <= layers.host.kv, sizes
+        if weights.cpu_layers and weights.cpu_ffn_layers:
+            seen_mixed += 1
+            assert weights.host.kv < layers.host.kv, sizes
+            assert f"and {weights.cpu_layers} whole layers on the CPU with their KV cache" in describe(weights)
+    assert seen_mixed  # the issue's cell (0.2,0.15) mixes: 11 whole layers and 15 layers' FFN, against 14 layers
+
+
+@pytest.fixture(scope="module")
+def glm4_8l(tmp_path_factory):
+    """GLM-4 (fused gate+up) as llama.cpp's converter writes it: 8 layers, 256 wide, FFN 512 (~15 s)."""
+    from ctxq.testing.upstream_models import SPECS, _BASE, make_config, run_converter, write_tokenizer
+    import torch
+
+    out = tmp_path_factory.mktemp("glm4")
+    s = SPECS["glm4"]
+    cls, cfg = make_config("glm4", s, {**_BASE, **s.config, "num_hidden_layers": 8, "hidden_size": 256,
+                                       "intermediate_size": 512, "num_attention_heads": 8, "head_dim": 32})
+    torch.manual_seed(0)
+    cls(cfg).save_pretrained(out / "hf", safe_serialization=True)
+    write_tokenizer(out / "hf", s.added_tokens, s.spm_bpe)
+    run_converter(out / "hf", out / "glm4-8l.gguf", "f16", extra=list(s.converter_args), timeout=600)
+    return out / "glm4-8l.gguf"
+
+
+@pytest.mark.slow
+def test_the_referees_cut_takes_weights_before_layers(glm4_8l):
+    """Every layer fits the rules on the 0.17 GiB card, but llama.cpp's dry run of that split needs 17.5 MiB more
+    compute: the referee's cut comes out of FFN weights under `--offload weights` (no layer on the CPU), and whole
+    layers only under `--offload layers`, where the cut is given back until one layer is left (it was 8 with the
+    whole cut kept). Both as a real load over RPC workers allocates them."""
+    gib = [0.03, 0.17]
+    weights = plan(glm4_8l, 4096, kv="f16", simulate="0.03,0.17", offload="weights")
+    layers = plan(glm4_8l, 4096, kv="f16", simulate="0.03,0.17", offload="layers")
+    assert weights.cpu_layers == 0 and weights.cpu_ffn_layers and weights.host.kv == 0, weights.llama_flags()
+    assert layers.cpu_layers == 1, layers.llama_flags()
+    with rpc.start_workers(len(gib)) as w:
+        r = check_cell(str(glm4_8l), 4096, "f16", gib, workers=w, search=True, offload="weights", use_mmap=False)
+    assert r.layers_match, r.layer_mismatch
+    for d in r.devices:
+        assert d.ok_tiny and d.error >= -16 * 1024, (d.name, d.planned, d.real)

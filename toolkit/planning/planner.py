@@ -76,8 +76,12 @@ def plan_for(model, devices: list[Device], cpu: Device, opts: PlanOptions) -> Pl
         p = _plan_info(src, str(path), info, devs, cpu, opts)
         return refereed(p, src, info, lambda better: _plan_info(src, str(path), better, devs, cpu, opts))
 
-    # the split's compute buffers: llama.cpp's own dry run of it (split_referee)
-    return split_refereed(checked(devices), info, devices, checked)
+    # the split's compute buffers: llama.cpp's own dry run of it (split_referee), whose cuts take weights off a card
+    # before whole layers, as the search does (spill.search): so "nothing to spill" is known only after it
+    p = split_refereed(checked(devices), info, devices, checked)
+    if opts.offload == "weights":
+        spill.nothing_to_spill(p)
+    return p
 
 
 def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Device, opts: PlanOptions) -> Plan:
@@ -124,16 +128,19 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
             pick = tensor_mod.search if opts.tensor_cards is None else tensor_candidates.pinned
             return pick(c, src, str(path), devices, cpu, opts, tk, tv)
         p, host = _search(c, str(path), devices, cpu, opts, tk, tv, src)
-        if auto_experts and devices and (p is None or p.cpu_layers):
-            q, q_host = _search_experts(c, str(path), devices, cpu, opts, tk, tv)
+        if not devices or (p is not None and not p.cpu_layers):
+            return p, host
+
+        def make(cf, slots, order, counts, gplans, h):
+            return _make_plan(cf, str(path), opts, tk, tv, slots, counts, gplans, h, order, len(devices))
+
+        if auto_experts:  # routed experts leave the cards before any layer does (spill.search)
+            q, q_host = spill.search(c, devices, cpu, opts, make, (spill.EXPERTS,))
             if p is None or (q is not None and q.cpu_layers <= p.cpu_layers):  # never more whole CPU layers
                 p, host = q, q_host
-        if ffn_spill and devices and (p is None or p.cpu_layers):  # weights to host memory, never the cache
-            base = c.with_cpu_experts(info.expert_layers) if auto_experts else c  # routed experts first
-            q, q_host = spill.search_ffn(
-                base, devices, cpu, opts, lambda cf, slots, order, counts, gplans, h: _make_plan(
-                    cf, str(path), opts, tk, tv, slots, counts, gplans, h, order, len(devices)),
-                experts_back=auto_experts)
+        if ffn_spill and (p is None or p.cpu_layers):  # then the FFN, each card's own; the cache last
+            q, q_host = spill.search(c, devices, cpu, opts, make,
+                                     (spill.EXPERTS, spill.FFN) if auto_experts else (spill.FFN,))
             pick = spill.chosen(p, q, info, src, opts)
             host = q_host if pick is q and q_host is not None else host
             p = pick
@@ -173,8 +180,6 @@ def _plan_info(src, path: str, info: ModelInfo, devices: list[Device], cpu: Devi
 
         if not p.speed.get("tensor_refused"):  # every tensor candidate weighed by measurement
             p = tensor_candidates.measured_best(p, layer, over, devices, workload(opts))
-    if opts.offload == "weights":
-        spill.nothing_to_spill(p)
     return _read(_settle(experts.apply(p), opts), info, src, opts)
 
 
@@ -253,37 +258,6 @@ def _make_plan(c: Costs, path: str, opts: PlanOptions, tk: str, tv: str, slots: 
              cpu_ffn_layers=sorted(c.cpu_ffn))
     p.est_decode_tps = estimate_tps(gplans, host, c.info.token_embd_bytes, c.info.expert_read_fraction)
     return p
-
-
-# --- expert placement (mixture of experts) ------------------------------------------------------
-
-def _search_experts(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions, tk: str, tv: str):
-    """Whole layers do not all fit: keep the experts of as few layers as needed in CPU memory instead.
-
-    As llama.cpp's --fit does for MoE (common/fit.cpp): first every expert on the CPU, the layers' attention
-    and dense parts split over the devices (whole layers go to the CPU only if even those do not fit); then
-    each device takes back the experts of as many of its layers as it can hold. Unlike --n-cpu-moe N with a
-    proportional split (the first N layers: the last card overflows), each device chooses among its own
-    layers, so none is over its capacity. Within a device the first layers keep their experts on the CPU, so
-    one device gives a prefix (--n-cpu-moe N)."""
-    n = c.info.n_layer
-    bare = c.with_cpu_experts(c.info.expert_layers)
-    found = _best_split(bare, devices, opts.reorder)
-    if found is None:
-        return None, host_cost(bare, n + 1, 0, cpu)
-    slots, order, counts = found
-    ds = [devices[i] for i in order]
-    best = least_held(bare, ds, slots, counts,
-                      lambda k: take_back(bare, ds, k, bare.cpu_experts, bare.with_cpu_experts),
-                      lambda got: len(got.cpu_experts))
-    if best is None:  # the split found does not hold once costed exactly: whole layers only
-        return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
-    ce, cand = best
-    gplans = _layout(ce, ds, cand)
-    host = host_cost(ce, n + 1 - slots, sum(1 for k in cand if k), cpu, cand)
-    if host.total > host.device.usable:
-        return None, host
-    return _make_plan(ce, path, opts, tk, tv, slots, cand, gplans, host, order, len(devices)), host
 
 
 def _evaluate_split(c: Costs, path: str, devices: list[Device], cpu: Device, opts: PlanOptions,

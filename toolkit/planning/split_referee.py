@@ -90,16 +90,18 @@ def _tensor_measured(p, info: ModelInfo) -> tuple[list[int], int] | None:
     return [card + PRINT_ROUNDING + allreduce_bytes(info, n, p.n_ubatch)] * n, host, [0] * n
 
 
-def _take(p, got: tuple[list[int], int, list[int]]) -> list[str]:
+def _take(p, got: tuple[list[int], int, list[int]]) -> tuple[list[str], dict[str, int]]:
     """Set the plan's compute figures to llama.cpp's (and what a real load adds); the devices where the rules were under
-    the dry run, as note parts."""
+    the dry run, as note parts, and by how many bytes each GPU's total now exceeds the rules' (what a search with the
+    rules must leave free on it for this split to fit)."""
     devices, host, extra = got
-    under = []
+    under, excess = [], {}
     for dp, c, more in zip([*p.gpus, p.host], [*devices, host], [*extra, 0]):
         if c - dp.compute > _ROUNDING:
             under.append(f"{dp.device.name} +{(c - dp.compute) / MiB:.2f} MiB")
+        excess[dp.device.name] = c + more - dp.compute
         dp.compute = c + more
-    return under
+    return under, excess
 
 
 # In a plan with weights in host memory, a real load's compute buffer on a GPU where the dry run lost a pin
@@ -117,12 +119,55 @@ def _over(p) -> dict[str, int]:
     return {dp.device.name: dp.total - dp.device.usable for dp in p.gpus if dp.total > dp.device.usable}
 
 
+def _replanned(replan, devices: list, cut: dict[str, int], info: ModelInfo):
+    """(the plan searched again on `devices` less `cut` (bytes by name), with llama.cpp's compute figures, on the
+    user's devices; its excess over the rules by device, `_take`), or None where the dry run cannot be asked."""
+    q = replan([replace(d, usable=d.usable - cut[d.name]) if d.name in cut else d for d in devices])
+    if not applies(q, info) or (got := measured(q, info)) is None:
+        return None
+    excess = _take(q, got)[1]
+    names = {d.name: d for d in devices}
+    for dp in q.gpus:  # the user's devices, not the shrunk stand-ins
+        dp.device = names.get(dp.device.name, dp.device)
+    return q, excess
+
+
+def _held(p) -> tuple[int, int]:
+    """How much a plan keeps off the cards, least first: whole layers on the CPU, then layers' weights in host memory."""
+    return p.cpu_layers, len(p.cpu_ffn_layers) + len(p.cpu_expert_layers)
+
+
+_GIVE_BACK = 3  # halvings of the cut tried after the replans
+
+
+def _given_back(p, replan, devices: list, cut: dict[str, int], info: ModelInfo):
+    """The plan after giving back what the replans cut beyond need. llama.cpp's excess over the rules depends on the
+    split (17.5 MiB with every layer of an 8-layer GLM-4 on one card, 1 MiB with one of them on the CPU), so the cut that
+    made one split fit can push the next far below its card's room. The cut is halved towards none, a split searched
+    at each size and kept where llama.cpp's dry run fits it and it holds more on the cards (`_held`)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(_GIVE_BACK):
+        mid = (lo + hi) / 2
+        got = _replanned(replan, devices, {k: int(v * mid) for k, v in cut.items()}, info)
+        if got is None:
+            break
+        q = got[0]
+        if _over(q):
+            lo = mid
+            continue
+        hi = mid
+        if _held(q) < _held(p):
+            q.notes = [*q.notes, *(n for n in p.notes if n not in q.notes)]
+            p = q
+    return p
+
+
 def split_refereed(p, info: ModelInfo, devices: list, replan):
     """`p` with llama.cpp's compute figures for its split; `replan(devices)` searches again on devices with less
     room where a device no longer holds its part (a split the user gave is only marked, as before)."""
     if not applies(p, info) or (got := measured(p, info)) is None:
         return p
-    under = _take(p, got)
+    under, excess = _take(p, got)
     if under:
         p.notes.append("llama.cpp's dry run of this split needs more compute than ctxq's rules (" + ", ".join(under)
                        + "); the plan takes its figures")
@@ -132,18 +177,16 @@ def split_refereed(p, info: ModelInfo, devices: list, replan):
         over = _over(p)
         if not over or given:
             break
-        for name, n in over.items():
-            cut[name] = cut.get(name, 0) + n
-        smaller = [replace(d, usable=d.usable - cut[d.name]) if d.name in cut else d for d in devices]
-        q = replan(smaller)
-        if not applies(q, info) or (got := measured(q, info)) is None:
+        for name, n in over.items():  # at least what the rules miss on this split, or the search finds it again
+            cut[name] = max(cut.get(name, 0) + n, excess.get(name, 0))
+        got = _replanned(replan, devices, cut, info)
+        if got is None:
             break
-        _take(q, got)
-        names = {d.name: d for d in devices}
-        for dp in q.gpus:  # the user's devices, not the shrunk stand-ins
-            dp.device = names.get(dp.device.name, dp.device)
+        q, excess = got
         q.notes = [*q.notes, *(n for n in p.notes if n not in q.notes)]
         p = q
+    if cut and not given and not _over(p):
+        p = _given_back(p, replan, devices, cut, info)
     if not given and (over := _over(p)):  # never a plan past its card (issue 56)
         from ..errors import DoesNotFit
 

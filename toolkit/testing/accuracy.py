@@ -99,14 +99,15 @@ def _measure_child(model: str, kwargs: dict, cpu_patterns: tuple[str, ...] = ())
 def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | None, workers=None,
                label: str = "", n_ubatch: int = 512, flash_attn: bool | None = None,
                search: bool = False, cpu_moe: bool | None = None, n_cpu_moe: int | None = None,
-               cpu_memory: int | None = None, parallel: int | None = None, offload: str | None = None) -> CellResult:
+               cpu_memory: int | None = None, parallel: int | None = None, offload: str | None = None,
+               use_mmap: bool | None = None) -> CellResult:
     """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios
     (or, with `search`, RPC devices of those sizes that the planner fills, leaving the rest on the CPU).
     cpu_moe / n_cpu_moe: the user's expert placement (else, with `search`, the planner's); parallel: a context
     for that many sequences (PlanOptions.parallel). A plan with experts
     in CPU memory is loaded without mmap: llama.cpp's CPU_Mapped buffer would report the file's span from the
     first host tensor to the last (address space, not RAM); without mmap the host buffers hold exactly the
-    host's tensors, what the plan's RAM figure counts."""
+    host's tensors, what the plan's RAM figure counts; `use_mmap=False` loads every plan so (whole CPU layers too)."""
     moe = dict(cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_memory=cpu_memory, parallel=parallel, offload=offload)
     from ..rpc import run_supervised
 
@@ -118,9 +119,10 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
     else:
         p = plan(model, n_ctx, devices=[], kv=type_kv, n_ubatch=n_ubatch, flash_attn=flash_attn, **moe)
     patterns = tuple(p.tensor_overrides())
+    mmap = not patterns if use_mmap is None else use_mmap
     kw = dict(n_ctx=n_ctx, n_gpu_layers=p.n_gpu_layers, type_k=p.type_k, type_v=p.type_v,
               flash_attn=p.flash_attn, n_batch=p.n_batch, n_ubatch=p.n_ubatch, swa_full=p.swa_full,
-              use_mmap=not patterns, **p.context_settings())  # parallel: the engine's context (Plan.parallel)
+              use_mmap=mmap, **p.context_settings())  # parallel: the engine's context (Plan.parallel)
     if sizes_gib:  # the ratios, as a user would give them, or the plan's layer counts
         kw["tensor_split"] = [float(c) for c in p.tensor_split] if search else [float(s) for s in sizes_gib]
     real = run_supervised(_measure_child, model, kw, patterns, rpc=workers.endpoints if workers else (),
@@ -138,7 +140,7 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
     h = p.host
     # CPU_REPACK holds re-laid-out copies of weights that stay mapped from the file (CPU_Mapped);
     # the model's own bytes are the mapped and plain CPU buffers (without mmap, the repacked ones are the only copy).
-    host_model = sum(v for k, v in real["model"].items() if k.startswith("CPU") and (k != "CPU_REPACK" or patterns))
+    host_model = sum(v for k, v in real["model"].items() if k.startswith("CPU") and (k != "CPU_REPACK" or not mmap))
     host_out = sum(real["output"].values())
     checks.append(DeviceCheck("CPU", {"weights": h.weights, "kv": h.kv, "state": h.state, "compute": h.compute},
                               {"weights": host_model, "kv": _on_cpu(real["kv"]), "state": _on_cpu(real["state"]),

@@ -15,9 +15,11 @@ from ..memory.costs import Costs, device_cost, slots_key
 from ..plan import DevicePlan
 
 
-def fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float):
+def fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float, n_used: int = 2):
     """Place the top `n_gpu_layer_slots` layer slots (output head included) on devs, filling from the
-    last device backwards, each up to cap_frac of its usable memory. None if they do not all fit."""
+    last device backwards, each up to cap_frac of its usable memory. None if they do not all fit.
+    Each device is costed as one of `n_used` devices holding layers: 2 (a split graph's input copies: never
+    under when more are used), or 1 where the caller checks that one device holds every slot (`most_slots`)."""
     n = c.info.n_layer
     counts = [0] * len(devs)
     hi = n + 1  # slots [lo, hi) remain; slot n is the output head
@@ -33,10 +35,10 @@ def fill(c: Costs, devs: list[Device], n_gpu_layer_slots: int, cap_frac: float):
             has_out = hi == n + 1
             layers = range(start, min(hi, n))
             # as in a split; _layout costs the final one exactly
-            key = (start, hi, id(devs[d]), d == first, slots_key(lo_bound, d == first))
+            key = (start, hi, id(devs[d]), d == first, slots_key(lo_bound, d == first), n_used)
             total = c.totals.get(key)
             if total is None:
-                total = c.totals[key] = device_cost(c, layers, has_out, 2, devs[d], first_cuda=d == first,
+                total = c.totals[key] = device_cost(c, layers, has_out, n_used, devs[d], first_cuda=d == first,
                                                     n_cpu_slots=lo_bound).total
             if total > budget:
                 break
@@ -88,32 +90,27 @@ def orders(devs: list[Device], allow_reorder: bool) -> list[list[int]]:
 def best_split(c: Costs, devs: list[Device], allow_reorder: bool):
     """(n_gpu_slots, order, counts): the device order that holds the most layer slots, and those
     slots balanced over its devices."""
-    n = c.info.n_layer
     best = None
     for order in orders(devs, allow_reorder):
         ds = [devs[i] for i in order]
-        lo, hi = 0, n + 1  # most slots that fit at full capacity
         if fill(c, ds, 0, 1.0) is None:
             continue
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fill(c, ds, mid, 1.0) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo, alone = most_slots(c, ds)
         if best is None or lo > best[0]:
-            best = (lo, order)
-        if lo == n + 1:  # every slot placed: no later order can hold more (only a larger count replaces it)
+            best = (lo, order, alone)
+        if lo == c.info.n_layer + 1:  # every slot placed: no later order can hold more (only a larger count replaces it)
             break
     if best is None:
         return None
-    slots, order = best
+    slots, order, alone = best
     ds = [devs[i] for i in order]
     # Balance: first as llama.cpp would by default (layers in proportion to memory), kept when every
     # device holds its share; else the smallest common fill fraction that still places every slot.
     prop = proportional(ds, slots)
     if counts_fit(c, ds, prop):
         return slots, order, prop
+    if alone is not None:  # only one device holds them all: nothing to balance
+        return slots, order, alone
     f_lo, f_hi = 0.0, 1.0
     counts = fill(c, ds, slots, 1.0)
     for _ in range(20):
@@ -124,6 +121,35 @@ def best_split(c: Costs, devs: list[Device], allow_reorder: bool):
         else:
             f_lo = mid
     return slots, order, counts
+
+
+def most_slots(c: Costs, ds: list[Device]) -> tuple[int, list[int] | None]:
+    """(the most layer slots `ds` hold in this order, their counts where only one device holds them, else None).
+    `fill` costs each device as one of two holding layers; where the slots end on one device (a card beside one too
+    small for a layer, or the host), its split has no second card's input copies, so one device may hold more:
+    the counts of that case are checked exactly (`counts_fit`)."""
+    n = c.info.n_layer
+
+    def most(ok) -> int:
+        lo, hi = 0, n + 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    lo = most(lambda s: fill(c, ds, s, 1.0) is not None)
+    if lo == n + 1:
+        return lo, None
+
+    def alone(s: int) -> list[int] | None:
+        k = fill(c, ds, s, 1.0, n_used=1)
+        return k if k is not None and sum(1 for x in k if x) == 1 and counts_fit(c, ds, k) else None
+
+    one = most(lambda s: s <= lo or alone(s) is not None)
+    return (one, alone(one)) if one > lo else (lo, None)
 
 
 def proportional(devs: list[Device], slots: int) -> list[int]:

@@ -8,10 +8,10 @@ blk\\.N\\.ffn_(up|down|gate|gate_up)\\.=CPU`) and every layer's attention, norms
 mixture of experts keeps its routed experts there first (planner._search_experts), then its shared experts
 and dense layers' FFN (`ffn_*_shexp`, gguf.info.FFN_RE).
 
-`search_ffn` finds that placement as `planner._search_experts` finds a mixture-of-experts model's: first every FFN in
-host memory and the rest of each layer split over the cards (whole layers only if even that does not fit: then
-this placement is refused), then each card takes back the FFN of as many of its layers as it holds, its first layers
-keeping theirs on the host. `chosen` takes it or the whole-layer plan by `PlanOptions.offload`; "auto" by the
+`search` finds that placement, a mixture-of-experts model's routed experts and the dense FFN by one mechanism: first
+every such weight in host memory and the rest of each layer split over the cards (whole layers go to the CPU only for
+what even that does not hold, as few as possible: a mixed placement, the cache leaving the cards last), then each card
+takes back the FFN, then the experts, of as many of its layers as it holds, its first layers keeping theirs on the host. `chosen` takes it or the whole-layer plan by `PlanOptions.offload`; "auto" by the
 workload's estimated seconds (planning/speed/reading.timed), the weights when the devices say too little to estimate.
 """
 
@@ -29,35 +29,48 @@ def spillable(c: Costs) -> list[int]:
     return [il for il, b in enumerate(c.layer_ffn) if b and il not in c.mtp_layers]
 
 
-def search_ffn(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, make_plan, experts_back: bool = False):
-    """(plan or None, host) with every layer's attention and KV cache on the cards and the dense FFN of as few layers
-    as the cards need in host memory. None where even every FFN on the host leaves a whole layer for the CPU, or the
-    host cannot hold its part. `make_plan(costs, slots, order, counts, gplans, host)` builds the Plan.
-    A mixture of experts comes with its routed experts in host memory (`c.cpu_experts`: all, or the user's); its
-    shared experts and dense layers' FFN are this FFN (gguf.info.FFN_RE). The cards take back FFN first (every token
-    reads it, a routed expert only n_expert_used of n_expert), then with `experts_back` routed experts."""
+EXPERTS, FFN = "experts", "ffn"  # what a plan may keep in host memory, in the order it leaves the cards
+
+
+def search(c: Costs, devices: list[Device], cpu: Device, opts: PlanOptions, make_plan, kinds: tuple[str, ...]):
+    """(plan or None, host): the weights of `kinds` leave the cards before any layer does, the cache last.
+
+    `kinds` in the order they leave: a mixture's routed experts (EXPERTS: every expert layer's), then its shared
+    experts' or the dense FFN (FFN: `spillable`); `c.cpu_experts` holds the user's experts when EXPERTS is not asked.
+    With all of them in host memory the cards take as many layer slots as they can (`best_split`); the slots left over
+    go to the CPU as whole layers with their cache: only what no spill holds, as few as possible. Then each card takes
+    back what it has room for, FFN first (every token reads it; a routed expert only n_expert_used of n_expert), its
+    last layers first, so the host keeps a prefix of each card's layers (`take_back`). As llama.cpp's --fit does for a
+    MoE (common/fit.cpp), but each card chooses among its own layers, so none is over its capacity. None where the host
+    cannot hold its part, or `kinds` leaves nothing to move. `make_plan(costs, slots, order, counts, gplans, host)`."""
     n = c.info.n_layer
-    layers = spillable(c)
-    if not layers or not devices:
+    bare = c
+    if EXPERTS in kinds:
+        bare = bare.with_cpu_experts(c.info.expert_layers)
+    if FFN in kinds:
+        bare = bare.with_cpu_ffn(spillable(c))
+    if not devices or (bare.cpu_experts == c.cpu_experts and bare.cpu_ffn == c.cpu_ffn):
         return None, None
-    bare = c.with_cpu_ffn(layers)
     found = best_split(bare, devices, opts.reorder)
-    if found is None or found[0] < n + 1:  # a whole layer would still go to the CPU with its cache
-        return None, None
+    if found is None:
+        return None, host_cost(bare, n + 1, 0, cpu)
     slots, order, counts = found
     ds = [devices[i] for i in order]
 
     def restore(cand: list[int]) -> Costs:
-        got = take_back(bare, ds, cand, bare.cpu_ffn, bare.with_cpu_ffn)
-        if experts_back and got.cpu_experts:  # then routed experts, where a card has room left
-            got = take_back(got, ds, cand, got.cpu_experts, got.with_cpu_experts)
+        got = bare
+        for kind in reversed(kinds):
+            held, place = (got.cpu_ffn, got.with_cpu_ffn) if kind == FFN else (got.cpu_experts, got.with_cpu_experts)
+            got = take_back(got, ds, cand, held, place)
         return got
 
     best = least_held(bare, ds, slots, counts, restore, lambda got: (len(got.cpu_ffn), len(got.cpu_experts)))
-    if best is None:
-        return None, None
+    if best is None:  # the split found does not hold once costed exactly
+        return None, host_cost(bare, n + 1 - slots, sum(1 for k in counts if k), cpu)
     cf, cand = best
-    host = host_cost(cf, 0, sum(1 for k in cand if k), cpu, cand)
+    n_cpu = n + 1 - slots  # whole layers on the CPU: their FFN is there with them, no override needed
+    cf = cf.with_cpu_ffn(il for il in cf.cpu_ffn if il >= n_cpu)
+    host = host_cost(cf, n_cpu, sum(1 for k in cand if k), cpu, cand)
     if host.total > host.device.usable:
         return None, host
     return make_plan(cf, slots, order, cand, layout(cf, ds, cand), host), host
@@ -105,8 +118,11 @@ def describe(p) -> str | None:
         return None
     nbytes = p.host.cpu_ffn_bytes
     what = "the shared-expert or dense FFN" if p.expert_layers else "the FFN"
-    return (f"weights in host memory: {what} of {len(p.cpu_ffn_layers)} of {p.n_layer} layers "
-            f"({nbytes / 2**30:.2f} GiB); every layer's attention and KV cache stay on the cards")
+    line = f"weights in host memory: {what} of {len(p.cpu_ffn_layers)} of {p.n_layer} layers ({nbytes / 2**30:.2f} GiB)"
+    if not p.cpu_layers:
+        return line + "; every layer's attention and KV cache stay on the cards"
+    return (line + f", and {p.cpu_layers} whole layers on the CPU with their KV cache "
+            f"({p.host.kv / 2**30:.2f} GiB): the weights left the cards first, and no spill holds those layers' cache")
 
 
 def check(opts: PlanOptions, info, tensor: bool, moe: bool, devices: list[Device]) -> None:
