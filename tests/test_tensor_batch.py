@@ -116,6 +116,21 @@ def test_the_search_takes_whole_heads_where_speed_would_abort(name, expect, qwen
                for n in p["notes"]), p["notes"]
     # the reason says how these proportions were found, not "by speed" (issue 64)
     assert "of each (the nearest llama.cpp runs, in whole heads)" in p["reason"] and "(by speed" not in p["reason"]
+    # what llama.cpp does at both cuts, asked of a child over RPC workers (no GPU here). Gemma 4: 737:263 aborts,
+    # 1:1 computes. Qwen3-Next: no batch computes over RPC, so what is shown is where each aborts: at 737:263 in
+    # llama.cpp's own process (the meta device's split-state assertion, GPUs too), at 3:1 only in the worker
+    # (ggml-rpc.cpp, the abort `over_rpc` refuses: ctxq refuses 3:1 over RPC). That 3:1 computes on GPUs is not shown.
+    at_speed, at_heads = first_batch(model, "737,263", "f16"), first_batch(model, f"{expect[0]},{expect[1]}", "f16")
+    assert at_speed is not None, "llama.cpp computes the cut by speed"
+    if name == "gemma4-kvshare":
+        assert at_heads is None, at_heads[-300:]
+    else:
+        assert "GGML_ASSERT(split_state" in at_speed, at_speed[-300:]
+        assert at_heads is not None and "GGML_ASSERT(split_state" not in at_heads and "RPC worker" in at_heads, at_heads
+        with rpc.start_workers("2,2", threads=1) as w:
+            over = run_ctxq("plan", model, "-c", "2048", "-sm", "tensor", "-ts", "3,1", "--rpc", w.rpc_spec,
+                            "--json", timeout=300)
+        assert over.returncode != 0 and "Error: " in over.stderr, over.stdout[-300:]
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +172,11 @@ def test_qwen3next_segments_are_refused_where_the_meta_device_asserts(qwen3next_
 def test_whole_heads_that_do_not_hold_every_slot_keep_fewer_on_the_cards():
     """The search's proportions (7:3 here) abort for Gemma 4 with KV-shared layers; the nearest in whole heads, 1:1,
     then needs more of the second card than it has at every slot. `settled` keeps one slot fewer on the cards at 1:1
-    rather than refuse. The cards are sized from the planner's own per-card figures at 7:3 and at 1:1."""
+    rather than refuse. The cards are fixed figures, not sized by the code under test: the planner's per-card totals
+    at 7:3 with every slot (commit ee5d070), and that 1:1 needs more of card 1 than 7:3 is asked of llama.cpp."""
+    import sys
+    from pathlib import Path
+
     from ctxq.gguf.info import model_info
     from ctxq.planning.devices import Device
     from ctxq.planning.facts import model_facts
@@ -166,23 +185,25 @@ def test_whole_heads_that_do_not_hold_every_slot_keep_fewer_on_the_cards():
     from ctxq.planning.options import PlanOptions
     from ctxq.planning.tensor import batch, mode
 
-    src = load_source(str(upstream_models.build("gemma4-kvshare")))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import tensor_truth
+
+    model = str(upstream_models.build("gemma4-kvshare"))
+    # llama.cpp's own load over RPC workers (weights, KV, compute held by each): 1:1 takes 704,512 bytes more of
+    # card 1 than 7:3 (its cut of the KV-shared caches and weights)
+    real = {tuple(sp): [sum(b.size for b in c.buffers) for c in tensor_truth.measure(model, 65536, sp, n_eval=0)]
+            for sp in ([7, 3], [1, 1])}
+    assert real[(1, 1)][1] - real[(7, 3)][1] == 704_512, real
+    src = load_source(model)
     opts = PlanOptions(n_ctx=65536, kv="f16").resolved()
     info = model_facts(src, model_info(src), n_ctx=opts.n_ctx, n_ubatch=opts.n_ubatch, n_batch=opts.n_batch,
                        flash_attn=True)
     c = costs(info, src, opts, "f16", "f16")
     cpu = Device("CPU", "cpu", 2**34, 2**34, backend="cpu")
-
-    def cards_of(room):
-        return mode._Cards(c, src, [Device(f"RPC{j}", "rpc", r, r, backend="rpc") for j, r in enumerate(room)], cpu,
-                           opts, "f16", "f16")
-
+    room = [125_081_452, 123_672_428]  # bytes: each card exactly what 7:3 needs of it with every slot
+    cards = mode._Cards(c, src, [Device(f"RPC{j}", "rpc", r, r, backend="rpc") for j, r in enumerate(room)], cpu,
+                        opts, "f16", "f16")
     full = info.n_layer + 1
-    big = cards_of([2**30, 2**30])
-    need = {(s, tuple(p)): [dp.total for dp in big.cards(s, p)] for s in (full, full - 1) for p in ([7, 3], [1, 1])}
-    room = [max(need[(full, (7, 3))][j], need[(full - 1, (1, 1))][j]) for j in range(2)]
-    assert room[1] < need[(full, (1, 1))][1]  # 1:1 cannot hold every slot on the second card
-    cards = cards_of(room)
     assert batch.at_proportions(cards.ts, info, src, [7, 3]) is not None  # the search's cut aborts
     slots, props, plans, note = batch.settled(cards, full, [7, 3], cards.cards(full, [7, 3]), [500, 500])
     assert (slots, props) == (full - 1, [1, 1])

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from .. import interrupts
-from .common import echo_json, table
+from .common import Bars, echo_json, table
 from .group import cli
 
 
@@ -27,11 +27,7 @@ class _Bars:
                 self.bar = tqdm(total=total, desc=label, unit=" tok", leave=False, dynamic_ncols=True)
             self.bar.update(done - self.bar.n)
 
-    def close(self) -> None:
-        with interrupts.held():
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
+    close = Bars.close  # the same bar, closed under the same stop-signal guard
 
 
 def render(results, mode: str, base: int) -> str:

@@ -10,8 +10,8 @@ real loads over RPC workers (each worker's `GGML_RPC_DEBUG` log; scripts/accurac
   offloaded layer (97.125 MiB on each card for SmolLM2 at 4k and 8k): the search costs it with ctxq's rules, then the
   split referee takes llama.cpp's dry run of that one device (`split_referee._tensor_measured`);
 - all-reduce: ceil(log2(cards)) scratch buffers per card, each the largest partial result that opens an all-reduce
-  (the residual stream of one micro-batch, f32 [n_embd, n_ubatch], times the experts used where a MoE's routed
-  experts open their own: `allreduce_bytes`), allocated at the first batch;
+  (the residual stream of one micro-batch, f32 [n_embd, n_ubatch], times the experts used in a MoE, whose routed
+  down-projection is the largest: `allreduce_bytes`), allocated at the first batch;
 - CUDA's own memory and the reserve per card as for one device holding every offloaded layer (an over-estimate:
   each card converts only its own heads);
 - the host: token embeddings, the layers left on the CPU with their KV, its compute buffer, as in layer mode.
@@ -54,14 +54,6 @@ def check(info, arch: str, opts, devices: list[Device], experts_fixed: bool) -> 
                             "use split_mode=layer for that", option="split_mode", value="tensor")
 
 
-# Architectures whose MoE layers compute the shared experts before the routed ones and add the two directly
-# (src/models/hunyuan-moe.cpp: cur_mlp = build_ffn(shexp), then cur_moe = build_moe_ffn(...), then
-# ggml_add(cur_moe, cur_mlp)): ggml_backend_meta_graph_compute's get_i_delayed then merges the routed experts'
-# all-reduce into the shared branch's ("AllReduce(a) + AllReduce(b) == AllReduce(a + b)"), and the routed
-# [n_embd, n_expert_used, n_tokens] partial result is never the start of a subgraph, so it never sizes the scratch.
-# Every other MoE graph in the vendored src/models either runs the routed experts first or normalises the shared
-# branch before the sum (gemma4.cpp), and its routed partial result opens its own all-reduce.
-ROUTED_MERGED = frozenset(("hunyuan-moe",))
 
 
 def allreduce_bytes(info, n_cards: int, n_ubatch: int) -> int:
@@ -72,12 +64,15 @@ def allreduce_bytes(info, n_cards: int, n_ubatch: int) -> int:
     `bcj.bufs[i].reset(ggml_backend_alloc_buffer(bcj.backend, max_tmp_size))` for every card j and step i; NCCL or
     not). The PARTIAL nodes are the row-split matmuls' results (handle_mul_mat: src0 and src1 both split on axis 0):
     attention output, FFN down, shared experts, ssm_out, all f32 [n_embd, n_tokens], and a MoE's routed
-    down-projection f32 [n_embd, n_expert_used, n_tokens] (build_moe_ffn's ffn_moe_down) unless its all-reduce is
-    merged into the shared experts' (`ROUTED_MERGED`). Tokens: a full micro-batch, the largest a batch makes."""
+    down-projection f32 [n_embd, n_expert_used, n_tokens] (build_moe_ffn's ffn_moe_down) in every MoE: build_moe_ffn
+    forward-expands its experts before a shared branch joins the graph, so the routed node is reached (and measured)
+    before get_i_delayed merges anything past it, hunyuan-moe's shared-plus-routed sum included (its shared FFN is
+    built first but expanded after: measured over RPC workers, tests/test_tensor_scratch.py).
+    Tokens: a full micro-batch, the largest a batch makes."""
     if n_cards <= 1:
         return 0
     steps = math.ceil(math.log2(n_cards))
-    routed = info.n_expert_used if info.n_expert_used and info.arch not in ROUTED_MERGED else 1
+    routed = info.n_expert_used or 1
     return steps * info.n_embd * n_ubatch * 4 * routed
 
 
