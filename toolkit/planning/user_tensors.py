@@ -54,8 +54,9 @@ def split_entry(entry: str) -> tuple[str, str]:
 def device_names(dev) -> set[str]:
     """The buffer names a plan's device answers to: its own name, llama.cpp's buffer-type name (an RPC worker's is
     RPC<index on that worker>[endpoint], ggml-rpc.cpp ggml_backend_rpc_buffer_type; one device per ctxq worker, so
-    0), and CUDAn for a described GPUn (a card's name as the CUDA backend gives it)."""
-    names = {dev.name}
+    0), ggml's device name for an RPC device (RPCn, its place among RPC devices) and CUDAn for a described GPUn (a
+    card's name as the CUDA backend gives it)."""
+    names = {dev.name, re.sub(r"\[.*", "", dev.name)}  # RPC1[host:port] answers to ggml's device name RPC1 too
     if getattr(dev, "endpoint", None):
         names.add(f"RPC0[{dev.endpoint}]")
     m = re.fullmatch(r"(GPU|CUDA)(\d+)", dev.name)
