@@ -141,3 +141,11 @@ def test_bad_overrides_are_one_line(smollm2, value, says):
     assert exit_.value.code not in (0, None)
     lines = [ln for ln in out.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: ") and says in lines[0], out
+
+
+def test_entries_split_as_llama_cpp_splits_them():
+    """common/arg.cpp: commas separate entries, the first '=' separates pattern and buffer; several -ot add up."""
+    from ctxq.planning.user_tensors import parse_overrides
+
+    assert parse_overrides([r"blk\.1\.ffn_.*=CPU,output=CUDA0", "a=b=c"]) == (r"blk\.1\.ffn_.*=CPU", "output=CUDA0",
+                                                                             "a=b=c")

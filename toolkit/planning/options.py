@@ -129,6 +129,8 @@ class PlanOptions:
                     offload=str(self.offload or "auto").lower())
         if self.override_tensor is not None:
             r = replace(r, override_tensor=parse_overrides(self.override_tensor) or None)
+            if self.reorder is None and any(not e.endswith("=CPU") for e in r.override_tensor or ()):
+                r = replace(r, reorder=False)  # a device named in an entry keeps its place (CUDA0 stays CUDA0)
             if r.override_tensor and r.split_mode != "layer":  # tensor mode cuts every layer across the cards
                 raise InvalidOption(f"override_tensor plans in layer mode only, not split_mode={r.split_mode}: use "
                                     "-sm layer", option="override_tensor", value=self.override_tensor)
