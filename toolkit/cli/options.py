@@ -119,6 +119,10 @@ def _plan_flags(for_plan: bool, parallel: bool = True, ubatch_list: bool = False
                           "--cpu-moe); the router and shared experts stay with their layer."),
         click.option("-ncmoe", "--n-cpu-moe", "n_cpu_moe", type=int, default=None, metavar="N",
                      help="Keep the expert weights of the first N layers in CPU memory (llama.cpp's --n-cpu-moe)."),
+        click.option("-ot", "--override-tensor", "override_tensor", multiple=True, metavar="REGEX=BUFFER,…",
+                     callback=lambda ctx, param, v: tuple(v) or None,
+                     help="Put the tensors whose names match REGEX in BUFFER (llama.cpp's -ot): CPU or a device "
+                          "(CUDA0, RPC0[host:port], GPU1); repeatable, the first match wins. Layer mode only."),
         click.option("--reserve", "reserve", type=float, default=None, metavar="GiB", callback=_reserve_bytes,
                      help="Memory kept free on every GPU outside llama.cpp's buffers (CUDA context, cuBLAS, "
                           "graphs).  [default: 0.75 for CUDA, 1.0 for other GPU backends]"),

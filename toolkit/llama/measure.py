@@ -57,7 +57,7 @@ def measure(model_path: str, *, n_ctx: int, n_gpu_layers: int = 0, tensor_split:
     if cpu_patterns:
         from .overrides import TensorOverrides
 
-        overrides = TensorOverrides.to_cpu(cpu_patterns)
+        overrides = TensorOverrides.build(cpu_patterns)
         mp.tensor_buft_overrides = ctypes.cast(overrides.array, ctypes.c_void_p)
     if dry_run:
         mp.no_alloc = True

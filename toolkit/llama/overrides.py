@@ -78,26 +78,31 @@ class _Override(ctypes.Structure):
 
 @dataclass
 class TensorOverrides:
-    """A NULL-terminated `llama_model_tensor_buft_override` array for `patterns`, all to the CPU
-    buffer type, and what llama.cpp did with it: tensor name -> the buffer type it logged."""
+    """A NULL-terminated `llama_model_tensor_buft_override` array for `entries`, in order (llama.cpp takes a
+    tensor's first match), and what llama.cpp did with it: tensor name -> the buffer type it logged. An entry is a
+    regex (to the CPU: ctxq's own patterns) or llama.cpp's -ot form PATTERN=BUFFER (the user's, `Plan.override_tensor`)."""
 
     patterns: list[str]
     array: ctypes.Array = field(repr=False)
     overridden: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def to_cpu(cls, patterns: Sequence[str]) -> TensorOverrides:
+    def build(cls, entries: Sequence[str]) -> TensorOverrides:
         lc = backend.llama_cpp()
         limit = lc.llama_max_tensor_buft_overrides()
-        if len(patterns) >= limit:  # one slot is the terminator
-            raise InvalidOption(f"{len(patterns)} tensor overrides; llama.cpp takes at most {limit - 1}",
-                                value=len(patterns), limit=limit - 1)
-        buft = cpu_buffer_type()
-        array = (_Override * (len(patterns) + 1))()  # zeroed: the last entry is the {NULL, NULL} terminator
-        for i, p in enumerate(patterns):
-            array[i].pattern = p.encode()  # the Structure keeps the bytes alive with the array
-            array[i].buft = buft
-        return cls(list(patterns), array)
+        if len(entries) >= limit:  # one slot is the terminator
+            raise InvalidOption(f"{len(entries)} tensor overrides; llama.cpp takes at most {limit - 1}",
+                                value=len(entries), limit=limit - 1)
+        array = (_Override * (len(entries) + 1))()  # zeroed: the last entry is the {NULL, NULL} terminator
+        patterns = []
+        for i, entry in enumerate(entries):
+            pattern, eq, buffer = entry.partition("=")  # common/arg.cpp splits at the first '='
+            array[i].pattern = pattern.encode()  # the Structure keeps the bytes alive with the array
+            array[i].buft = buffer_type(buffer) if eq else cpu_buffer_type()
+            patterns.append(pattern)
+        return cls(patterns, array)
+
+    to_cpu = build  # the name its callers knew when every entry went to the CPU
 
     def unapplied(self) -> list[str]:
         """Patterns that matched no tensor of the load (Python's re and std::regex agree on these)."""
@@ -118,6 +123,56 @@ def cpu_buffer_type() -> int:
     if not dev:
         raise BuildError("ggml has no CPU device; reinstall llama-cpp-python with `make setup`")
     return lib.ggml_backend_dev_buffer_type(dev)
+
+
+def _ggml():
+    """libggml by its SONAME file, as libllama loads it (NOTES), with the device API's signatures."""
+    backend.llama_cpp()  # loads libllama and with it the libggml copies ctypes must share
+    lib = ctypes.CDLL(str(backend.lib_dir() / "libggml.so.0"))
+    for name, res, args in (("ggml_backend_dev_count", ctypes.c_size_t, []),
+                            ("ggml_backend_dev_get", ctypes.c_void_p, [ctypes.c_size_t]),
+                            ("ggml_backend_dev_name", ctypes.c_char_p, [ctypes.c_void_p]),
+                            ("ggml_backend_dev_description", ctypes.c_char_p, [ctypes.c_void_p]),
+                            ("ggml_backend_dev_type", ctypes.c_int, [ctypes.c_void_p]),
+                            ("ggml_backend_dev_buffer_type", ctypes.c_void_p, [ctypes.c_void_p]),
+                            ("ggml_backend_buft_name", ctypes.c_char_p, [ctypes.c_void_p])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def buffer_type(name: str) -> int:
+    """The buffer type a -ot BUFFER names, as llama.cpp's parse_tensor_buffer_overrides finds it (common/arg.cpp:
+    each device's `ggml_backend_dev_buffer_type`, by `ggml_backend_buft_name`: CPU, CUDA0, RPC0[host:port]), or by
+    the plan's name for a device: RPCi[host:port] (the worker at that endpoint, else the i-th RPC device: the split
+    referee's dry run has workers of its own), GPUi / CUDAi (the i-th GPU, else the i-th non-CPU device).
+    InvalidOption naming the buffers there are."""
+    if name == "CPU":
+        return cpu_buffer_type()
+    lib = _ggml()
+    devs = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    devs = [d for d in devs if lib.ggml_backend_dev_type(d) != _GGML_BACKEND_DEVICE_TYPE_CPU]
+    bufts = [lib.ggml_backend_dev_buffer_type(d) for d in devs]
+    named = [(lib.ggml_backend_buft_name(b).decode(), lib.ggml_backend_dev_name(d).decode(),
+              (lib.ggml_backend_dev_description(d) or b"").decode()) for d, b in zip(devs, bufts)]
+    for i, (buft, dev, desc) in enumerate(named):
+        if name in (buft, dev):
+            return bufts[i]
+    m = re.fullmatch(r"RPC(\d+)\[(.+)\]", name)
+    if m:  # an RPC device's description is its endpoint (ggml-rpc.cpp ggml_backend_rpc_add_server)
+        rpc = [i for i, (_, dev, _) in enumerate(named) if dev.startswith("RPC")]
+        hit = next((i for i in rpc if named[i][2] == m.group(2)), None)
+        if hit is None and int(m.group(1)) < len(rpc):
+            hit = rpc[int(m.group(1))]
+        if hit is not None:
+            return bufts[hit]
+    m = re.fullmatch(r"(?:GPU|CUDA)(\d+)", name)
+    if m:
+        gpus = [i for i, d in enumerate(devs) if not named[i][1].startswith("RPC")] or list(range(len(devs)))
+        if int(m.group(1)) < len(gpus):
+            return bufts[gpus[int(m.group(1))]]
+    raise InvalidOption(f"-ot buffer {name!r} is not a device llama.cpp sees here; use one of "
+                        f"{', '.join(['CPU'] + [b for b, _, _ in named])}", option="override_tensor", value=name)
 
 
 _pending = threading.local()  # the array create_llama hands to its own thread's next model load
@@ -148,7 +203,7 @@ def _install(lc) -> None:
 
 def create_llama(model_path: str, llama_kwargs: dict, cpu_patterns: Sequence[str] = ()):
     """`llama_cpp.Llama(model_path, **llama_kwargs)` with the tensors matching `cpu_patterns` (llama.cpp
-    regexes) in CPU memory. Without patterns it is the plain call. The overrides stay alive on the
+    regexes, to CPU memory, or PATTERN=BUFFER entries: TensorOverrides.build) where they say. Without patterns it is the plain call. The overrides stay alive on the
     model as `llm.ctxq_overrides` (None without patterns). Raises CtxqError if llama.cpp's log does not
     show every pattern applied; llama-cpp-python's ValueError for a failed load passes through."""
     lc = backend.llama_cpp()
@@ -159,7 +214,7 @@ def create_llama(model_path: str, llama_kwargs: dict, cpu_patterns: Sequence[str
     from llama_cpp import llama_cpp as low
 
     _install(low)
-    ov = TensorOverrides.to_cpu(cpu_patterns)
+    ov = TensorOverrides.build(cpu_patterns)
     _pending.array = ov.array
     try:
         with backend.capture_log() as lines:

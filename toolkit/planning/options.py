@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from ..errors import InvalidOption
 from ..gguf.info import KV_TYPES
 from .kvpairs import parse_kv
+from .user_tensors import parse_overrides
 
 DEFAULT_N_CTX = 4096  # llama.cpp's own default context (common_params.n_ctx)
 DEFAULT_N_BATCH = 2048  # common_params.n_batch
@@ -63,6 +64,10 @@ class PlanOptions:
     weights of chosen layers, `-ot ...=CPU`; attention, norms and the whole KV cache stay on the cards), "layers"
     (whole layers with their KV cache, llama.cpp's -ngl), or "auto" (the default: the placement with the least
     estimated time for the workload; weights where the devices say too little to estimate). planning/spill/placement.py.
+    override_tensor: llama.cpp's -ot / --override-tensor, "PATTERN=BUFFER" entries (a string may hold several,
+    comma-separated): the tensors whose names match go to that buffer, CPU or a device as llama.cpp or the plan
+    names it (CUDA0, RPC0[host:port], GPU1), the first matching entry winning; ctxq plans its own moves around them
+    (planning/user_tensors.py). Layer mode only.
     """
 
     n_ctx: int | None = None
@@ -92,6 +97,7 @@ class PlanOptions:
     tensor_cards: tuple | list | None = None
     offload: str | None = None
     no_mmap: bool | None = None  # llama.cpp's --no-mmap: whole host layers' weights in the first GPU's pinned buffer
+    override_tensor: str | tuple | list | None = None  # llama.cpp's -ot: "PATTERN=BUFFER[,...]" or several of them
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -121,6 +127,13 @@ class PlanOptions:
                     reorder=True if self.reorder is None else self.reorder,
                     split_mode=str(self.split_mode or DEFAULT_SPLIT_MODE).lower(),
                     offload=str(self.offload or "auto").lower())
+        if self.override_tensor is not None:
+            r = replace(r, override_tensor=parse_overrides(self.override_tensor) or None)
+            if self.reorder is None and any(not e.endswith("=CPU") for e in r.override_tensor or ()):
+                r = replace(r, reorder=False)  # a device named in an entry keeps its place (CUDA0 stays CUDA0)
+            if r.override_tensor and r.split_mode != "layer":  # tensor mode cuts every layer across the cards
+                raise InvalidOption(f"override_tensor plans in layer mode only, not split_mode={r.split_mode}: use "
+                                    "-sm layer", option="override_tensor", value=self.override_tensor)
         if r.offload not in OFFLOADS:
             raise InvalidOption(f"`offload` {self.offload!r}: choose weights, layers or auto", option="offload",
                                 value=self.offload)

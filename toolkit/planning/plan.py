@@ -13,8 +13,10 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from ..errors import InvalidOption
 from ..llama.overrides import expert_layers, expert_pattern, experts_pattern, ffn_pattern
 from .devices import Device
+from .user_tensors import CPU, device_names, llama_buffer, split_entry
 from .options import PlanOptions
 
 
@@ -37,6 +39,7 @@ class DevicePlan:
     # (the host: the layers on devices whose experts it holds)
     cpu_ffn: list[int] = field(default_factory=list)  # its layers whose dense FFN is in host memory (the host: all)
     cpu_ffn_bytes: int = 0  # their FFN bytes (in the host's weights, not in this device's)
+    override_bytes: int = 0  # of `weights`, the bytes the user's -ot patterns put here (from any layer)
 
     @property
     def cuda_extra(self) -> int:
@@ -106,6 +109,9 @@ class Plan:
     # layers whose dense FFN weights sit in host memory, their attention, norms and KV cache on their card (a plan
     # that spills weights, never the cache: planning/spill/); passed as tensor_buft_overrides (`tensor_overrides`)
     cpu_ffn_layers: list[int] = field(default_factory=list)
+    # the user's -ot entries ("PATTERN=BUFFER", PlanOptions.override_tensor), handed to llama.cpp before ctxq's own
+    # patterns so that they win (llama.cpp takes a tensor's first matching pattern)
+    override_tensor: list[str] = field(default_factory=list)
 
     @property
     def devices(self) -> list[DevicePlan]:
@@ -126,9 +132,20 @@ class Plan:
         return [expert_pattern(il) for il in self.cpu_expert_layers]
 
     def tensor_overrides(self) -> list[str]:
-        """Every `tensor_buft_overrides` pattern of the plan, all to the CPU: the experts of `cpu_expert_layers`
-        (`expert_overrides`), then one pattern for the dense FFN of `cpu_ffn_layers`."""
-        return self.expert_overrides() + ([self.ffn_override()] if self.cpu_ffn_layers else [])
+        """Every `tensor_buft_overrides` entry of the plan, in llama.cpp's order of precedence: the user's
+        "PATTERN=BUFFER" (`override_tensor`), then ctxq's own patterns, each to the CPU: the experts of
+        `cpu_expert_layers` (`expert_overrides`), then one pattern for the dense FFN of `cpu_ffn_layers`
+        (`ctxq.llama.overrides.TensorOverrides.build` reads both forms)."""
+        return [*self.override_tensor, *self.expert_overrides()] + ([self.ffn_override()] if self.cpu_ffn_layers else [])
+
+    def user_flags(self) -> str:
+        """The user's -ot entries with llama.cpp's buffer names (`ggml_backend_buft_name`) for the plan's devices."""
+        out = ""
+        for entry in self.override_tensor:
+            pattern, buffer = split_entry(entry)
+            dev = next((g.device for g in self.gpus if buffer in device_names(g.device)), None)
+            out += " -ot " + shlex.quote(f"{pattern}={llama_buffer(dev) if dev else buffer}")
+        return out
 
     def ffn_override(self) -> str:
         """The one pattern for the FFN of `cpu_ffn_layers`: a MoE's shared experts' with its dense layers'."""
@@ -173,7 +190,7 @@ class Plan:
             flags += " --swa-full"
         if self.parallel:  # llama-server's -np; -kvu: one pool of n_ctx cells (common/arg.cpp)
             flags += f" -np {self.n_seq_max}" + (" -kvu" if self.kv_unified else "")
-        flags += self._expert_flags()
+        flags += self.user_flags() + self._expert_flags()
         if self.cpu_ffn_layers:
             flags += " -ot " + shlex.quote(f"{self.ffn_override()}=CPU")
         return flags
@@ -232,19 +249,40 @@ class Plan:
 @dataclass(frozen=True)
 class ExpertPlacement:
     """Which layers hold experts and, when the user chose (`cpu_moe`, `n_cpu_moe`), which of them keep the
-    experts in CPU memory; the planner costs that choice as given, else it chooses (`fixed` False)."""
+    experts in CPU memory; the planner costs that choice as given, else it chooses (`fixed` False). It also carries
+    the user's own tensor placement (`override_tensor`, costed in memory.costs) onto the plan (`apply`)."""
 
     expert_layers: list[int]
     cpu_layers: list[int]
     fixed: bool = True  # False: the planner chooses (neither cpu_moe nor n_cpu_moe given)
+    override_tensor: tuple[str, ...] = ()  # the user's "PATTERN=BUFFER" entries (PlanOptions.override_tensor)
 
     @classmethod
     def chosen(cls, tensor_names: Iterable[str], n_layer: int, opts: PlanOptions) -> ExpertPlacement:
         """The placement `opts` asks for on a model with these tensors; InvalidOption when it cannot be."""
         layers = expert_layers(tensor_names)
-        return cls(layers, opts.cpu_expert_layers(layers, n_layer), bool(opts.cpu_moe or opts.n_cpu_moe))
+        return cls(layers, opts.cpu_expert_layers(layers, n_layer), bool(opts.cpu_moe or opts.n_cpu_moe),
+                   tuple(opts.override_tensor or ()))
 
     def apply(self, p: Plan) -> Plan:
+        """`p` with the experts' placement and the user's overrides; InvalidOption for a buffer no device of the plan
+        answers to (the costs gave it nothing: memory.user_tensors.device_names)."""
+        if self.override_tensor:
+            names = {CPU} | {n for g in p.gpus for n in device_names(g.device)}
+            for entry in self.override_tensor:
+                buffer = split_entry(entry)[1]
+                if buffer not in names:
+                    have = ", ".join([CPU] + [llama_buffer(g.device) for g in p.gpus])
+                    raise InvalidOption(f"override_tensor {entry!r}: no buffer {buffer!r} among this plan's devices; "
+                                        f"use one of {have}", option="override_tensor", value=entry)
+                idle = next((g for g in p.gpus if buffer in device_names(g.device) and not g.layers), None)
+                if idle is not None:  # llama.cpp would still allocate them there; the costs of an idle card are none
+                    raise InvalidOption(f"override_tensor {entry!r}: the plan puts no layers on {idle.device.name}, "
+                                        "so its memory is not planned; send the tensors to CPU or a device in use",
+                                        option="override_tensor", value=entry)
+            p.override_tensor = list(self.override_tensor)
+            p.notes.append(f"{len(self.override_tensor)} tensor override(s) as asked (-ot), ahead of ctxq's own; "
+                           "no pipeline parallelism with tensor overrides")
         p.expert_layers = list(self.expert_layers)
         if self.fixed:
             p.cpu_expert_layers = list(self.cpu_layers)

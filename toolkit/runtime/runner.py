@@ -225,7 +225,7 @@ def memory_report(p: Plan, alloc: backend.Allocations) -> list[DeviceMemory]:
             dev_names[i] if i < len(dev_names) else None)
         out.append(DeviceMemory(dp.device.name, dp.buffers, alloc.total(name) if name else 0))
     # experts in host memory between layers on devices: the mapped range spans those layers' tensors
-    spans = bool(p.cpu_expert_layers or p.cpu_ffn_layers) and any(dp.layers for dp in p.gpus)
+    spans = bool(p.cpu_expert_layers or p.cpu_ffn_layers or p.override_tensor) and any(dp.layers for dp in p.gpus)
     out.append(DeviceMemory(p.host.device.name, p.host.buffers, sum(alloc.total(n) for n in host_names),
                             mapped=alloc.model.get("CPU_Mapped", 0) if spans else 0,
                             tensors=p.host.weights if spans else 0))

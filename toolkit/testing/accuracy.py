@@ -100,15 +100,17 @@ def check_cell(model: str, n_ctx: int, type_kv: str, sizes_gib: list[float] | No
                label: str = "", n_ubatch: int = 512, flash_attn: bool | None = None,
                search: bool = False, cpu_moe: bool | None = None, n_cpu_moe: int | None = None,
                cpu_memory: int | None = None, parallel: int | None = None, offload: str | None = None,
-               use_mmap: bool | None = None) -> CellResult:
+               override_tensor=None, use_mmap: bool | None = None) -> CellResult:
     """Plan and really load; sizes_gib None means the CPU alone, else RPC workers split by those ratios
     (or, with `search`, RPC devices of those sizes that the planner fills, leaving the rest on the CPU).
-    cpu_moe / n_cpu_moe: the user's expert placement (else, with `search`, the planner's); parallel: a context
+    cpu_moe / n_cpu_moe: the user's expert placement (else, with `search`, the planner's); override_tensor: the user's -ot
+    entries (PlanOptions.override_tensor); parallel: a context
     for that many sequences (PlanOptions.parallel). A plan with experts
     in CPU memory is loaded without mmap: llama.cpp's CPU_Mapped buffer would report the file's span from the
     first host tensor to the last (address space, not RAM); without mmap the host buffers hold exactly the
     host's tensors, what the plan's RAM figure counts; `use_mmap=False` loads every plan so (whole CPU layers too)."""
-    moe = dict(cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_memory=cpu_memory, parallel=parallel, offload=offload)
+    moe = dict(cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_memory=cpu_memory, parallel=parallel, offload=offload,
+               override_tensor=override_tensor)
     from ..rpc import run_supervised
 
     if sizes_gib:

@@ -31,6 +31,7 @@ from . import inputs as inputs_mod
 from ..devices import GPU_BANDWIDTH_SHARE, Device
 from ..options import PlanOptions
 from ..plan import DevicePlan
+from ..user_tensors import CPU, UserTensors, device_names, user_tensors
 from .split import (SCHED_COPIES, device_compute, moe_split_peaks, recurrent_split, recurrent_tails, shared_kv_reads,
                     split_inputs)
 from ...errors import CtxqError
@@ -77,6 +78,7 @@ class Costs:
     cpu_ffn: frozenset[int] = frozenset()  # layers whose dense FFN sits in host memory (tensor overrides), attention
     # and KV on the layer's card
     host_ffn: int = 0  # the host's peak for one layer's dense FFN in host memory (inputs.host_ffn)
+    user: UserTensors | None = None  # the user's -ot placement, a fixed base under ctxq's own moves (user_tensors)
 
     def sums(self, layers) -> tuple[int, int, int, int]:
         """Weights, KV, state and expert bytes of `layers` (a range: prefix sums; the search asks often)."""
@@ -110,10 +112,19 @@ class Costs:
         return self._placed(self.cpu_experts, frozenset(layers))
 
     def _placed(self, experts: frozenset, ffn: frozenset) -> Costs:
+        # layer_ffn and layer_experts hold only what the user's patterns left (costs()); the rest of what they took
+        # leaves the layer whatever ctxq moves
         ffn_of = self.layer_ffn or [0] * len(self.layer_experts)
-        lw = [d - (f if il in ffn else 0) + (0 if il in experts else e) for il, (d, e, f) in
-              enumerate(zip(self.info_dense, self.layer_experts, ffn_of))]
+        u = self.user
+        taken = [m - e for m, e in zip(u.moved, u.moved_experts)] if u else [0] * len(self.layer_experts)
+        lw = [d - t - (f if il in ffn else 0) + (0 if il in experts else e) for il, (d, e, f, t) in
+              enumerate(zip(self.info_dense, self.layer_experts, ffn_of, taken))]
         return replace(self, layer_weights=lw, cpu_experts=experts, cpu_ffn=ffn)
+
+    def host_ffn_layers(self, layers) -> set[int]:
+        """Of `layers`, those whose dense FFN (ctxq's) or user-placed tensors sit in host memory: the host runs a
+        split of each, its result a residual-sized input back on the layer's device; cuda.py's op-offload copies."""
+        return {il for il in layers if il in self.cpu_ffn} | (self.user.host_layers(layers) if self.user else set())
 
     @property
     def info_dense(self) -> list[int]:
@@ -122,7 +133,7 @@ class Costs:
     def pipeline(self, n_cpu_slots: int) -> bool:
         """llama_context: pipeline parallelism only when every layer is offloaded and no tensor is
         overridden (`!model.has_tensor_overrides()`)."""
-        return n_cpu_slots == 0 and not self.cpu_experts and not self.cpu_ffn
+        return n_cpu_slots == 0 and not self.cpu_experts and not self.cpu_ffn and not self.user
 
 
 def kv_by_layer(info: ModelInfo, n_ctx: int, n_ubatch: int, type_k: str, type_v: str) -> list[int]:
@@ -151,7 +162,16 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
     resid = info.n_embd * n_ubatch * 4
     idx = index_inputs(info, n_ubatch, flash_attn, type_k, type_v)
     full, per_cache = n_kv * n_ubatch * (2 if flash_attn else 4), (idx - position_inputs(info, n_ubatch)) // 2
-    return Costs(info, list(info.layer_bytes), layer_kv, [n_seq * la.state_bytes for la in info.layers], out_w, peaks,
+    user = user_tensors(src.tensors, info, opts.override_tensor or ())
+    layer_w, layer_ffn = list(info.layer_bytes), [la.ffn_bytes for la in info.layers]
+    layer_exp = [la.expert_bytes for la in info.layers]
+    if user:  # the user's tensors leave their slots; ctxq's own moves take only the rest
+        n = info.n_layer
+        layer_w = [w - m for w, m in zip(layer_w, user.moved[:n])]
+        layer_ffn = [f - m for f, m in zip(layer_ffn, user.moved_ffn)]
+        layer_exp = [e - m for e, m in zip(layer_exp, user.moved_experts)]
+        out_w -= user.moved[n]
+    return Costs(info, layer_w, layer_kv, [n_seq * la.state_bytes for la in info.layers], out_w, peaks,
                  inputs=mask + resid + idx,
                  resid=resid, n_ubatch=n_ubatch, inputs_recurrent=resid + position_inputs(info, n_ubatch),
                  logits=n_seq * info.n_vocab * 4,
@@ -161,7 +181,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  f16_cache=type_k == "f16" and type_v == "f16",
                  cuda=cuda_mod.layer_table(info, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v,
                                            flash_attn=flash_attn) if cuda else None,
-                 reserve=opts.reserve, layer_experts=[la.expert_bytes for la in info.layers],
+                 reserve=opts.reserve, layer_experts=layer_exp, user=user,
                  recurrent_tails=recurrent_tails(info), mtp_layers=frozenset(il for il, la in enumerate(info.layers) if la.mtp),
                  host_gathers=inputs_mod.host_gathers(src, n_ubatch),
                  host_experts=inputs_mod.host_experts(src, info.n_expert_used, n_ubatch) if info.n_expert else 0,
@@ -169,7 +189,7 @@ def costs(info: ModelInfo, src, opts: PlanOptions, type_k: str, type_v: str, cud
                  if info.n_expert and not any(info.swa_layers) else None,
                  cache_inputs=(full + per_cache, mask - full + per_cache) if any(info.swa_layers) else (0, 0),
                  altup=inputs_mod.altup_inputs(src, n_ubatch), per_layer_slab=inputs_mod.per_layer_slabs(src, n_ubatch),
-                 layer_ffn=[la.ffn_bytes for la in info.layers], host_ffn=inputs_mod.host_ffn(src, n_ubatch),
+                 layer_ffn=layer_ffn, host_ffn=inputs_mod.host_ffn(src, n_ubatch),
                  one_device=partial(one_device_peak, src, (n_ctx, n_ubatch, opts.n_batch, type_k, type_v, flash_attn),
                                     info.n_vocab * (n_ubatch - outputs) * 4, peaks.layer_steady))
 
@@ -249,6 +269,9 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     dp = DevicePlan(dev, list(layers) + ([c.info.n_layer] if has_output else []))
     weights, kv, state, experts = c.sums(layers)
     dp.weights = weights + (c.output_weights if has_output else 0)
+    if c.user:  # the user's tensors placed here, from any slot (their slots' costs lost them: costs())
+        dp.override_bytes = c.user.bytes_to(device_names(dev))
+        dp.weights += dp.override_bytes
     dp.kv, dp.state = kv, state
     dp.cpu_experts = [il for il in layers if il in c.cpu_experts] if c.cpu_experts else []
     dp.cpu_expert_bytes = sum(c.layer_experts[il] for il in dp.cpu_experts)
@@ -269,14 +292,17 @@ def device_cost(c: Costs, layers: range, has_output: bool, n_used: int, dev: Dev
     if n_used > 1 or n_cpu_slots:
         copies = SCHED_COPIES if c.pipeline(n_cpu_slots) else 1
         dp.compute += recurrent_split(c, layers, copies) + shared_kv_reads(c, run, copies)
-    if dp.cpu_ffn:  # the FFN's result comes back from the host's split: one residual-sized input copy
+    if c.host_ffn_layers(layers):  # the FFN's (or the user's tensors') result comes back from the host's split: one
+        # residual-sized input copy
         dp.compute += c.resid
     if dev.kind != "gpu":
         dp.margin = RPC_MARGIN
         return dp
     dp.margin = reserve(c, dev)
     if dev.backend == "cuda" and c.cuda is not None:
-        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts, c.cpu_ffn)
+        # the user's host tensors as the spilled FFN's: op offload copies them to the first card (cuda.py)
+        t = c.cuda.terms(layers, has_output, first_cuda, n_cpu_slots, dp.margin, c.cpu_experts,
+                         frozenset(c.host_ffn_layers(range(c.info.n_layer))))
         dp.cuda_copies, dp.cuda_pool = t.compute, t.pool
     return dp
 
@@ -311,8 +337,12 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) 
     dp.cpu_expert_bytes = expert_host = sum(c.layer_experts[i] for i in moved)
     ffn = sorted(il for il in c.cpu_ffn if il >= len(layers))  # dense FFN of device layers kept here
     dp.cpu_ffn, dp.cpu_ffn_bytes = ffn, sum(c.layer_ffn[i] for i in ffn)
+    ffn = sorted(c.host_ffn_layers(range(len(layers), n)))  # with the user's: the host runs their splits
     dp.weights = c.info.token_embd_bytes + c.info.other_bytes + sum(c.info.layer_bytes[i] for i in layers) \
         + (c.info.output_bytes if has_out else 0) + expert_host + dp.cpu_ffn_bytes
+    if c.user:  # what the user's patterns take from the host's slots, and what they put in host memory
+        dp.override_bytes = c.user.bytes_to({CPU})
+        dp.weights += dp.override_bytes - c.user.from_slots([*layers, n + 1] + ([n] if has_out else []))
     dp.experts = expert_host + sum(c.layer_experts[i] for i in layers)
     dp.kv = sum(c.layer_kv[i] for i in layers)
     dp.state = sum(c.layer_state[i] for i in layers)
