@@ -137,3 +137,16 @@ def test_drafts_follow_the_plans_cost_curve(rig, tmp_path):
     assert spilled[64] > 1.5 > flat[64] - 0.3  # a batch of 64 copies the host FFN in: dearer than a decode step
     cpu = plan(str(small), 4096, devices=[])
     assert plan_cost(cpu) == (None, "default") and draft_cap(DEFAULT_COST) < LONGEST_DRAFT
+
+
+def test_a_host_the_profile_does_not_describe_is_said_to_be_this_machines(rig, tmp_path):
+    """Whole CPU layers and host weights are timed on the host's CPU: without a profile's `[cpu] tflops` that is this
+    machine's, and the plan says so; with it, the note goes and the estimate follows the described host."""
+    model, profile = rig
+    assumed = _plan(rig, n_ubatch=512, kv="q8_0", offload="layers")
+    assert assumed.cpu_layers and "this machine's CPU" in assumed.speed["read"]["host_assumed"]
+    described = tmp_path / "with-cpu.toml"
+    described.write_text(PROFILE + "[cpu]\ntflops = 40\n")
+    own = plan(model, CTX, profile=str(described), cpu_memory=64 * GiB, n_ubatch=512, kv="q8_0", offload="layers")
+    assert own.cpu_layers == assumed.cpu_layers and "host_assumed" not in own.speed["read"]
+    assert own.speed["read"]["decode_tps"] != assumed.speed["read"]["decode_tps"]  # the host's rate is used

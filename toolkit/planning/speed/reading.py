@@ -81,7 +81,22 @@ def reading(p, info, g, opts: PlanOptions) -> dict:
     if other:
         out["other"] = {"placement": other["other"], "prefill_s": other["other_prefill_s"],
                         "total_s": other.get("other_total_s")}
+    if not out["measured"] and out.get("prefill_s") is not None and (assumed := _host_assumed(p, opts)):
+        out["host_assumed"] = assumed
     return out
+
+
+def _host_assumed(p, opts: PlanOptions) -> str | None:
+    """Where a plan for cards only described (--gpus, --profile, --simulate) computes on the host (whole CPU layers,
+    weights in host memory) with this machine's CPU for lack of a profile's `[cpu] tflops`: a line saying so."""
+    from ..devices import default_cpu_flops
+
+    described = opts.gpus is not None or opts.profile is not None or opts.simulate is not None
+    on_host = p.cpu_layers or p.cpu_ffn_layers or p.cpu_expert_layers
+    if not (described and on_host and p.host.device.flops == default_cpu_flops()):
+        return None
+    return (f"the host's compute is this machine's CPU ({p.host.device.flops / 1e12:.2g} TFLOPS), assumed for the "
+            "host you plan for: give --profile with a [cpu] section's tflops (and pageable_gbs) to describe it")
 
 
 def reading_lines(r: dict) -> list[str]:
@@ -108,4 +123,4 @@ def reading_lines(r: dict) -> list[str]:
         name = "whole layers on the CPU" if other["placement"] == "layers" else "FFN weights in host memory"
         total = f", ~{seconds(other['total_s'])} in all" if gen and other.get("total_s") else ""
         line += f" ({name}: ~{seconds(other['prefill_s'])}{total})"
-    return [line]
+    return [line] + ([f"note: {r['host_assumed']}"] if r.get("host_assumed") else [])
