@@ -42,6 +42,11 @@ printed as `CLAIM FAILED: ...` and ends the script with status 1:
     .venv/bin/python scripts/bench_fit.py --sizes Q3_K_M,Q4_K_M --methods error --skip-70b --skip-joint
         (section 1: every mix no larger than llama.cpp's file; at Q3_K_M's and Q4_K_M's sizes the mix by the
         weights' error alone loses less than 0.85x llama.cpp's mean KL on the held-out half)
+    .venv/bin/python scripts/bench_fit.py --iq-below-q2k
+        (section 6: a tiny qwen3moe 256 wide, its rows IQ-able (ctxq.testing.moe), fit's default table by the
+        weights' error with ctxq's one-chunk matrix, all twelve candidates: the fit 64 KiB under llama.cpp's pure
+        Q2_K names an IQ2 type, the file records the table's matrix, and `ctxq run` generates from it;
+        tests/test_iq_fit.py holds the same fit from a table of four candidates, 143 s of the suite until issue 64)
     .venv/bin/python scripts/bench_fit.py --kv-rows
         (section 5: each --kv keeps one row, the pair fixed; the mix's bytes are the written file's; every layer on
         the card; measured with that cache at 512 tokens, 0 < KL < 1; the smaller cache's mix no smaller; without
@@ -336,6 +341,41 @@ def imatrix_rows(tmp: Path, src: str | None, sizes: list[str], methods: list[str
                     same.path.unlink()
 
 
+def iq_below_q2k() -> list[str]:
+    """Section 6: fit's default table on the 256-wide tiny qwen3moe, below its pure Q2_K; the claims that failed."""
+    import os
+    import subprocess
+
+    import gguf
+
+    from ctxq.conversion import fit as F
+    from ctxq.conversion.quantize import quantize_gguf
+    from ctxq.testing.moe import tiny_moe_gguf
+
+    os.environ.setdefault("CTXQ_IMATRIX_CHUNKS", "1")
+    with tempfile.TemporaryDirectory(prefix="ctxq-bench-iq-") as tmp:
+        os.environ["CTXQ_HOME"] = str(Path(tmp) / "home")  # every table and matrix made now
+        wide = tiny_moe_gguf(Path(tmp) / "moe256.gguf", n_embd=256, n_ff_exp=256, head_dim=64, n_layer=2)
+        t0 = time.perf_counter()
+        q2 = quantize_gguf(wide, Path(tmp) / "q2.gguf", "Q2_K", pure=True, check=False)
+        table = F.table_for(wide, "error")
+        seconds = time.perf_counter() - t0
+        r = F.fit(wide, q2.size - (64 << 10), Path(tmp) / "fit.gguf", table=table, check=False, held_out=False)
+        reader = gguf.GGUFReader(str(r.path))
+        types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors}
+        recorded = reader.fields["quantize.imatrix.file"].contents() if "quantize.imatrix.file" in reader.fields \
+            else None
+        run = subprocess.run([str(Path(sys.executable).with_name("ctxq")), "run", str(r.path), "-p", "The licence",
+                              "-n", "4", "--ctx", "256"], capture_output=True, text=True)
+        print(f"\n256-wide qwen3moe, 2 layers: pure Q2_K {q2.size:,} bytes; the table ({', '.join(table.types)}) "
+              f"{seconds:.0f} s; the fit {r.size:,} bytes: {', '.join(sorted(types))}; matrix {recorded}; "
+              f"`ctxq run` {run.returncode}: {run.stdout.strip()!r}")
+    held = {"the fit below Q2_K names an IQ2 type": bool(types & {"IQ2_XXS", "IQ2_XS", "IQ2_S"}),
+            "the file records the table's matrix": recorded == table.details["imatrix"],
+            "`ctxq run` of the file generates": run.returncode == 0 and bool(run.stdout.strip())}
+    return [f"section 6: {what}" for what, ok in held.items() if not ok]
+
+
 def _kl_without_matrix(with_: "S.Table", bare: "S.Table") -> "S.Table":
     """The kl table without the matrix from the one with it and the unweighted error table (`table_for(src, "error",
     imatrix=False)`): the probes (one group at Q3_K, the rest Q8_0) are quantized without a matrix in both, so each
@@ -382,7 +422,10 @@ def main() -> int:
                     help="measure the kl table without the matrix again rather than from the same probes")
     ap.add_argument("--kv-rows", action="store_true", help="only section 5: a fixed cache pair (--kv)")
     ap.add_argument("--kv-pairs", default="q8_0,q4_0", help="the --kv values of section 5 (the planner's row first)")
+    ap.add_argument("--iq-below-q2k", action="store_true", help="only section 6: IQ types below Q2_K, default table")
     a = ap.parse_args()
+    if a.iq_below_q2k:
+        return _verdict(iq_below_q2k())
     if a.kv_rows:
         return _verdict(kv_rows(a.kv_pairs.split(",")))
     failed = []

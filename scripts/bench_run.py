@@ -12,6 +12,15 @@ the plain side is `Llama(**kwargs)` with the kwargs ctxq's plan produced (runner
 Prints both sides' medians and the ratio ctxq / plain (target: >= 0.99), then the same comparison
 inside one process on one loaded model (ctxq's prefill/generate code against plain Llama calls),
 which isolates ctxq's own cost from the load of a shared machine.
+
+    .venv/bin/python scripts/bench_run.py --long [--long-tokens 60000]
+
+The long-context path, which tests/test_run.py held at 60k tokens until issue 64 (131 s of the suite on a loaded
+machine; the suite now runs the same command with an 8k-token file at the same context): `ctxq run` of a tiny
+random model (2 layers, 64 wide, SmolLM2's tokenizer) with a 60k-token file at --ctx 65536 and a q8_0 cache, on
+the CPU. Claims, each printed as `CLAIM FAILED: ...` with exit status 1 when it fails: the run ends with 0, the
+command line says -c 65536 and -ctk q8_0 -ctv q8_0, the progress bar reaches N/N, the prompt line counts N tokens,
+an answer is printed. The prefill's seconds are printed (about 60 s on 2 idle cores, issue 6).
 """
 
 from __future__ import annotations
@@ -128,10 +137,46 @@ def plain_side(args, text_file: str, kwargs: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def long_context(n_tokens: int) -> int:
+    """`ctxq run` of the tiny random model with an n_tokens file at --ctx 65536, q8_0 cache; 1 if a claim failed."""
+    from ctxq.testing.models import tiny_chat_llama_gguf
+
+    with tempfile.TemporaryDirectory(prefix="ctxq-bench-long-") as tmp:
+        model = str(tiny_chat_llama_gguf(Path(tmp) / "tiny-chat.gguf"))
+        text, n = make_text(model, n_tokens)
+        f = Path(tmp) / "long.txt"
+        f.write_text(text)
+        exe = Path(sys.executable).with_name("ctxq")
+        t0 = time.perf_counter()
+        r = subprocess.run([str(exe), "run", model, "-f", str(f), "-c", "65536", "-ctk", "q8_0", "-ctv", "q8_0",
+                            "-n", "16", "--seed", "1"], capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+    m = re.search(r"prompt ([\d,]+) tokens: prefill ([\d.]+) s", r.stderr)
+    held = {"the run ends with 0": r.returncode == 0,
+            "-c 65536 and -ctk q8_0 -ctv q8_0 on the command line": "-c 65536" in r.stderr
+            and "-ctk q8_0 -ctv q8_0" in r.stderr,
+            f"the progress bar reaches {n}/{n}": f"{n}/{n} tokens" in r.stderr,
+            f"the prompt line counts {n} tokens": bool(m) and int(m.group(1).replace(",", "")) == n,
+            "an answer is printed": bool(r.stdout.strip())}
+    print(f"tiny random model (2 layers, 64 wide), {n:,}-token file, --ctx 65536, q8_0 cache, CPU: "
+          f"prefill {m.group(2) if m else '?'} s, the command {seconds:.1f} s")
+    if r.returncode:
+        print(r.stderr[-2000:])
+    failed = [what for what, ok in held.items() if not ok]
+    for what in failed:
+        print(f"CLAIM FAILED: {what}", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--plain-worker":
         plain_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
         return
+    if "--long" in sys.argv[1:]:
+        ap = argparse.ArgumentParser(description="the long-context path (see the docstring)")
+        ap.add_argument("--long", action="store_true")
+        ap.add_argument("--long-tokens", type=int, default=60_000)
+        sys.exit(long_context(ap.parse_args().long_tokens))
     from ctxq.models import resolve_model
     from ctxq.runtime.runner import llama_params, make_plan
 

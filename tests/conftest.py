@@ -38,6 +38,18 @@ def smollm2() -> Path:
     return fetch_default_model()
 
 
+@pytest.fixture(scope="session")
+def hf70b(tmp_path_factory) -> Path:
+    """A Llama-3-70B-shaped Hugging Face checkpoint without weights (sparse safetensors, SmolLM2's tokenizer), written
+    once per session: tests/test_hfplan.py and tests/test_hf_joint.py plan the same folder, so its header GGUF
+    (cached by the folder's path) and the dry runs of that header are made once (issue 64)."""
+    from ctxq.testing.models import rebuild_smollm2_hf
+    from ctxq.testing.synthetic import GEOMETRIES, write_sparse_hf_checkpoint
+
+    return write_sparse_hf_checkpoint(tmp_path_factory.mktemp("hf70b") / "hf70b", GEOMETRIES["llama3-70b"],
+                                      rebuild_smollm2_hf())
+
+
 def ctxq_exe() -> str:
     """The `ctxq` console script of this virtualenv."""
     return str(Path(sys.executable).with_name("ctxq"))

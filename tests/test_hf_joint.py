@@ -103,8 +103,8 @@ def test_simulated_cards_search_the_plan_pairs_and_agree_with_the_command_s_sear
 
 
 @pytest.mark.slow
-def test_70b_checkpoint_plan_prints_the_fitted_line_and_its_command(smollm2, tmp_path):
-    hf = write_sparse_hf_checkpoint(tmp_path / "hf70b", GEOMETRIES["llama3-70b"], rebuild_smollm2_hf())
+def test_70b_checkpoint_plan_prints_the_fitted_line_and_its_command(smollm2, hf70b):
+    hf = hf70b
     out = run_ctxq("plan", str(hf), "--ctx", "65536", "--gpus", "16,16,16,8,8")
     assert out.returncode == 0, out.stderr
     text = out.stdout

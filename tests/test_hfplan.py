@@ -43,8 +43,8 @@ def test_every_family_predicted_size(family, tmp_path):
     assert _within_1pct(predicted, real.path.stat().st_size), (predicted, real.path.stat().st_size)
 
 
-def test_70b_config_recommends_a_type_that_fits(smollm2, tmp_path):
-    hf = write_sparse_hf_checkpoint(tmp_path / "hf70b", GEOMETRIES["llama3-70b"], rebuild_smollm2_hf())
+def test_70b_config_recommends_a_type_that_fits(smollm2, hf70b):
+    hf = hf70b
     r = plan_hf(hf, 65536, gpus="16,16,16,8,8", types=("F16", "Q5_K_M", "Q4_K_M", "Q2_K"), cpu_memory=16 * 2**30)
     by = {c.type: c for c in r.candidates}
     assert not by["F16"].fits  # 131 GiB of weights

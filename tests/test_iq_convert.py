@@ -57,20 +57,21 @@ def _types(path) -> set[str]:
     return {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(str(path)).tensors}
 
 
-@pytest.mark.slow
-def test_gguf_to_iq2_xs_without_imatrix_makes_one_and_runs(tmp_path):
-    """SmolLM2's f16: llama.cpp refuses IQ2_XS without a matrix; ctxq makes it (one chunk here) and the file runs
-    in llama.cpp (`ctxq run`, a child process) and generates."""
-    from ctxq.models import models_dir
-    from ctxq.testing.models import dequantized_smollm2_gguf
-
-    f16 = dequantized_smollm2_gguf(models_dir() / "SmolLM2-135M-Instruct.F16.gguf")
+def test_gguf_to_iq2_xs_without_imatrix_makes_one_and_runs(moes, tmp_path):
+    """The 256-wide qwen3moe (its rows take IQ2_XS's 256-blocks): llama.cpp refuses IQ2_XS without a matrix; ctxq
+    makes it (one chunk) over every layer's matrix weight, quantizes with it, and the file runs in llama.cpp (`ctxq
+    run`, a child process) and generates. SmolLM2's real widths take the same path from a Hugging Face folder below
+    (its f16 conversion is a GGUF given to this path; 41 s here on SmolLM2's own f16 until issue 64)."""
+    src = moes["wider"]
     out = tmp_path / "iq2xs.gguf"
     env = {"CTXQ_HOME": str(tmp_path / "home"), "CTXQ_IMATRIX_CHUNKS": "1"}
-    r = run_ctxq("convert", str(f16), "IQ2_XS", "-o", str(out), "--no-check", env=env)
+    r = run_ctxq("convert", str(src), "IQ2_XS", "-o", str(out), "--no-check", env=env)
     assert r.returncode == 0, r.stderr
-    assert "IQ2_XS" in _types(out)  # ffn_down's 1536-wide rows (the 576-wide ones fall back to IQ4_NL)
-    assert gguf.GGUFReader(str(out)).fields["quantize.imatrix.entries_count"].contents() == 210
+    assert "imatrix: IQ2_XS needs one; ctxq's own over 1 chunks" in r.stderr
+    assert "IQ2_XS" in _types(out)
+    layer_matrices = [t for t in gguf.GGUFReader(str(src)).tensors
+                      if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) >= 2]
+    assert gguf.GGUFReader(str(out)).fields["quantize.imatrix.entries_count"].contents() == len(layer_matrices)
     assert _runs(out).strip()
 
 
@@ -86,7 +87,8 @@ def test_hf_folder_to_iq2_xs_without_imatrix_runs_and_is_up_to_date_again(tmp_pa
     r = run_ctxq("convert", str(folder), "iq2_xs", "-o", str(out), "--no-check", env=env)
     assert r.returncode == 0, r.stderr
     assert "imatrix: IQ2_XS needs one; ctxq's own over 1 chunks" in r.stderr
-    assert "IQ2_XS" in _types(out)
+    assert "IQ2_XS" in _types(out)  # ffn_down's 1536-wide rows (the 576-wide ones fall back to IQ4_NL)
+    assert gguf.GGUFReader(str(out)).fields["quantize.imatrix.entries_count"].contents() == 210  # 30 layers x 7
     assert _runs(out).strip()
     again = run_ctxq("convert", str(folder), "iq2_xs", "-o", str(out), "--no-check", env=env)
     assert again.returncode == 0 and "(up to date)" in again.stdout, again.stdout + again.stderr

@@ -24,10 +24,23 @@ N_CTX = 65536
 TIGHT = "0.6,0.6"  # two simulated 0.6 GiB devices: SmolLM2's f16 and q8_0 caches need the CPU, 4.5-bit ones do not
 
 
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+    """llama.cpp's answers for SmolLM2 on these devices (dry runs, accounting), the same for every test here."""
+    return tmp_path_factory.mktemp("answers")
+
+
 @pytest.fixture()
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+def home(tmp_path, monkeypatch, answers):
+    """A home of its own per test (its measurement records), sharing the module's cached dry-run answers: each test
+    planned them afresh on the same model and devices (issue 64)."""
+    h = tmp_path / "home"
+    h.mkdir()
+    for folder in ("accounting", "compute", "derived", "split"):
+        (answers / folder).mkdir(exist_ok=True)
+        (h / folder).symlink_to(answers / folder, target_is_directory=True)
+    monkeypatch.setenv("CTXQ_HOME", str(h))
+    return h
 
 
 def _record(model, pairs: dict, n_ctx: int = N_CTX, text: str = "contract.txt"):

@@ -172,22 +172,21 @@ def test_simulated_devices_run_with_layer_counts(tiny):
     assert out["n_generated"] >= 1
 
 
-@pytest.mark.slow
-def test_60k_token_file_at_65536_with_q8_0_kv(tiny, tmp_path):
-    """The long-context path: 60k tokens of input, --ctx 65536, q8_0 KV, on the CPU, with progress.
-    Measured: about 60 s on 2 idle cores (issue 6), up to 300 s on a shared machine."""
-    text, n = text_of_tokens(tiny, 60_000)
-    assert n > 59_000
-    f = tmp_path / "60k.txt"
+def test_long_file_at_65536_with_q8_0_kv(tiny, tmp_path):
+    """The long-context path: --ctx 65536, q8_0 KV, on the CPU, with progress over an 8k-token file. A 60k-token
+    file (131 s here on a loaded machine, about 60 s on 2 idle cores, issue 6) with the same claims is
+    `scripts/bench_run.py --long` (issue 64)."""
+    text, n = text_of_tokens(tiny, 8_000)
+    assert n > 7_800
+    f = tmp_path / "8k.txt"
     f.write_text(text)
     r = run_ctxq("run", str(tiny), "-f", str(f), "-c", "65536", "-ctk", "q8_0", "-ctv", "q8_0", "-n", "16",
-                 "--seed", "1", timeout=1800)
+                 "--seed", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "-c 65536" in r.stderr and "-ctk q8_0 -ctv q8_0" in r.stderr
     assert f"{n}/{n} tokens" in r.stderr  # the progress bar reached the end
     m = re.search(r"prompt ([\d,]+) tokens: prefill ([\d.]+) s", r.stderr)
     assert m and int(m.group(1).replace(",", "")) == n
-    print(f"\n60k prefill: {n} tokens in {m.group(2)} s")
     assert r.stdout.strip()  # a generated answer (random weights: the words mean nothing)
 
 
