@@ -23,6 +23,7 @@ FLAGS = {
     "cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe", "max_kl": "--max-kl", "against": "--against",
     "n_prompt": "-p", "n_gen": "-n", "depth": "-d", "reps": "-r", "offload": "--offload",
     "prompt_tokens": "--prompt-tokens", "gen_tokens": "--gen-tokens", "no_mmap": "--no-mmap",
+    "override_tensor": "-ot",
 }
 # flags without a value: force=True is just --force; check=False is --no-check (an inverted switch)
 _SWITCHES = {"force", "chat", "allow_remote", "leave_output_tensor", "pure", "cpu_moe", "no_mmap"}

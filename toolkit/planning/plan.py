@@ -273,11 +273,11 @@ class ExpertPlacement:
                 buffer = split_entry(entry)[1]
                 if buffer not in names:
                     have = ", ".join([CPU] + [llama_buffer(g.device) for g in p.gpus])
-                    raise InvalidOption(f"override_tensor {entry!r}: no buffer {buffer!r} among this plan's devices; "
+                    raise InvalidOption(f"override_tensor '{entry}': no buffer {buffer!r} among this plan's devices; "
                                         f"use one of {have}", option="override_tensor", value=entry)
                 idle = next((g for g in p.gpus if buffer in device_names(g.device) and not g.layers), None)
                 if idle is not None:  # llama.cpp would still allocate them there; the costs of an idle card are none
-                    raise InvalidOption(f"override_tensor {entry!r}: the plan puts no layers on {idle.device.name}, "
+                    raise InvalidOption(f"override_tensor '{entry}': the plan puts no layers on {idle.device.name}, "
                                         "so its memory is not planned; send the tensors to CPU or a device in use",
                                         option="override_tensor", value=entry)
             p.override_tensor = list(self.override_tensor)

@@ -35,12 +35,12 @@ def parse_overrides(value) -> tuple[str, ...]:
     for entry in (e for v in values for e in str(v).split(",")):
         pattern, eq, buffer = entry.partition("=")
         if not eq or not pattern or not buffer:
-            raise InvalidOption(f"override_tensor {entry!r}: write PATTERN=BUFFER, e.g. 'blk\\.1\\.ffn_.*=CPU'",
+            raise InvalidOption(f"override_tensor '{entry}': write PATTERN=BUFFER, e.g. 'blk\\.1\\.ffn_.*=CPU'",
                                 option="override_tensor", value=entry)
         try:
             re.compile(pattern)
         except re.error as e:
-            raise InvalidOption(f"override_tensor {entry!r}: {pattern!r} is not a regex ({e})",
+            raise InvalidOption(f"override_tensor '{entry}': '{pattern}' is not a regex ({e})",
                                 option="override_tensor", value=entry) from None
         out.append(f"{pattern}={buffer}")
     return tuple(out)
@@ -124,7 +124,7 @@ def user_tensors(tensors, info: ModelInfo, overrides: tuple[str, ...]) -> UserTe
                 experts[s] += t.nbytes if _EXPERT.match(t.name) else 0
     unused = [p for _, p, _ in rules if p not in used]
     if unused:
-        raise InvalidOption(f"override_tensor {unused[0]!r} matches no tensor of this model (names look like "
+        raise InvalidOption(f"override_tensor '{unused[0]}' matches no tensor of this model (names look like "
                             "blk.0.ffn_up.weight); fix the pattern or drop it", option="override_tensor",
                             value=unused[0])
     return UserTensors(tuple(overrides), tuple(moved), tuple(ffn), tuple(experts), to)
