@@ -493,6 +493,18 @@ def _spill_sizes(model: str, n: int, ctx: int, kv: str) -> list[float] | None:
     return None
 
 
+def _device_rows(r, target, cell: list) -> list[list]:
+    """The table's rows of one checked cell (`cell`: model, devices, n_ctx, label), each device printed as it goes."""
+    rows = []
+    for d in r.devices:
+        status = "UNDER" if d.under else "ok" if target.holds(d) else "OVER"
+        rows.append([*cell, d.name, d.planned_total / MiB, d.real_total / MiB, d.shown_error / MiB, status,
+                     "yes" if r.layers_match else "NO"])
+        print(f"{r.label} {d.name}: planned {d.planned_total / MiB:.2f} MiB, llama.cpp {d.real_total / MiB:.2f}, "
+              f"{status}", flush=True)
+    return rows
+
+
 def _spill(a, ap) -> int:
     for k, v in SPILL.items():
         if getattr(a, k) == ap.get_default(k):
@@ -513,12 +525,7 @@ def _spill(a, ap) -> int:
                     with start_workers(n) as w:
                         r = check_cell(model, ctx, kv, sizes, workers=w, search=True, label=f"{name} {dev} {ctx} {kv}")
                     label = f"{kv}, {'x'.join(f'{s:g}' for s in sizes[:1])} GiB x {n}"
-                    for d in r.devices:
-                        status = "UNDER" if d.under else "ok" if target.of(name).holds(d) else "OVER"
-                        rows.append([name, dev, ctx, label, d.name, d.planned_total / MiB, d.real_total / MiB,
-                                     d.shown_error / MiB, status, "yes" if r.layers_match else "NO"])
-                        print(f"{r.label} {d.name}: planned {d.planned_total / MiB:.2f} MiB, llama.cpp "
-                              f"{d.real_total / MiB:.2f}, {status}", flush=True)
+                    rows += _device_rows(r, target.of(name), [name, dev, ctx, label])
                     if a.out:
                         _write(a.out, a.section or "spill", rows, target, sys.argv[1:], done=False)
     if a.out:
@@ -599,13 +606,8 @@ def _mixed(a, ap) -> int:
                         with start_workers(n) as wk:
                             r = check_cell(model, ctx, kv, [mixed_at] * n, workers=wk, search=True, offload=offload,
                                            use_mmap=False, label=f"{name} {dev} {ctx} {kv} --offload {offload}")
-                        for d in r.devices:
-                            status = "UNDER" if d.under else "ok" if target.of(name).holds(d) else "OVER"
-                            rows.append([name, dev, ctx, f"{kv}, {mixed_at:g} GiB x {n}, --offload {offload}", d.name,
-                                         d.planned_total / MiB, d.real_total / MiB, d.shown_error / MiB, status,
-                                         "yes" if r.layers_match else "NO"])
-                            print(f"{r.label} {d.name}: planned {d.planned_total / MiB:.2f} MiB, llama.cpp "
-                                  f"{d.real_total / MiB:.2f}, {status}", flush=True)
+                        rows += _device_rows(r, target.of(name),
+                                             [name, dev, ctx, f"{kv}, {mixed_at:g} GiB x {n}, --offload {offload}"])
                     if a.out:
                         _write(a.out, a.section or "mixed", rows, target, sys.argv[1:], done=False)
     if a.out:

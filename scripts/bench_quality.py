@@ -200,22 +200,6 @@ def parse_pair(spec: str) -> tuple[str, str]:
     return parse_pairs(spec)[0]
 
 
-def _full_logprobs(model, tokens, type_k: str, type_v: str) -> np.ndarray:
-    """Plain llama-cpp-python's log-probabilities over the whole vocabulary at every position."""
-    from gguf.constants import GGMLQuantizationType as T
-    from llama_cpp import Llama
-
-    from ctxq.quality import stats
-
-    llm = Llama(str(model), n_ctx=len(tokens), n_batch=512, n_ubatch=512, logits_all=True, flash_attn=True,
-                type_k=int(T[type_k.upper()]), type_v=int(T[type_v.upper()]), n_gpu_layers=0, verbose=False)
-    try:
-        llm.eval(list(tokens))
-        return stats.log_softmax(np.array(llm.scores[: len(tokens)]))
-    finally:
-        llm.close()
-
-
 def _builtin_tokens(model, n: int) -> list[int]:
     from llama_cpp import Llama
 
@@ -234,6 +218,7 @@ def full_vocab(n_ctx: int) -> int:
     from ctxq.models import fetch_default_model
     from ctxq.quality import stats
     from ctxq.testing import upstream_models
+    from ctxq.testing.full_vocab import full_logprobs
 
     failed = []
 
@@ -247,7 +232,7 @@ def full_vocab(n_ctx: int) -> int:
         tokens = _builtin_tokens(model, n)
         scored = slice(n // 2, n - 1)  # each position predicts the next token
         targets = np.array(tokens[n // 2 + 1:])
-        ref = _full_logprobs(model, tokens, "f16", "f16")
+        ref = full_logprobs(model, tokens, "f16", "f16")
         ppl_ref = float(np.exp(-ref[scored][np.arange(len(targets)), targets].mean()))
         print(f"\n## {name}, {n:,} tokens, positions {n // 2:,}-{n - 2:,} scored\n")
         print("| pair | ctxq mean KL | full mean KL | ctxq p99 | full p99 | ctxq top-1 | full top-1 | ctxq ppl | full ppl |")
@@ -261,7 +246,7 @@ def full_vocab(n_ctx: int) -> int:
         for pair, r in got.items():
             if pair == "f16/f16":
                 continue
-            cand = _full_logprobs(model, tokens, *pair.split("/"))
+            cand = full_logprobs(model, tokens, *pair.split("/"))
             kl = stats.full_kl(ref[scored], cand[scored])
             top1 = float((ref[scored].argmax(1) == cand[scored].argmax(1)).mean())
             ppl = float(np.exp(-cand[scored][np.arange(len(targets)), targets].mean()))

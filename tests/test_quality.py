@@ -16,6 +16,7 @@ from .conftest import run_ctxq
 from ctxq import quality
 from ctxq.errors import InvalidOption
 from ctxq.quality import stats
+from ctxq.testing.full_vocab import full_logprobs
 
 N_CTX = 512  # scripts/bench_quality.py --full-vocab holds the same claims at 1,024 tokens (issue 64: 73 s here)
 
@@ -24,19 +25,6 @@ N_CTX = 512  # scripts/bench_quality.py --full-vocab holds the same claims at 1,
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("CTXQ_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
-
-
-def _full_logprobs(model, tokens, type_k, type_v):
-    from gguf.constants import GGMLQuantizationType as T
-    from llama_cpp import Llama
-
-    llm = Llama(str(model), n_ctx=len(tokens), n_batch=512, n_ubatch=512, logits_all=True, flash_attn=True,
-                type_k=int(T[type_k.upper()]), type_v=int(T[type_v.upper()]), n_gpu_layers=0, verbose=False)
-    try:
-        llm.eval(list(tokens))
-        return stats.log_softmax(np.array(llm.scores[: len(tokens)]))
-    finally:
-        llm.close()
 
 
 def _builtin_tokens(model, n):
@@ -56,14 +44,14 @@ def test_kl_matches_full_vocabulary(smollm2, home):
     got = {r.pair: r for r in quality.measure(smollm2, quality.Measurement(n_ctx=N_CTX),
                                               quality.parse_pairs("f16,q4_0,q8_0/q4_0"))}
     tokens = _builtin_tokens(smollm2, N_CTX)
-    ref = _full_logprobs(smollm2, tokens, "f16", "f16")
+    ref = full_logprobs(smollm2, tokens, "f16", "f16")
     scored = slice(N_CTX // 2, N_CTX - 1)  # each position predicts the next token
     targets = np.array(tokens[N_CTX // 2 + 1:])
     assert got["f16/f16"].mean_kl == 0 and got["f16/f16"].top1_agreement == 1
     assert got["f16/f16"].ppl == pytest.approx(np.exp(-ref[scored][np.arange(len(targets)), targets].mean()),
                                                rel=0.005)
     for pair in ("q4_0/q4_0", "q8_0/q4_0"):
-        cand = _full_logprobs(smollm2, tokens, *pair.split("/"))
+        cand = full_logprobs(smollm2, tokens, *pair.split("/"))
         kl = stats.full_kl(ref[scored], cand[scored])
         top1 = (ref[scored].argmax(1) == cand[scored].argmax(1)).mean()
         r = got[pair]
@@ -92,7 +80,7 @@ def test_kl_matches_full_vocabulary_on_another_architecture(home):
     got = {r.pair: r for r in quality.measure(model, quality.Measurement(n_ctx=n), quality.parse_pairs("q4_0"))}
     tokens = _builtin_tokens(model, n)
     scored = slice(n // 2, n - 1)
-    ref, cand = (_full_logprobs(model, tokens, t, t)[scored] for t in ("f16", "q4_0"))
+    ref, cand = (full_logprobs(model, tokens, t, t)[scored] for t in ("f16", "q4_0"))
     kl = stats.full_kl(ref, cand)
     assert got["q4_0/q4_0"].mean_kl == pytest.approx(kl.mean(), rel=0.05)
     assert abs(got["q4_0/q4_0"].top1_agreement - (ref.argmax(1) == cand.argmax(1)).mean()) <= 0.005
