@@ -327,7 +327,7 @@ def _peaks(c: Costs, layers, slabs: bool = True) -> compute_mod.ComputePeaks:
 def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) -> DevicePlan:
     """What the host needs with the first n_cpu_layers layer slots (llama.cpp keeps those on the CPU) and
     the experts of c.cpu_experts (tensor overrides to the CPU buffer type) of the layers on devices; counts: the
-    devices' layer slots in order, where the caller knows them (mask_freed)."""
+    devices' layer slots in order, where the caller knows them (inputs.mask_freed)."""
     n = c.info.n_layer
     layers = range(0, min(n_cpu_layers, n))
     has_out = n_cpu_layers == n + 1
@@ -362,7 +362,7 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) 
     elif moved or ffn:  # every graph input, one copy alive until its last split (all masks), and the experts' or the
         # dense FFN's matmuls (inputs.host_experts, inputs.host_ffn: one split at a time); the residual: the
         # embeddings sent, whose hole ggml-alloc does not fill
-        freed = moved and c.host_experts_freed is not None and mask_freed(c, counts, moved, n_used)
+        freed = moved and c.host_experts_freed is not None and inputs_mod.mask_freed(c.info, counts, moved, n_used)
         exp = (c.host_experts_freed if freed else c.host_experts) if moved else 0
         both = set(moved) & set(ffn)  # a layer's routed and shared experts both here: maybe one split, both alive
         dp.compute = c.inputs + ((exp + c.host_ffn) if both else max(exp, c.host_ffn if ffn else 0)) + c.host_gathers
@@ -373,27 +373,6 @@ def host_cost(c: Costs, n_cpu_layers: int, n_used: int, cpu: Device, counts=()) 
     dp.compute += c.logits
     dp.margin = HOST_MARGIN
     return dp
-
-
-def mask_freed(c: Costs, counts, moved, n_used: int) -> bool:
-    """Whether the host's attention mask is freed before the split of every expert layer in CPU memory (`moved`),
-    every layer on a device: each device's split that receives the mask holds a dependency on it (ggml-backend's
-    input_dep) until it starts, and the last such split is the first of the device holding the last attention layer.
-    It starts before the host's expert split of any layer on or after that device's first layer: always with one
-    device; with several, where the caller gives their layer slots (`counts`), else not assumed."""
-    last = max((il for il, la in enumerate(c.info.layers) if la.attention), default=None)
-    if last is None:
-        return False
-    if n_used == 1:
-        return True
-    if not counts:
-        return False
-    start = 0
-    for k in counts:
-        if start <= last < start + k:
-            return start <= min(moved)
-        start += k
-    return False
 
 
 def estimate_tps(gpus: list[DevicePlan], host: DevicePlan, token_embd: int, expert_fraction: float = 1.0) -> float | None:

@@ -56,7 +56,7 @@ def host_experts(src: GGUFFile, n_expert_used: int, n_ubatch: int, hole: int = 0
     and this); small ones reuse holes (tiny Qwen3.5-MoE at 64k: 1.02 MiB real, 1.77 this).
 
     `hole`: bytes of a graph input freed before these splits run (the attention mask, once the last device split
-    that receives it has started: memory.mask_freed). ggml-alloc's best fit prefers any free block that fits to the
+    that receives it has started: `mask_freed`). ggml-alloc's best fit prefers any free block that fits to the
     buffer's end (ggml_dyn_tallocr_alloc), so the split's tensors go into the hole in turn while one fits
     (_above_hole). Qwen3-30B-A3B's widths on one RPC device, its mask freed, the host's compute above the graph
     inputs: 16k f16 (hole 16 MiB) 68.0 real, 72.25 before, 68.0 with this; 32k q8_0 44.0, 72.25, 44.0; 64k q8_0
@@ -232,3 +232,24 @@ def host_first_layer(c, compute: int, ins: int, mixed: bool) -> int:
     one = derived_layers(c.info, mixed)[0]
     n, slab = c.info.n_layer, c.per_layer_slab
     return max(compute + (n - one) * slab, ins + PER_LAYER_SLABS * n * slab)
+
+
+def mask_freed(info, counts, moved, n_used: int) -> bool:
+    """Whether the host's attention mask is freed before the split of every expert layer in CPU memory (`moved`),
+    every layer on a device: each device's split that receives the mask holds a dependency on it (ggml-backend's
+    input_dep) until it starts, and the last such split is the first of the device holding the last attention layer.
+    It starts before the host's expert split of any layer on or after that device's first layer: always with one
+    device; with several, where the caller gives their layer slots (`counts`), else not assumed."""
+    last = max((il for il, la in enumerate(info.layers) if la.attention), default=None)
+    if last is None:
+        return False
+    if n_used == 1:
+        return True
+    if not counts:
+        return False
+    start = 0
+    for k in counts:
+        if start <= last < start + k:
+            return start <= min(moved)
+        start += k
+    return False
