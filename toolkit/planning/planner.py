@@ -15,7 +15,7 @@ from dataclasses import replace
 from . import kvpairs, ubatch
 from .devices import Device, cpu_device, resolve_devices
 from .layers import fast as fast_layers
-from .layers.search import best_split as _best_split, layout as _layout, least_held, take_back
+from .layers.search import best_split as _best_split, layout as _layout
 from .memory import compute as compute_mod
 from .memory.costs import Costs, costs, estimate_tps, host_cost, kv_by_layer
 from .speed.reading import reading, workload
