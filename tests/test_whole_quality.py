@@ -12,11 +12,13 @@ import random
 import numpy as np
 import pytest
 
-from .conftest import run_ctxq
-from .test_quality import _builtin_tokens, _full_logprobs
 from ctxq import quality
 from ctxq.quality import stats
 from ctxq.quality.front import front
+from ctxq.testing.full_vocab import full_logprobs
+
+from .conftest import run_ctxq
+from .test_quality import _builtin_tokens
 
 
 @pytest.fixture()
@@ -68,8 +70,8 @@ def test_whole_matches_full_vocabulary(smollm2, f16_copy, home):
     assert r.mode == "whole" and r.reference == "smollm2-f16.gguf, f16/f16 cache"
     tokens = _builtin_tokens(smollm2, n)
     scored = slice(n // 2, n - 1)
-    ref = _full_logprobs(f16_copy, tokens, "f16", "f16")[scored]
-    cand = _full_logprobs(smollm2, tokens, "q8_0", "q4_0")[scored]
+    ref = full_logprobs(f16_copy, tokens, "f16", "f16")[scored]
+    cand = full_logprobs(smollm2, tokens, "q8_0", "q4_0")[scored]
     kl = stats.full_kl(ref, cand)
     assert r.mean_kl == pytest.approx(kl.mean(), rel=0.05)
     assert abs(r.top1_agreement - (ref.argmax(1) == cand.argmax(1)).mean()) <= 0.005
