@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +28,7 @@ from ..llama import backend
 from . import engine_spec
 from .context import context_params
 from .prefix import PrefixStore
-from .request import EngineStats, Event, Request, Result, _Counters  # noqa: F401 (the contract's names live here too)
+from .request import COUNTED, EngineStats, Event, Request, Result  # noqa: F401 (the contract's names live here too)
 from .sampling import Chain, SamplingParams  # noqa: F401
 from .scheduler import Scheduler, Seq
 
@@ -73,7 +73,7 @@ class Engine:
         self._store = PrefixStore(n_seq_max, self.spec.grams)
         self._outputs = cp.n_outputs_max
         self._sched = Scheduler(self._store, self.n_ctx, self.recurrent)
-        self._counters = _Counters()
+        self._counters = Counter(dict.fromkeys(COUNTED, 0))  # EngineStats' running totals
         self._lock = threading.Condition()
         self._queue: deque[Seq] = deque()
         self._cancels: list[Request] = []
@@ -319,11 +319,11 @@ class Engine:
             b.logits[i] = out
         b.n_tokens = len(plan.entries)
         rc = lc.llama_decode(self._ctx, b)
-        self._counters.steps += 1
+        self._counters["steps"] += 1
         if rc != 0:  # the engine's own accounting should make this impossible: say so loudly
             raise CtxqError(f"llama_decode returned {rc} for a batch of {b.n_tokens} tokens "
                             f"({self._store.cells_used()} of {self.n_ctx} cells in use)")
-        self._counters.prompt_tokens_evaluated += plan.n_prompt
+        self._counters["prompt_tokens_evaluated"] += plan.n_prompt
         self._sched.evaluated(plan, self._rm)
         for i, seq in plan.outputs:
             if seq.drafter is not None and seq.generated:  # decoding (not a prompt's last token)
@@ -338,7 +338,7 @@ class Engine:
         if self._lc.llama_vocab_is_eog(self._vocab, tok):
             self._sched.finish(s, "stop", self._rm)
             return
-        self._counters.tokens_generated += 1
+        self._counters["tokens_generated"] += 1
         s.generated.append(tok)
         s.chain.accepted(len(s.generated))  # min_tokens: the end token is let through from here on
         s.req.completion_tokens = len(s.generated)
@@ -359,14 +359,12 @@ class Engine:
         return buf.raw[:n]
 
     def _make_stats(self) -> EngineStats:
-        c, st = self._counters, self._store
+        st = self._store
         busy = sum(1 for sl in st.slots if sl.busy)
         return EngineStats(sequences_active=busy, queued=len(self._queue), n_seq_max=self.n_seq_max,
                            cells_total=self.n_ctx, cells_used=st.cells_used(), cells_shared=st.cells_shared(),
-                           prompt_tokens_evaluated=c.prompt_tokens_evaluated,
-                           prompt_tokens_reused=self._sched.reused, tokens_generated=c.tokens_generated,
-                           sequences_resident=sum(1 for sl in st.slots if sl.tokens and not sl.busy),
-                           steps=c.steps, tokens_drafted=c.drafted, tokens_draft_accepted=c.accepted)
+                           prompt_tokens_reused=self._sched.reused,
+                           sequences_resident=sum(1 for sl in st.slots if sl.tokens and not sl.busy), **self._counters)
 
 
 def from_plan(plan, *, n_seq_max: int | None = None, n_ctx: int | None = None, spec: str | None = None,

@@ -110,8 +110,8 @@ def verify(engine, s, i: int) -> None:
     s.drafter.stats.passes += 1
     s.req.draft_n += len(draft)
     s.req.draft_n_accepted += accepted
-    engine._counters.drafted += len(draft)
-    engine._counters.accepted += accepted
+    engine._counters["tokens_drafted"] += len(draft)
+    engine._counters["tokens_draft_accepted"] += accepted
     keep = h + 1 + accepted
     slot = engine._store.slots[s.seq_id]
     if len(slot.tokens) > keep:  # still its cells (a sequence freed at its end holds none)

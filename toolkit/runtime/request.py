@@ -122,10 +122,5 @@ class EngineStats:
     tokens_draft_accepted: int = 0  # of those, accepted
 
 
-@dataclass
-class _Counters:
-    prompt_tokens_evaluated: int = 0
-    tokens_generated: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
+# The fields of EngineStats the engine counts up as it runs (the rest are read off its state).
+COUNTED = ("prompt_tokens_evaluated", "tokens_generated", "steps", "tokens_drafted", "tokens_draft_accepted")
