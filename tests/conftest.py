@@ -24,6 +24,23 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
     signal.signal(signal.SIGHUP, lambda signum, frame: None)
 
+
+
+def _pin_to_own_cores() -> None:
+    """Under pytest-xdist (`make test`), worker i of n runs on every n-th core from the i-th, and so do the llama.cpp
+    threads and children it starts (they inherit the mask; ctxq's default thread count is the cores it may use): two
+    workers on two cores never run four busy llama.cpp threads, whose spinning barriers would slow both."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not (worker and count and hasattr(os, "sched_setaffinity")):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    mine = set(cores[int(worker.removeprefix("gw")) % len(cores)::int(count)]) or set(cores)
+    for tid in os.listdir("/proc/self/task"):  # every thread of this process, not only the calling one
+        os.sched_setaffinity(int(tid), mine)
+
+
+_pin_to_own_cores()
+
 # Every plan made in the tests (in this process and in the `ctxq` children, which inherit it) fails when
 # its weights, KV, state or output buffer differ from llama.cpp's own accounting (ctxq.planning.referee).
 os.environ.setdefault("CTXQ_REFEREE", "strict")

@@ -71,6 +71,36 @@ def _wait_for(pred, proc, what: str, timeout: float = 240):
         time.sleep(0.05)
 
 
+_BUILDER = """
+import os, sys, time
+from pathlib import Path
+from ctxq import tempfiles
+dest = Path(sys.argv[1])
+with tempfiles.building(dest):
+    if not dest.exists():
+        with open(dest.with_suffix(".builds"), "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(1.0)
+        part = tempfiles.create(dest, "txt")
+        part.write_text(str(os.getpid()))
+        os.replace(part, dest)
+print(dest.read_text())
+"""
+
+
+def test_two_processes_building_one_cache_file_build_it_once(tmp_path):
+    """`tempfiles.building`: the second process waits for the first and takes its file (the suite's workers, and two
+    `ctxq convert fit` runs, share ctxq's cache)."""
+    dest = tmp_path / "cache" / "table.json"
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILDER, str(dest)], stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    builders = dest.with_suffix(".builds").read_text().split()
+    assert len(builders) == 1 and outs == [builders[0]] * 3
+    assert not tempfiles.temporaries(dest.parent)
+
+
 @pytest.mark.slow
 def test_kill_9_mid_conversion_then_the_next_conversion_sweeps(smollm2_hf, tmp_path):
     """`ctxq convert HF Q4_K_M -o out.gguf` killed with SIGKILL while quantizing leaves its f16

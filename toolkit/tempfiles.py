@@ -66,6 +66,23 @@ def folder(dest: str | os.PathLike, what: str):
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def building(dest: str | os.PathLike):
+    """Hold the lock on building `dest` for the `with` block: a second process building the same cached file waits,
+    then finds it built (check for it again inside the block). The lock is `.<dest name>.ctxq.lock` beside `dest`,
+    an empty file the kernel releases when its holder exits, however it exits."""
+    import fcntl
+
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(f".{dest.name}.ctxq.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def parse(path: str | os.PathLike) -> dict | None:
     """dest, pid, host, what of a ctxq temporary's name; None for any other name."""
     m = _NAME.match(Path(path).name)

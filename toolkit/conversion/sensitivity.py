@@ -265,23 +265,24 @@ def measure(table: Table, src: Path, *, method: str = "kl", text: Path | None = 
     text = text or calibration_text()
     cached = _cache_dir() / f"table-{_key(src, table.types, text, n_ctx, imatrix)}.json"
     errors_file = _cache_dir() / f"errors-{_key(src, table.types, None, 0, imatrix)}.json"
-    d = json.loads(cached.read_text()) if cached.exists() else None
-    if d is None or (method == "error" and errors_file.exists()):
-        if d is None:
-            d = {"details": {"sensitivity": None}, "base_kl": None, "measured_on": ""}
-        if errors_file.exists():
-            d["details"].update(json.loads(errors_file.read_text()))
-        else:
-            with _work() as tmp:
-                d["details"]["error"], d["details"]["error_unweighted"] = _errors(table, src, Path(tmp), progress,
-                                                                                  imatrix)
-            _write(errors_file, {"error": d["details"]["error"], "error_unweighted": d["details"]["error_unweighted"]})
-        if method == "kl":
-            with _work() as tmp:
-                d["details"]["sensitivity"], d["base_kl"] = _sensitivities(
-                    table, src, d["details"]["error"], Path(tmp), text, n_ctx, progress, plan_options or {})
-            d["measured_on"] = f"{label}, {n_ctx:,} tokens"
-            _write(cached, d)
+    with tempfiles.building(cached):  # a second process measuring the same table waits for the first one's
+        d = json.loads(cached.read_text()) if cached.exists() else None
+        if d is None or (method == "error" and errors_file.exists()):
+            if d is None:
+                d = {"details": {"sensitivity": None}, "base_kl": None, "measured_on": ""}
+            if errors_file.exists():
+                d["details"].update(json.loads(errors_file.read_text()))
+            else:
+                with _work() as tmp:
+                    d["details"]["error"], d["details"]["error_unweighted"] = _errors(table, src, Path(tmp), progress,
+                                                                                      imatrix)
+                _write(errors_file, {k: d["details"][k] for k in ("error", "error_unweighted")})
+            if method == "kl":
+                with _work() as tmp:
+                    d["details"]["sensitivity"], d["base_kl"] = _sensitivities(
+                        table, src, d["details"]["error"], Path(tmp), text, n_ctx, progress, plan_options or {})
+                d["measured_on"] = f"{label}, {n_ctx:,} tokens"
+                _write(cached, d)
     table.details, table.base_kl = d["details"], d["base_kl"]
     table.details["imatrix"] = str(imatrix) if imatrix else None
     weights = "the weights, by the importance matrix" if imatrix else "the weights (no text)"

@@ -56,13 +56,15 @@ def rebuild_smollm2_hf(dest: str | os.PathLike | None = None, gguf_path: str | o
     if (dest / _DONE).is_file():
         return dest
     src = Path(gguf_path) if gguf_path is not None else fetch_default_model()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfiles.folder(dest, "rebuild") as tmp:  # a killed rebuild's folder is swept by `ctxq cache clean`
-        _write_checkpoint(src, tmp)
-        (tmp / _DONE).write_text("ok\n")
-        if dest.exists():
-            shutil.rmtree(dest)  # an interrupted earlier rebuild
-        os.replace(tmp, dest)
+    with tempfiles.building(dest):  # another process rebuilding it: wait, then take its folder
+        if (dest / _DONE).is_file():
+            return dest
+        with tempfiles.folder(dest, "rebuild") as tmp:  # a killed rebuild's folder is swept by `ctxq cache clean`
+            _write_checkpoint(src, tmp)
+            (tmp / _DONE).write_text("ok\n")
+            if dest.exists():
+                shutil.rmtree(dest)  # an interrupted earlier rebuild
+            os.replace(tmp, dest)
     return dest
 
 

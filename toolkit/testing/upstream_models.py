@@ -221,8 +221,9 @@ def build(name: str, outtype: str = "f16") -> Path:
     dest = ctxq_home() / "upstream-models" / f"{name}-{outtype}-{cache_key(name, outtype)}.gguf"
     if dest.is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfiles.folder(dest, "build") as tmp:  # a killed build's folder is swept by `ctxq cache clean`
+    with tempfiles.building(dest), tempfiles.folder(dest, "build") as tmp:  # swept by `ctxq cache clean` if killed
+        if dest.is_file():  # another process built it while this one waited
+            return dest
         write_checkpoint(name, tmp / "hf")
         part = tmp / "out.gguf"
         try:

@@ -81,8 +81,9 @@ def build_realistic(name: str) -> Path:
     dest = ctxq_home() / "upstream-models" / f"{name}-{cache_key(r.base, 'f16', r.config)}.gguf"
     if dest.is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfiles.folder(dest, "build") as tmp:
+    with tempfiles.building(dest), tempfiles.folder(dest, "build") as tmp:
+        if dest.is_file():  # another process built it while this one waited
+            return dest
         hf = tmp / "hf"
         hf.mkdir()
         _write_sparse_checkpoint(name, r, hf)
