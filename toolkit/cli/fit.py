@@ -41,9 +41,11 @@ def fit_command(model: str, output: str | None, *, target_size: str | None, n_ct
             from ..gguf.reader import read_gguf  # the one parse every later reading of it is served from
 
             read_gguf(src)
-            from ..conversion.joint import check_pair
+            from ..conversion.joint import check_before_measuring
 
-            check_pair(src, kv, **devices)  # a pair the devices cannot run: refused before anything is measured
+            check_before_measuring(src, n_ctx, kv, **devices)  # a pair the devices cannot run, a context no mix holds
+        else:
+            fitting.check_target(src, target)  # a target below the smallest mix
         table_ = fitting.table_for(src, method, progress=bars)
         if n_ctx:
             from ..conversion.joint import joint_fit

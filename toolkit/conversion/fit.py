@@ -123,9 +123,7 @@ def choose(table: S.Table, target: int, src: Path) -> Mix:
     for _ in range(4):
         choice = allocate(table.option_costs(), budget)
         if choice is None:
-            raise ConversionError(f"{target / MiB:,.1f} MiB is below the smallest mix of this model "
-                                  f"({smallest / MiB:,.1f} MiB, every group at its smallest type): give a larger "
-                                  "target, or more memory")
+            raise ConversionError(_below_smallest(target, smallest))
         mix = Mix(table, choice)
         mix.tensors = dry_run(src, _base_type(mix), tensor_types=mix.tensor_types(), pure=True)
         # the file `fit` writes holds the keys of the matrix it is quantized with. (The dry run needs no matrix: a
@@ -135,6 +133,19 @@ def choose(table: S.Table, target: int, src: Path) -> Mix:
             return mix
         budget -= mix.size - target  # the header grew (the quantizer's keys): give those bytes back
     raise ConversionError(f"no mix of this model comes within {target:,} bytes: give a slightly larger target")
+
+
+def check_target(src: Path, target: int) -> None:
+    """`choose`'s refusal of a target below the smallest mix, before fit's table is measured (minutes): the layout
+    alone gives the smallest mix, and a measured table's is no smaller (it may leave the IQ types out)."""
+    table = S.layout(src)
+    if target < table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups):
+        raise ConversionError(_below_smallest(target, smallest_size(table, src)))
+
+
+def _below_smallest(target: int, smallest: int) -> str:
+    return (f"{target / MiB:,.1f} MiB is below the smallest mix of this model ({smallest / MiB:,.1f} MiB, every "
+            "group at its smallest type): give a larger target, or more memory")
 
 
 def smallest_size(table: S.Table, src: Path) -> int:

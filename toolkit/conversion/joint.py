@@ -136,16 +136,37 @@ def candidate_pairs(info, devices, kv: str | None) -> list[tuple[str, str]]:
     return [pair]
 
 
-def check_pair(src: Path, kv: str | None, options=None, **settings) -> None:
-    """`candidate_pairs`' refusal of a pair the devices cannot run, before anything is measured."""
-    if not kv:
-        return
+def check_before_measuring(src: Path, n_ctx: int, kv: str | None, options=None, **settings) -> None:
+    """What `joint_fit` refuses after fit's table is measured (minutes), refused before anything is measured: a pair
+    the devices cannot run (`candidate_pairs`), and a context that even the smallest mix with the smallest cache of
+    those pairs does not hold with every layer on a GPU. The layout alone gives both sizes, and a measured table's
+    smallest mix is no smaller (it may leave the IQ types out), so what this refuses could never fit."""
     from ..gguf.info import model_info
     from ..planning.devices import resolve_devices
+    from ..planning.memory.costs import kv_by_layer
     from ..planning.options import PlanOptions
+    from .fit import choose
+    from .fit_budget import _all_on_gpus, _plan_tensors, host_embeddings, smallest_size
 
-    devices, _ = resolve_devices((options or PlanOptions()).updated(**settings).resolved())
-    candidate_pairs(model_info(str(src)), devices, kv)
+    opts = (options or PlanOptions()).updated(n_ctx=n_ctx, **settings).resolved()
+    devices, cpu = resolve_devices(opts)
+    if not devices:
+        return  # joint_fit says what to give
+    info = model_info(str(src))
+    pairs = candidate_pairs(info, devices, kv)
+    k, v = min(pairs, key=lambda p: sum(kv_by_layer(info, opts.n_ctx, opts.n_ubatch, *p)))
+    table = host_embeddings(S.prior(S.layout(src), src))
+    smallest = smallest_size(table, src)
+    with tempfile.TemporaryDirectory(prefix="ctxq-fit-check-") as tmp:
+        p = _plan_tensors(src, choose(table, smallest, src).tensors, Path(tmp), "smallest", devices, cpu,
+                          opts.updated(kv=f"{k}/{v}").resolved())
+    if p is None or not _all_on_gpus(p):
+        raise ConversionError(_holds_not(smallest, f"KV {k}/{v}" if kv else f"the smallest cache ({k}/{v})", n_ctx))
+
+
+def _holds_not(smallest: int, with_kv: str, n_ctx: int) -> str:
+    return (f"even the smallest mix ({smallest / GiB:.2f} GiB) with {with_kv} does not hold {n_ctx:,} tokens with "
+            "every layer on these GPUs: a shorter context, more GPUs, or `ctxq plan` for what moves to the CPU")
 
 
 def pair_losses(src: Path, n_ctx: int, pairs: list[tuple[str, str]]):
@@ -246,9 +267,7 @@ def joint_fit(src: Path, table: S.Table, n_ctx: int, *, kv: str | None = None, a
     if chosen is None:
         smallest = table.fixed_bytes + sum(min(table.bytes[g.name]) for g in table.groups)
         with_kv = f"KV {rows[0].pair}" if kv else f"the smallest cache ({min(rows, key=lambda r: r.kv_bytes).pair})"
-        raise ConversionError(f"even the smallest mix ({smallest / GiB:.2f} GiB) with {with_kv} does not hold "
-                              f"{n_ctx:,} tokens with every layer on these GPUs: a shorter context, more GPUs, or "
-                              "`ctxq plan` for what moves to the CPU")
+        raise ConversionError(_holds_not(smallest, with_kv, n_ctx))
     if any(r.kv_source == DEFAULT_SOURCE for r in rows):
         notes.append(f"KV losses not measured on this model come from {DEFAULT_SOURCE}; measure them where the "
                      f"result is measured: ctxq quality {src} --ctx {min(n_ctx, MAX_MEASURE_CTX)} -f "
