@@ -99,6 +99,20 @@ def test_two_processes_building_one_cache_file_build_it_once(tmp_path):
     builders = dest.with_suffix(".builds").read_text().split()
     assert len(builders) == 1 and outs == [builders[0]] * 3
     assert not tempfiles.temporaries(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["table.builds", "table.json"]  # the lock removed
+
+
+def test_a_sweep_removes_a_build_lock_only_when_no_process_holds_it(tmp_path):
+    dest = tmp_path / "table.json"
+    lock = tmp_path / ".table.json.ctxq.lock"
+    with tempfiles.building(dest):
+        assert lock.is_file()
+        tempfiles.sweep(tmp_path)
+        assert lock.is_file()  # held: kept
+    assert not lock.exists()
+    lock.touch()  # what a holder killed with SIGKILL leaves
+    tempfiles.sweep(tmp_path)
+    assert not lock.exists()
 
 
 @pytest.mark.slow

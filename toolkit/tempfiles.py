@@ -24,6 +24,7 @@ import psutil
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^\.(?P<dest>.+)\.ctxq-(?P<pid>\d+)-(?P<host>[A-Za-z0-9_-]*)\.(?P<what>[\w-]+)\.part$")
+_LOCK_SUFFIX = ".ctxq.lock"
 # a process's start time comes from the kernel in clock ticks (1/100 s); a file's mtime can be
 # coarser on some file systems: this margin keeps the writer itself from ever looking younger
 _START_MARGIN_S = 2.0
@@ -69,18 +70,38 @@ def folder(dest: str | os.PathLike, what: str):
 @contextlib.contextmanager
 def building(dest: str | os.PathLike):
     """Hold the lock on building `dest` for the `with` block: a second process building the same cached file waits,
-    then finds it built (check for it again inside the block). The lock is `.<dest name>.ctxq.lock` beside `dest`,
-    an empty file the kernel releases when its holder exits, however it exits."""
-    import fcntl
-
+    then finds it built (check for it again inside the block). The lock is `.<dest name>.ctxq.lock` beside `dest`, an
+    empty file its holder removes on the way out; the kernel releases the lock however the holder ends, and a lock
+    file a killed holder left is removed by the next `sweep` of its folder."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(dest.with_name(f".{dest.name}.ctxq.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    path = dest.with_name(f".{dest.name}{_LOCK_SUFFIX}")
+    f = _locked(path)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the release: a waiter then finds its file gone and opens a new one
+        f.close()
+
+
+def _locked(path: Path, wait: bool = True):
+    """The open lock file at `path`, locked by this process; None when `wait` is False and another holds it. A file
+    unlinked by its holder (or a sweep) between this open and the lock is not the lock any more: open it again."""
+    import fcntl
+
+    while True:
+        f = open(path, "a")
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return None
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                return f
+        except FileNotFoundError:
+            pass
+        f.close()
 
 
 def parse(path: str | os.PathLike) -> dict | None:
@@ -132,7 +153,13 @@ def size_of(path: Path) -> int:
 
 
 def sweep(folder: str | os.PathLike, recursive: bool = False, dry_run: bool = False) -> list[tuple[Path, int]]:
-    """Remove the stale ctxq temporaries in `folder`; return each one removed with its size in bytes."""
+    """Remove the stale ctxq temporaries in `folder`, and the build locks no process holds (`building`'s, left by a
+    killed holder); return each temporary removed with its size in bytes."""
+    if not dry_run and Path(folder).is_dir():
+        for lock in Path(folder).glob(f"**/.*{_LOCK_SUFFIX}" if recursive else f".*{_LOCK_SUFFIX}"):
+            if (f := _locked(lock, wait=False)) is not None:
+                lock.unlink(missing_ok=True)
+                f.close()
     removed = []
     for path in temporaries(folder, recursive):
         if not is_stale(path):
