@@ -20,8 +20,8 @@ demo: setup
 # First the floors of the package (import-linter's contracts in pyproject.toml), then the suite.
 # The suite includes tests/test_package.py: the built sdist and wheel, installed into a fresh venv
 # outside the checkout, every command run from another folder (about 2 minutes; marked slow).
-# One test process per core, up to four (TEST_WORKERS=1 for one), each pinned to its own cores (tests/conftest.py); a
-# file's tests stay in one process, so its fixtures are made once.
+# One test process per core, up to four (TEST_WORKERS=1 for one), each pinned to its own cores; a file's tests stay
+# in one process, with the files that build the same cached artifact (tests/conftest.py, _TOGETHER).
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 test: setup-test
 	$(PY) scripts/lint_imports.py

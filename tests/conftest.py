@@ -41,6 +41,31 @@ def _pin_to_own_cores() -> None:
 
 _pin_to_own_cores()
 
+# `make test` hands out the suite by file (pytest-xdist's loadfile): a file's tests stay in one process, so a module's
+# fixtures are made once. Files that build the same cached artifact go to the same process too, where the second finds
+# it built instead of waiting on `tempfiles.building` while the first builds it (a core left idle).
+_TOGETHER = {
+    "test_fit_joint": "test_fit",  # SmolLM3's measured fit table (minutes)
+    "test_upstream_models": "test_tensor_hybrids",  # llama.cpp's converter outputs of the same checkpoints
+    "test_hf_joint": "test_hfplan",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """loadfile's scheduler with `_TOGETHER`'s files as one. (Marks and --dist loadgroup would say the same, but
+    pytest-xdist 3.8 groups by rewriting Item._nodeid, which pytest 9.2 no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Together(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            stem = Path(path).stem
+            return path.replace(stem, _TOGETHER[stem]) if stem in _TOGETHER else path
+
+    return Together(config, log)
+
 # Every plan made in the tests (in this process and in the `ctxq` children, which inherit it) fails when
 # its weights, KV, state or output buffer differ from llama.cpp's own accounting (ctxq.planning.referee).
 os.environ.setdefault("CTXQ_REFEREE", "strict")
